@@ -1,0 +1,1 @@
+"""GPU kernels for moeplace (installed as ``moeplace_kernels``)."""

@@ -1,0 +1,63 @@
+"""The ``moeplace`` command line. Click only parses and calls; the work lives in importable modules.
+
+Subcommands are imported lazily so that ``moeplace --help`` stays fast and never imports torch or SGLang.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from moeplace.errors import MoeplaceError
+
+# name -> "module:attribute" of a click command; each module imports only what its command needs.
+COMMANDS: dict[str, str] = {
+    "report": "moeplace.commands.report:report",
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands load on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="moeplace")
+def cli() -> None:
+    """Measure and fix per-step expert imbalance in MoE serving (SGLang, expert parallel).
+
+    \b
+    Typical use:
+      moeplace report traces/gptoss20b-sample.mptrace --ranks 8
+      moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 -o placement.json
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: user errors become one line on stderr and exit code 2, never a traceback."""
+    try:
+        cli.main(args=argv, standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except MoeplaceError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)

@@ -1,0 +1,1 @@
+"""Click commands, one module each; imported lazily by moeplace.cli."""

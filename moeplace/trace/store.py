@@ -1,0 +1,304 @@
+"""The moeplace trace format on disk: shard files of CRC-checked, zlib-compressed chunks.
+
+A trace is one shard file (``*.mptrace``) or a folder of them (one or more per rank, appended
+while a server runs). Each shard starts with the trace header, then holds chunks of steps::
+
+    shard  := b"MPTRACE\\x01" u32 header_len u32 header_crc header_json chunk*
+    chunk  := b"MPCK" u32 payload_len u32 payload_crc u32 num_steps zlib(npz(arrays))
+
+A chunk cut short by a crash, or one whose CRC fails, ends the shard for the reader: it is
+counted in ``TraceReader.damaged`` and skipped, never misread. See ``traces/FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import io
+import json
+import os
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import numpy as np
+
+from moeplace.errors import FormatError, MoeplaceError
+from moeplace.model import ModelSpec
+from moeplace.trace.steps import RoutingSteps
+
+FORMAT_VERSION = 1
+SHARD_SUFFIX = ".mptrace"
+PARTIAL_SUFFIX = ".part"
+_SHARD_MAGIC = b"MPTRACE\x01"
+_CHUNK_MAGIC = b"MPCK"
+_U32x2 = struct.Struct("<II")
+_CHUNK_HEAD = struct.Struct("<4sIII")
+
+
+@dataclass
+class TraceHeader:
+    """What every shard of a trace says about itself.
+
+    physical_to_logical_map: [L, P] the map in force at capture when ``id_space`` is "physical"
+    (the router sees physical slot ids); None when ids are already logical.
+    """
+
+    model: ModelSpec
+    source: str
+    id_space: str = "logical"
+    physical_to_logical_map: list[list[int]] | None = None
+    ep_size: int = 1
+    tp_size: int = 1
+    nodes: int = 1
+    ranks: list[int] = field(default_factory=lambda: [0])
+    aggregate_only: bool = False
+    created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+    notes: str = ""
+    version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["model"] = self.model.to_json()
+        return {"format": "moeplace-trace", **d}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], path: object = "<header>") -> "TraceHeader":
+        if d.get("format") != "moeplace-trace":
+            raise FormatError(path, "not a moeplace trace header")
+        if d.get("version") != FORMAT_VERSION:
+            raise FormatError(path, f"trace format version {d.get('version')} is not supported (want {FORMAT_VERSION})")
+        try:
+            model = ModelSpec.from_json(d["model"])
+            fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "model"}
+            header = cls(model=model, **fields)
+        except (KeyError, TypeError, MoeplaceError) as e:
+            raise FormatError(path, f"bad trace header: {e}") from None
+        if header.id_space not in ("logical", "physical"):
+            raise FormatError(path, f"id_space must be 'logical' or 'physical', got {header.id_space!r}")
+        if header.id_space == "physical":
+            p2l = np.asarray(header.physical_to_logical_map if header.physical_to_logical_map is not None else [])
+            if p2l.ndim != 2 or p2l.shape[0] != model.num_moe_layers:
+                raise FormatError(path, f"physical ids need a physical_to_logical_map of shape "
+                                        f"[{model.num_moe_layers}, P], got {list(p2l.shape)}")
+            if p2l.size and (p2l.min() < 0 or p2l.max() >= model.num_experts):
+                raise FormatError(path, "physical_to_logical_map holds ids outside the model's experts")
+        return header
+
+
+CHUNK_ARRAYS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
+
+
+def _encode_chunk(arrays: dict[str, np.ndarray]) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, **{k: arrays[k] for k in CHUNK_ARRAYS})
+    payload = zlib.compress(buf.getvalue(), 6)
+    head = _CHUNK_HEAD.pack(_CHUNK_MAGIC, len(payload), zlib.crc32(payload), len(arrays["modes"]))
+    return head + payload
+
+
+class ShardWriter:
+    """Appends chunks of steps to one shard file.
+
+    The shard is written as ``NAME.mptrace.part`` and renamed to ``NAME.mptrace`` on ``close()``,
+    so a reader of the folder sees only whole shards; a crash leaves a ``.part`` whose cut chunk
+    the reader detects by length and CRC.
+    """
+
+    def __init__(self, path: str | os.PathLike, header: TraceHeader) -> None:
+        self.path = Path(path)
+        if self.path.suffix != SHARD_SUFFIX:
+            self.path = self.path.with_name(self.path.name + SHARD_SUFFIX)
+        self.partial_path = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
+        self.header = header
+        self.bytes_written = 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: BinaryIO | None = open(self.partial_path, "wb")
+        head = json.dumps(header.to_json(), separators=(",", ":")).encode()
+        self._write(_SHARD_MAGIC + _U32x2.pack(len(head), zlib.crc32(head)) + head)
+
+    def _write(self, data: bytes) -> None:
+        assert self._file is not None, "shard is closed"
+        self._file.write(data)
+        self.bytes_written += len(data)
+
+    def append(self, steps: RoutingSteps) -> int:
+        """Write one chunk of steps; returns the bytes it took."""
+        return self.append_arrays({k: getattr(steps, k) for k in CHUNK_ARRAYS})
+
+    def append_arrays(self, arrays: dict[str, np.ndarray]) -> int:
+        """Write one chunk from raw arrays (the RoutingSteps fields, ids in the header's id space:
+        with physical ids, ``topk_ids`` hold slot ids and ``counts`` are [S_c, L, P])."""
+        chunk = _encode_chunk(arrays)
+        self._write(chunk)
+        self._file.flush()
+        return len(chunk)
+
+    def close(self) -> Path:
+        """Flush, fsync and rename the shard to its final name."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            os.replace(self.partial_path, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        """Drop the shard being written."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self.partial_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        self.abort() if exc_type else self.close()
+
+
+def write_trace(path: str | os.PathLike, header: TraceHeader, steps: RoutingSteps,
+                chunk_steps: int = 65536) -> Path:
+    """Write ``steps`` as a single-shard trace at ``path`` (atomically: temp name, then rename)."""
+    with ShardWriter(path, header) as writer:
+        for start in range(0, max(steps.num_steps, 1), chunk_steps):
+            idx = np.arange(start, min(start + chunk_steps, steps.num_steps))
+            if idx.size:
+                writer.append(steps.take(idx))
+    return writer.path
+
+
+def read_shard_header(path: Path, f: BinaryIO) -> TraceHeader:
+    magic = f.read(len(_SHARD_MAGIC))
+    if magic != _SHARD_MAGIC:
+        raise FormatError(path, "not a moeplace trace shard (bad magic)")
+    raw = f.read(_U32x2.size)
+    if len(raw) < _U32x2.size:
+        raise FormatError(path, "truncated shard header")
+    length, crc = _U32x2.unpack(raw)
+    head = f.read(length)
+    if len(head) != length or zlib.crc32(head) != crc:
+        raise FormatError(path, "truncated or corrupt shard header")
+    try:
+        return TraceHeader.from_json(json.loads(head), path)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FormatError(path, "shard header is not valid JSON") from None
+
+
+class TraceReader:
+    """Streams the chunks of a trace (a shard file or a folder of shards) with bounded memory.
+
+    Ids come back logical: physical ids are mapped through each shard's physical_to_logical_map.
+    ``damaged`` lists (shard, reason) for every shard whose tail was cut or corrupt.
+    """
+
+    def __init__(self, path: str | os.PathLike, include_partial: bool = False) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            patterns = [f"*{SHARD_SUFFIX}"] + ([f"*{SHARD_SUFFIX}{PARTIAL_SUFFIX}"] if include_partial else [])
+            self.shards = sorted(p for pat in patterns for p in self.path.glob(pat))
+            if not self.shards:
+                raise FormatError(self.path, f"folder holds no {SHARD_SUFFIX} shards")
+        elif self.path.is_file():
+            self.shards = [self.path]
+        else:
+            raise FormatError(self.path, "no such file or folder")
+        self.damaged: list[tuple[Path, str]] = []
+        self.headers = [self._header(p) for p in self.shards]
+        first = self.headers[0]
+        for p, h in zip(self.shards, self.headers):
+            if h.model != first.model:
+                raise FormatError(p, f"shard is for model {h.model.name!r} ({h.model.num_experts} experts), "
+                                     f"others for {first.model.name!r} ({first.model.num_experts} experts)")
+
+    @staticmethod
+    def _header(path: Path) -> TraceHeader:
+        with open(path, "rb") as f:
+            return read_shard_header(path, f)
+
+    @property
+    def header(self) -> TraceHeader:
+        """The first shard's header, with the ranks of all shards."""
+        h = self.headers[0]
+        ranks = sorted({r for x in self.headers for r in x.ranks})
+        return TraceHeader(**{**h.__dict__, "ranks": ranks})
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.headers[0].model
+
+    def __iter__(self) -> Iterator[RoutingSteps]:
+        for path, header in zip(self.shards, self.headers):
+            yield from self._chunks(path, header)
+
+    def _chunks(self, path: Path, header: TraceHeader) -> Iterator[RoutingSteps]:
+        p2l = np.asarray(header.physical_to_logical_map, np.int64) if header.id_space == "physical" else None
+        with open(path, "rb") as f:
+            read_shard_header(path, f)
+            while True:
+                head = f.read(_CHUNK_HEAD.size)
+                if not head:
+                    return
+                if len(head) < _CHUNK_HEAD.size:
+                    self.damaged.append((path, "cut inside a chunk header"))
+                    return
+                magic, length, crc, num_steps = _CHUNK_HEAD.unpack(head)
+                if magic != _CHUNK_MAGIC:
+                    self.damaged.append((path, "bad chunk magic"))
+                    return
+                payload = f.read(length)
+                if len(payload) != length:
+                    self.damaged.append((path, "cut inside a chunk"))
+                    return
+                if zlib.crc32(payload) != crc:
+                    self.damaged.append((path, "chunk CRC mismatch"))
+                    return
+                steps = self._decode(path, header, payload, p2l)
+                if steps.num_steps != num_steps:
+                    raise FormatError(path, "chunk step count disagrees with its header")
+                yield steps
+
+    @staticmethod
+    def _decode(path: Path, header: TraceHeader, payload: bytes, p2l: np.ndarray | None) -> RoutingSteps:
+        try:
+            z = np.load(io.BytesIO(zlib.decompress(payload)), allow_pickle=False)
+            a = {k: z[k] for k in z.files}
+            ids = a["topk_ids"]
+            counts = a["counts"]
+            if p2l is not None:
+                ids = _physical_to_logical_ids(ids, p2l)
+                counts = _physical_to_logical_counts(counts, p2l, header.model.num_experts)
+            steps = RoutingSteps(header.model, a["modes"].astype(np.uint8), a["num_tokens"].astype(np.int32),
+                                 a["ranks"].astype(np.int16), a["token_offsets"].astype(np.int64),
+                                 ids.astype(np.int16), a["count_steps"].astype(np.int64),
+                                 counts.astype(np.float64))
+        except (KeyError, ValueError, zlib.error, OSError, IndexError) as e:
+            raise FormatError(path, f"unreadable chunk: {e}") from None
+        try:
+            steps.validate()
+        except MoeplaceError as e:
+            raise FormatError(path, str(e)) from None
+        return steps
+
+
+def _physical_to_logical_ids(ids: np.ndarray, p2l: np.ndarray) -> np.ndarray:
+    """ids: [T, L, K] physical slot ids (-1 = none) -> logical ids."""
+    L, P = p2l.shape
+    if ids.size and ids.max() >= P:
+        raise ValueError(f"physical id {ids.max()} outside the map's {P} slots")
+    layer = np.arange(L)[None, :, None]
+    out = p2l[layer, np.maximum(ids, 0)]
+    return np.where(ids >= 0, out, -1)
+
+
+def _physical_to_logical_counts(counts: np.ndarray, p2l: np.ndarray, num_experts: int) -> np.ndarray:
+    """counts: [S, L, P] per physical slot -> [S, L, E] per logical expert."""
+    S, L, P = counts.shape
+    if P != p2l.shape[1]:
+        raise ValueError(f"counts have {P} physical slots, the map {p2l.shape[1]}")
+    out = np.zeros((S, L, num_experts))
+    for layer in range(L):
+        np.add.at(out[:, layer, :], (slice(None), p2l[layer]), counts[:, layer, :])
+    return out
