@@ -15,6 +15,11 @@ from moeplace.errors import MoeplaceError
 # name -> "module:attribute" of a click command; each module imports only what its command needs.
 COMMANDS: dict[str, str] = {
     "report": "moeplace.commands.report:report",
+    "optimize": "moeplace.commands.optimize:optimize",
+    "compare": "moeplace.commands.optimize:compare",
+    "trace": "moeplace.commands.trace:trace",
+    "capture": "moeplace.commands.capture:capture",
+    "launch": "moeplace.commands.launch:launch",
 }
 
 
