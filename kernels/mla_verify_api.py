@@ -1,0 +1,224 @@
+"""Typed entry point for the MLA tree-verify kernel: input checks, tile choice, workspace.
+
+Dimension letters as in ``mla_verify.py`` (B requests, D draft tokens, T = sum(D), H heads,
+C = 576 KV values per token, DN = 512 of them also V).
+
+Usage (CUDA-graph safe: allocate once, then call ``forward`` inside capture and replay)::
+
+    op = MlaVerify(num_heads=8, max_draft=9, max_bs=32, device="cuda")
+    out = op.forward(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices,
+                     mask=qlen_only_mask, mask_layout="qlen_only")
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+import triton
+
+from moeplace_kernels.mla_verify import (
+    LOG2E,
+    MASK_CAUSAL,
+    MASK_FULL,
+    MASK_QLEN_ONLY,
+    _verify_merge_kernel,
+    _verify_split_kernel,
+)
+
+MaskLayout = Literal["causal", "qlen_only", "full"]
+_MASK_MODES = {"causal": MASK_CAUSAL, "qlen_only": MASK_QLEN_ONLY, "full": MASK_FULL}
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bf16 tiles wrongly: upcast there.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+KV_DIM = 576
+V_DIM = 512
+ROPE_DIM = KV_DIM - V_DIM
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Launch shape of the split kernel.
+
+    block_m + tail_m rows per program (tail_m = 0 for none); row_blocks programs cover one
+    request's R = D_max * H rows. Shared memory ~ (block_m + tail_m) * 576 * 2 (queries)
+    + num_stages * block_n * 576 * 2 (KV tiles): the sm_120 preset stays under its ~99 KB.
+    """
+
+    block_m: int
+    tail_m: int
+    row_blocks: int
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    min_chunk: int = 256
+
+
+def choose_rows(rows: int) -> tuple[int, int, int]:
+    """(block_m, tail_m, row_blocks) that cover ``rows`` with the fewest padded rows.
+
+    Tensor-core tiles want power-of-two rows; a 64-row tile plus a 16/32-row tail covers
+    72 rows (9 drafts x 8 heads) as 80 instead of 128.
+    """
+    if rows <= 64:
+        return max(16, triton.next_power_of_2(rows)), 0, 1
+    best = None
+    for tail in (0, 16, 32):
+        blocks = triton.cdiv(rows, 64 + tail)
+        cost = blocks * (64 + tail)
+        if best is None or cost < best[0]:
+            best = (cost, tail, blocks)
+    return 64, best[1], best[2]
+
+
+def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileConfig:
+    """Tile config for this head count and draft width; ``arch_major`` 12 keeps sm_120's budget."""
+    block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
+    if arch_major >= 12:
+        return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
+    return TileConfig(block_m, tail_m, row_blocks)
+
+
+class MlaVerify:
+    """MLA target-verify attention with a preallocated split workspace.
+
+    Workspace: partial outputs [split_slots, R_pad, 512] bf16 and their log-sum-exp
+    [split_slots, R_pad] fp32, R_pad = row_blocks * (block_m + tail_m). A batch of B requests
+    gets split_slots // B splits per request at most (capped at 256).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        max_draft: int,
+        max_bs: int,
+        device: torch.device | str = "cuda",
+        sm_scale: Optional[float] = None,
+        split_slots: Optional[int] = None,
+        config: Optional[TileConfig] = None,
+    ) -> None:
+        if num_heads < 1 or max_draft < 1 or max_bs < 1:
+            raise ValueError(f"need num_heads, max_draft, max_bs >= 1, got "
+                             f"{num_heads}, {max_draft}, {max_bs}")
+        self.device = torch.device(device)
+        self.num_heads = num_heads
+        self.max_draft = max_draft
+        self.max_bs = max_bs
+        self.sm_scale = sm_scale if sm_scale is not None else KV_DIM ** -0.5
+        major = (torch.cuda.get_device_capability(self.device)[0]
+                 if self.device.type == "cuda" else 9)
+        self.config = config or default_config(num_heads, max_draft, major)
+        self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                        if self.device.type == "cuda" else 8)
+        self.split_slots = split_slots or max(2 * self.num_sms, 8 * max_bs)
+        cfg = self.config
+        self.rows_pad = cfg.row_blocks * (cfg.block_m + cfg.tail_m)
+        self.o_part = torch.empty((self.split_slots, self.rows_pad, V_DIM),
+                                  dtype=torch.bfloat16, device=self.device)
+        self.l_part = torch.empty((self.split_slots, self.rows_pad),
+                                  dtype=torch.float32, device=self.device)
+
+    def max_splits(self, bs: int) -> int:
+        """Split grid size per request for a batch of ``bs`` (fixed per captured graph)."""
+        return max(1, min(256, self.split_slots // bs))
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_ext: torch.Tensor,
+        v_ext: torch.Tensor,
+        kv_pool: torch.Tensor,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        mask: Optional[torch.Tensor] = None,
+        mask_layout: MaskLayout = "causal",
+        mask_indptr: Optional[torch.Tensor] = None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Attention of every draft row over its request's prefix and (tree-masked) drafts.
+
+        q [T, H, 576] bf16; k_ext [T, 1|H_kv, 576]; v_ext [T, 1, >=512] (first 512 read);
+        kv_pool [slots, 1, 576] bf16 (V = first 512); qo_indptr [B+1] int32 (draft rows of
+        request b are qo_indptr[b]:qo_indptr[b+1], at most max_draft); kv_indptr [B+1],
+        kv_indices [>= kv_indptr[B]] slot ids (page size 1); mask uint8/bool laid out as
+        ``mask_layout`` ("qlen_only": D x D per request at b * D_max^2 or mask_indptr[b];
+        "full": SGLang FULL_MASK, D x (N + D) at mask_indptr[b], prefix columns ignored);
+        out [T, H, 512]; lse [T, H] fp32 natural-log log-sum-exp, optional.
+        Returns out. No host sync and no allocation when ``out`` is given.
+        """
+        bs = qo_indptr.shape[0] - 1
+        self._check(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
+                    mask_layout, mask_indptr, bs)
+        if out is None:
+            out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=q.dtype, device=q.device)
+        cfg = self.config
+        max_splits = self.max_splits(bs)
+        target = max(1, triton.cdiv(2 * self.num_sms, cfg.row_blocks))
+        mode = _MASK_MODES[mask_layout]
+        # Dummies for absent optional tensors: never read (the constexpr flags say so).
+        mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
+        mask_indptr_arg = mask_indptr if mask_indptr is not None else kv_indptr
+        lse_arg = lse if lse is not None else self.l_part
+        _verify_split_kernel[(max_splits, bs, cfg.row_blocks)](
+            q, k_ext, v_ext, kv_pool, kv_indptr, kv_indices, qo_indptr, mask_arg,
+            mask_indptr_arg, self.o_part, self.l_part,
+            bs, self.num_heads, max_splits, target, self.rows_pad, self.sm_scale * LOG2E,
+            q.stride(0), q.stride(1), kv_pool.stride(0), k_ext.stride(0), v_ext.stride(0),
+            D_MAX=self.max_draft, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(self.max_draft)), MIN_CHUNK=cfg.min_chunk,
+            MASK_MODE=mode, HAS_MASK_INDPTR=mask_indptr is not None, DN=V_DIM, DP=ROPE_DIM,
+            UPCAST=_INTERPRET,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        block_dv = 128
+        _verify_merge_kernel[(bs * self.max_draft, self.num_heads, V_DIM // block_dv)](
+            self.o_part, self.l_part, kv_indptr, qo_indptr, out, lse_arg,
+            bs, self.num_heads, max_splits, target, self.rows_pad,
+            out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+            D_MAX=self.max_draft, SPLITS_P2=max(16, triton.next_power_of_2(max_splits)),
+            SPLIT_CHUNK=16, BLOCK_DV=block_dv, BLOCK_N=cfg.block_n, MIN_CHUNK=cfg.min_chunk,
+            HAS_LSE=lse is not None, DN=V_DIM, num_warps=4,
+        )
+        return out
+
+    def _check(self, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
+               mask_layout, mask_indptr, bs) -> None:
+        """Raise ValueError on a malformed call; reads shapes, dtypes and strides only."""
+        if q.dim() != 3 or q.shape[1] != self.num_heads or q.shape[2] != KV_DIM:
+            raise ValueError(f"q must be [T, {self.num_heads}, {KV_DIM}], got {tuple(q.shape)}")
+        if kv_pool.dim() != 3 or kv_pool.shape[1] != 1 or kv_pool.shape[2] != KV_DIM:
+            raise ValueError(f"kv_pool must be [slots, 1, {KV_DIM}], got {tuple(kv_pool.shape)}")
+        if k_ext.shape[0] != q.shape[0] or k_ext.shape[-1] != KV_DIM:
+            raise ValueError(f"k_ext must be [T, 1, {KV_DIM}], got {tuple(k_ext.shape)}")
+        if v_ext.shape[0] != q.shape[0] or v_ext.shape[-1] < V_DIM:
+            raise ValueError(f"v_ext must be [T, 1, >={V_DIM}], got {tuple(v_ext.shape)}")
+        for name, t in (("q", q), ("k_ext", k_ext), ("v_ext", v_ext), ("kv_pool", kv_pool)):
+            if t.dtype != torch.bfloat16:
+                raise ValueError(f"{name} must be bfloat16, got {t.dtype}")
+            if t.device != q.device:
+                raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must be contiguous in its last dimension")
+        if bs > self.max_bs or bs < 1:
+            raise ValueError(f"batch of {bs} requests outside 1..max_bs={self.max_bs}")
+        if q.shape[0] > bs * self.max_draft:
+            raise ValueError(f"{q.shape[0]} draft rows exceed {bs} x max_draft={self.max_draft}")
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+            if t.dtype not in (torch.int32, torch.int64) or t.shape != (bs + 1,):
+                raise ValueError(f"{name} must be int32/int64 [B+1={bs + 1}], got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if kv_indices.dtype not in (torch.int32, torch.int64) or kv_indices.dim() != 1:
+            raise ValueError(f"kv_indices must be a 1-d int32/int64 tensor")
+        if mask_layout not in _MASK_MODES:
+            raise ValueError(f"mask_layout must be one of {sorted(_MASK_MODES)}")
+        if (mask is None) != (mask_layout == "causal"):
+            raise ValueError("give a mask exactly when mask_layout is not 'causal'")
+        if mask is not None and mask.dtype not in (torch.bool, torch.uint8, torch.int8):
+            raise ValueError(f"mask must be bool/uint8, got {mask.dtype}")
+        if mask_layout == "full" and mask_indptr is None:
+            raise ValueError("the 'full' mask layout needs mask_indptr")
