@@ -1,0 +1,42 @@
+"""``moeplace launch``: start an SGLang server with a placement, after checking it fits."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--placement", "placement_path", required=True, metavar="FILE",
+              help="moeplace placement (from `moeplace optimize`) or an SGLang .json/.pt map.")
+@click.option("--model", metavar="PATH",
+              help="Local model folder with config.json (default: --model-path from the SGLang arguments).")
+@click.option("--sglang-file", metavar="FILE.json",
+              help="Where to write SGLang's --init-expert-location file (default: FILE.sglang.json beside --placement).")
+@click.option("--dry-run", is_flag=True, help="Check and write the SGLang file, print the command, start nothing.")
+@click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
+def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_run: bool,
+           sglang_args: tuple[str, ...]) -> None:
+    """Check a placement against the model and SGLang flags, then start SGLang with it.
+
+    Everything after `--` goes to `python -m sglang.launch_server`, plus
+    `--init-expert-location` (which must not be given there). The placement must
+    match the model's MoE layers and experts, --ep-size (SGLang's default is 1),
+    and --ep-num-redundant-experts (slots = experts + redundant).
+
+    \b
+    Example:
+      moeplace launch --placement placement.json -- \\
+          --model-path /models/DeepSeek-V3 --tp 8 --ep 8 --ep-num-redundant-experts 32
+    """
+    from moeplace.placement import save_sglang
+    from moeplace.sglang.launch import exec_sglang, plan_launch
+
+    plan = plan_launch(placement_path, sglang_args, model=model, sglang_file=sglang_file)
+    if dry_run:
+        # Written even now, so that the printed command can be run as it stands.
+        save_sglang(plan.sglang_file, plan.placement)
+        click.echo(f"wrote {plan.sglang_file}", err=True)
+        click.echo(plan.shell())
+        return
+    click.echo(plan.shell(), err=True)
+    exec_sglang(plan)

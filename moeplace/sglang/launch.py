@@ -1,0 +1,213 @@
+"""Start SGLang with a moeplace placement: check it against the model and the SGLang flags, write
+SGLang's ``--init-expert-location`` file, then exec ``python -m sglang.launch_server``.
+
+Every mismatch is found here, before SGLang starts, and reported as one MoeplaceError line; SGLang
+itself would only fail minutes later with an assert or a shape error deep in model loading.
+
+What SGLang 0.5.23 does with the flags we read (``srt/arg_groups/fields/parallel.py``,
+``fields/exec_.py``, ``arg_groups/overrides.py``):
+
+- ``ep_size`` defaults to 1 when ``--ep-size`` is absent; an all-to-all backend that spans the EP
+  group (deepep, mooncake, flashinfer, ...) overrides it with ``tp_size`` whatever was given.
+- slots per layer P = routed experts + ``--ep-num-redundant-experts``; rank r owns slots
+  ``[r*P/ep, (r+1)*P/ep)``; MoE tensor parallelism is ``tp_size // ep_size``.
+- ``--init-expert-location`` is read as a file only when it ends in ``.json`` or ``.pt``; any other
+  string is parsed as inline JSON.
+- argparse accepts unique prefixes of long options (``--tp`` for ``--tp-size``).
+
+No torch or SGLang import here: the check runs, and ``--dry-run`` works, without them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from moeplace.errors import MoeplaceError, PlacementError
+from moeplace.model import ModelSpec
+from moeplace.placement import Placement, check_placement, load_placement, save_sglang
+from moeplace.sglang.model_config import model_spec_from_folder
+
+# srt/arg_groups/overrides.py _A2A_EP_SPANNING_BACKENDS: these force ep_size = tp_size.
+EP_SPANNING_A2A_BACKENDS = frozenset({
+    "megamoe", "deepep", "deepep_v2", "mooncake", "nixl", "ascend_fuseep", "flashinfer",
+    "flashinfer_megamoe", "mori", "pplx",
+})
+
+# SGLang option spellings (name and aliases, checked against SGLang's own parser in the tests).
+_VALUE_OPTIONS: dict[str, str] = {
+    "--model-path": "model_path", "--model": "model_path",
+    "--tp-size": "tp_size", "--tensor-parallel-size": "tp_size", "--tp": "tp_size",
+    "--ep-size": "ep_size", "--expert-parallel-size": "ep_size", "--ep": "ep_size",
+    "--ep-num-redundant-experts": "ep_num_redundant_experts",
+    "--nnodes": "nnodes",
+    "--moe-a2a-backend": "moe_a2a_backend",
+    "--init-expert-location": "init_expert_location",
+}
+_INT_FIELDS = {"tp_size", "ep_size", "ep_num_redundant_experts", "nnodes"}
+# Shortest prefix argparse would still resolve to --init-expert-location (no other option starts so).
+_INIT_LOCATION_MIN_PREFIX = "--init-exp"
+
+
+@dataclass(frozen=True)
+class SglangLayout:
+    """The parts of an SGLang argument list that decide where experts live."""
+
+    model_path: str | None = None
+    tp_size: int = 1
+    ep_size: int | None = None  # None: not given on the command line
+    ep_num_redundant_experts: int = 0
+    nnodes: int = 1
+    moe_a2a_backend: str = "none"
+    init_expert_location: str | None = None
+    enable_eplb: bool = False
+
+    @property
+    def effective_ep_size(self) -> int:
+        """The ep_size SGLang will run with."""
+        if self.moe_a2a_backend in EP_SPANNING_A2A_BACKENDS:
+            return self.tp_size
+        return self.ep_size if self.ep_size is not None else 1
+
+    def ep_size_reason(self) -> str:
+        """Where effective_ep_size comes from, for error messages."""
+        if self.moe_a2a_backend in EP_SPANNING_A2A_BACKENDS:
+            return f"--moe-a2a-backend {self.moe_a2a_backend} sets ep_size to --tp-size {self.tp_size}"
+        if self.ep_size is None:
+            return "no --ep-size given: SGLang's default is 1"
+        return f"--ep-size {self.ep_size}"
+
+
+def parse_sglang_args(args: Sequence[str]) -> SglangLayout:
+    """Read the placement-relevant flags from SGLang arguments (``--x v`` and ``--x=v``; last one wins)."""
+    found: dict[str, object] = {}
+    i = 0
+    while i < len(args):
+        token = args[i]
+        name, eq, inline = token.partition("=")
+        if name == "--enable-eplb":
+            found["enable_eplb"] = True
+            i += 1
+            continue
+        field_name = _VALUE_OPTIONS.get(name)
+        if field_name is None and len(name) >= len(_INIT_LOCATION_MIN_PREFIX) \
+                and "--init-expert-location".startswith(name):
+            field_name = "init_expert_location"
+        if field_name is None:
+            i += 1
+            continue
+        if eq:
+            value, i = inline, i + 1
+        elif i + 1 < len(args):
+            value, i = args[i + 1], i + 2
+        else:
+            raise MoeplaceError(f"SGLang argument {name} needs a value")
+        if field_name in _INT_FIELDS:
+            try:
+                found[field_name] = int(value)
+            except ValueError:
+                raise MoeplaceError(f"SGLang argument {name} needs an integer, got {value!r}") from None
+            if found[field_name] < (0 if field_name == "ep_num_redundant_experts" else 1):
+                raise MoeplaceError(f"SGLang argument {name} must be positive, got {value}")
+        else:
+            found[field_name] = value
+    return SglangLayout(**found)  # type: ignore[arg-type]
+
+
+def fit_placement(p: Placement, spec: ModelSpec, layout: SglangLayout) -> Placement:
+    """Check ``p`` against the model and SGLang's layout; return it re-homed on ``spec``.
+
+    Raises PlacementError with one line naming the flag or file to fix.
+    """
+    ep = layout.effective_ep_size
+    P = p.num_physical
+    if layout.tp_size % ep:
+        raise PlacementError(f"ep_size {ep} ({layout.ep_size_reason()}) must divide --tp-size {layout.tp_size}")
+    if p.model.num_experts != spec.num_experts:
+        raise PlacementError(f"placement has {p.model.num_experts} experts per layer, the model "
+                             f"{spec.name!r} has {spec.num_experts} routed experts")
+    if (p.model.num_hidden_layers, p.model.moe_layers) != (spec.num_hidden_layers, spec.moe_layers):
+        raise PlacementError(f"placement covers {p.model.num_moe_layers} MoE layers of {p.model.num_hidden_layers}, "
+                             f"the model {spec.name!r} has {spec.num_moe_layers} MoE layers of "
+                             f"{spec.num_hidden_layers} (first MoE layer {spec.moe_layers[0]})")
+    if p.ranks != ep:
+        raise PlacementError(f"placement is for {p.ranks} ranks but SGLang will run with ep_size {ep} "
+                             f"({layout.ep_size_reason()}); pass --ep-size {p.ranks} or re-optimize")
+    expected = spec.num_experts + layout.ep_num_redundant_experts
+    if P != expected:
+        raise PlacementError(f"placement has {P} slots per layer, SGLang will allocate {spec.num_experts} experts + "
+                             f"{layout.ep_num_redundant_experts} redundant = {expected}; pass "
+                             f"--ep-num-redundant-experts {P - spec.num_experts}")
+    if P % ep:
+        raise PlacementError(f"{P} slots per layer do not split evenly over ep_size {ep}")
+    if ep % layout.nnodes:
+        raise PlacementError(f"ep_size {ep} is not a multiple of --nnodes {layout.nnodes}")
+    if p.nodes != layout.nnodes:
+        raise PlacementError(f"placement was optimized for {p.nodes} node(s), SGLang runs on --nnodes "
+                             f"{layout.nnodes}; re-optimize with --nodes {layout.nnodes}")
+    fitted = Placement(spec, p.ranks, p.phy2log, nodes=p.nodes, algorithm=p.algorithm, trace=p.trace,
+                       metrics=p.metrics)
+    check_placement(fitted)
+    return fitted
+
+
+def read_placement(path: str | os.PathLike, spec: ModelSpec, layout: SglangLayout) -> Placement:
+    """Read a moeplace placement file or an SGLang map (.json/.pt); the latter borrows spec and ep size."""
+    try:
+        return load_placement(path)  # a moeplace file carries its own model and rank count
+    except PlacementError:
+        # An SGLang file carries neither; a bad moeplace file fails again below with the same problem.
+        return load_placement(path, model=spec, ranks=layout.effective_ep_size, nodes=layout.nnodes)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What ``moeplace launch`` will run: the checked placement, the file to write, the command."""
+
+    placement: Placement
+    sglang_file: Path
+    command: list[str]
+
+    def shell(self) -> str:
+        return shlex.join(self.command)
+
+
+def default_sglang_file(placement_path: str | os.PathLike) -> Path:
+    """``dir/name.json`` -> ``dir/name.sglang.json`` (absolute)."""
+    path = Path(placement_path).resolve()
+    stem = path.name.removesuffix(path.suffix).removesuffix(".sglang")
+    return path.with_name(stem + ".sglang.json")
+
+
+def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], model: str | None = None,
+                sglang_file: str | os.PathLike | None = None, python: str | None = None) -> LaunchPlan:
+    """Check everything and build the command; writes nothing."""
+    layout = parse_sglang_args(sglang_args)
+    if layout.init_expert_location is not None:
+        raise MoeplaceError("the SGLang arguments already set --init-expert-location "
+                            f"({layout.init_expert_location}); moeplace launch sets it from --placement")
+    folder = model or layout.model_path
+    if folder is None:
+        raise MoeplaceError("no model folder: give --model PATH or --model-path in the SGLang arguments")
+    spec = model_spec_from_folder(folder)
+    target = Path(sglang_file).resolve() if sglang_file is not None else default_sglang_file(placement_path)
+    if target.suffix != ".json":
+        # SGLang reads a file only for .json/.pt names; anything else it parses as inline JSON.
+        raise MoeplaceError(f"{target}: the SGLang placement file name must end in .json")
+    placement = fit_placement(read_placement(placement_path, spec, layout), spec, layout)
+    command = [python or sys.executable, "-m", "sglang.launch_server", *sglang_args,
+               "--init-expert-location", str(target)]
+    return LaunchPlan(placement, target, command)
+
+
+def exec_sglang(plan: LaunchPlan) -> None:
+    """Write the SGLang file, then replace this process by SGLang; never returns."""
+    save_sglang(plan.sglang_file, plan.placement)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # exec, not a child: signals, exit code and the terminal belong to SGLang directly.
+    os.execv(plan.command[0], plan.command)

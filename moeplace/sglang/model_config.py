@@ -1,0 +1,78 @@
+"""Read a Hugging Face model folder's ``config.json`` into a :class:`ModelSpec`, without torch or SGLang.
+
+The MoE layout is derived the way SGLang's model classes derive it, for the families moeplace targets:
+
+- DeepSeek V2/V3, Kimi K2 (``n_routed_experts``): layer i is MoE when ``i >= first_k_dense_replace``
+  and ``i % moe_layer_freq == 0``.
+- Qwen2/Qwen3-MoE (``num_experts``): layer i is MoE unless it is in ``mlp_only_layers``, and only
+  when ``(i + 1) % decoder_sparse_step == 0``.
+- Mixtral, GPT-OSS (``num_local_experts``): every layer is MoE.
+
+Multimodal wrappers keep the language model in ``text_config``; that is read when the top level
+has no layer count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from moeplace.errors import FormatError
+from moeplace.model import ModelSpec
+
+# Keys naming the routed-expert count, in the order SGLang's model families use them.
+EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+
+
+def model_spec_from_folder(folder: str | os.PathLike) -> ModelSpec:
+    """Read ``folder/config.json``; raise FormatError if it is missing, unreadable or not an MoE model."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FormatError(path, "no such file (--model / --model-path must be a local model folder)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(path, f"not valid JSON ({type(e).__name__})") from None
+    if not isinstance(config, dict):
+        raise FormatError(path, "not a JSON object")
+    return model_spec_from_hf_config(config, name=Path(folder).resolve().name, path=path)
+
+
+def model_spec_from_hf_config(config: dict[str, Any], name: str = "model",
+                              path: str | os.PathLike = "config.json") -> ModelSpec:
+    """A Hugging Face config dict -> ModelSpec (layer layout, routed experts, top-k)."""
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    num_layers = _positive_int(config, "num_hidden_layers", path)
+    expert_key = next((k for k in EXPERT_COUNT_KEYS if config.get(k)), None)
+    if expert_key is None:
+        raise FormatError(path, f"not an MoE model: none of {', '.join(EXPERT_COUNT_KEYS)} is set")
+    num_experts = _positive_int(config, expert_key, path)
+    top_key = next((k for k in TOP_K_KEYS if config.get(k)), None)
+    if top_key is None:
+        raise FormatError(path, f"no top-k: none of {', '.join(TOP_K_KEYS)} is set")
+    top_k = _positive_int(config, top_key, path)
+
+    if expert_key == "n_routed_experts":
+        first_dense = int(config.get("first_k_dense_replace") or 0)
+        freq = int(config.get("moe_layer_freq") or 1)
+        moe_layers = [i for i in range(num_layers) if i >= first_dense and i % freq == 0]
+    elif expert_key == "num_experts":
+        step = int(config.get("decoder_sparse_step") or 1)
+        dense_only = set(config.get("mlp_only_layers") or [])
+        moe_layers = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
+    else:
+        moe_layers = list(range(num_layers))
+    if not moe_layers:
+        raise FormatError(path, "the config describes no MoE layer")
+    return ModelSpec(name, num_layers, tuple(moe_layers), num_experts, top_k)
+
+
+def _positive_int(config: dict[str, Any], key: str, path: str | os.PathLike) -> int:
+    value = config.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FormatError(path, f"{key} must be a positive integer, got {value!r}")
+    return value

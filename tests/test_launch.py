@@ -1,0 +1,225 @@
+"""`moeplace launch`: config.json reading, SGLang flag parsing, and one-line refusals before SGLang starts.
+
+No torch or SGLang needed: the oracle test against SGLang's own parser is in test_launch_sglang_parser.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from moeplace.cli import main
+from moeplace.errors import FormatError
+from moeplace.model import ModelSpec
+from moeplace.placement import Placement, save_placement, save_sglang
+from moeplace.sglang.launch import parse_sglang_args
+from moeplace.sglang.model_config import model_spec_from_folder, model_spec_from_hf_config
+
+# A DeepSeek-V3-shaped toy: 4 layers, layer 0 dense, 16 routed experts, top-4.
+DSV3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 4,
+    "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 16, "num_experts_per_tok": 4,
+    "n_group": 4, "topk_group": 2,
+}
+SPEC = ModelSpec("dsv3", 4, (1, 2, 3), 16, 4)
+
+
+def run_cli(args: list[str]) -> tuple[int, str, str]:
+    """Run moeplace's real entry point (so MoeplaceError -> exit 2), capture exit code, stdout, stderr."""
+    runner = CliRunner()
+    with runner.isolation() as (out, err, *_):
+        try:
+            main(args)
+            code = 0
+        except SystemExit as e:
+            code = int(e.code or 0)
+    return code, out.getvalue().decode(), err.getvalue().decode()
+
+
+def round_robin(spec: ModelSpec, ranks: int, redundant: int) -> Placement:
+    """A valid placement: slot s holds expert s % E (replicas land on different ranks when P/R <= E)."""
+    P = spec.num_experts + redundant
+    phy2log = np.tile(np.arange(P) % spec.num_experts, (spec.num_moe_layers, 1))
+    return Placement(spec, ranks, phy2log)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "dsv3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(DSV3_CONFIG))
+    return folder
+
+
+@pytest.fixture
+def placement_file(tmp_path: Path) -> Path:
+    path = tmp_path / "placement.json"
+    save_placement(path, round_robin(SPEC, ranks=4, redundant=4))
+    return path
+
+
+# ----------------------------------------------------------------------------- config.json
+
+def test_deepseek_layout(model_dir: Path) -> None:
+    spec = model_spec_from_folder(model_dir)
+    assert (spec.num_hidden_layers, spec.moe_layers, spec.num_experts, spec.top_k) == (4, (1, 2, 3), 16, 4)
+
+
+@pytest.mark.parametrize("config, moe_layers, experts, top_k", [
+    ({"num_hidden_layers": 6, "n_routed_experts": 8, "num_experts_per_tok": 2, "first_k_dense_replace": 2,
+      "moe_layer_freq": 2}, (2, 4), 8, 2),
+    ({"num_hidden_layers": 4, "num_experts": 60, "num_experts_per_tok": 4, "decoder_sparse_step": 1,
+      "mlp_only_layers": [0]}, (1, 2, 3), 60, 4),
+    ({"num_hidden_layers": 4, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 2}, (1, 3), 8, 2),
+    ({"num_hidden_layers": 3, "num_local_experts": 32, "experts_per_token": 4}, (0, 1, 2), 32, 4),
+    ({"text_config": {"num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2}}, (0, 1), 8, 2),
+])
+def test_families(config: dict, moe_layers: tuple, experts: int, top_k: int) -> None:
+    spec = model_spec_from_hf_config(config)
+    assert (spec.moe_layers, spec.num_experts, spec.top_k) == (moe_layers, experts, top_k)
+
+
+@pytest.mark.parametrize("config", [
+    {"num_hidden_layers": 4, "intermediate_size": 128},  # dense
+    {"num_hidden_layers": 4, "n_routed_experts": 8},  # no top-k
+    {"num_hidden_layers": "4", "n_routed_experts": 8, "num_experts_per_tok": 2},
+])
+def test_bad_configs(config: dict) -> None:
+    with pytest.raises(FormatError):
+        model_spec_from_hf_config(config)
+
+
+# ----------------------------------------------------------------------------- SGLang flags
+
+def test_parse_both_forms_last_wins() -> None:
+    layout = parse_sglang_args(shlex.split(
+        "--model-path /m --tp=8 --ep 4 --ep-num-redundant-experts=32 --nnodes 2 --ep-size=8 --enable-eplb"))
+    assert (layout.model_path, layout.tp_size, layout.ep_size, layout.ep_num_redundant_experts,
+            layout.nnodes, layout.enable_eplb) == ("/m", 8, 8, 32, 2, True)
+    assert layout.effective_ep_size == 8
+
+
+def test_ep_defaults() -> None:
+    assert parse_sglang_args(["--tp", "8"]).effective_ep_size == 1  # SGLang's default
+    # An EP-spanning all-to-all backend makes SGLang use tp_size, whatever --ep says.
+    assert parse_sglang_args(["--tp", "8", "--ep", "2", "--moe-a2a-backend", "deepep"]).effective_ep_size == 8
+
+
+def test_init_location_abbreviation_detected() -> None:
+    assert parse_sglang_args(["--init-expert=x.json"]).init_expert_location == "x.json"
+
+
+# ----------------------------------------------------------------------------- the command
+
+def sglang_args(model_dir: Path, extra: str = "--tp 4 --ep 4 --ep-num-redundant-experts 4") -> list[str]:
+    return ["--model-path", str(model_dir), *shlex.split(extra)]
+
+
+def test_dry_run_writes_sglang_file(tmp_path: Path, model_dir: Path, placement_file: Path) -> None:
+    out = tmp_path / "out.json"
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--sglang-file", str(out),
+                                    "--dry-run", "--", *sglang_args(model_dir)])
+    assert code == 0, stderr
+    command = shlex.split(stdout.strip())
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    assert command[-2:] == ["--init-expert-location", str(out)]
+    data = json.loads(out.read_text())
+    assert list(data) == ["physical_to_logical_map"]
+    phy2log = np.array(data["physical_to_logical_map"])
+    assert phy2log.shape == (4, 20)  # every hidden layer, 16 experts + 4 redundant
+
+
+def test_sglang_file_as_placement(tmp_path: Path, model_dir: Path) -> None:
+    """An SGLang map (no model, no ranks inside) is accepted and re-checked against the flags."""
+    src = tmp_path / "theirs.json"
+    save_sglang(src, round_robin(SPEC, ranks=4, redundant=4))
+    code, _, stderr = run_cli(["launch", "--placement", str(src), "--dry-run", "--", *sglang_args(model_dir)])
+    assert code == 0, stderr
+    assert (tmp_path / "theirs.sglang.json").is_file()
+
+
+def test_model_option_overrides_model_path(tmp_path: Path, model_dir: Path, placement_file: Path) -> None:
+    code, _, stderr = run_cli(["launch", "--placement", str(placement_file), "--model", str(model_dir),
+                               "--dry-run", "--", "--model-path", "org/remote-id", "--tp", "4", "--ep", "4",
+                               "--ep-num-redundant-experts", "4"])
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize("case, extra, expect", [
+    ("wrong ep size", "--tp 8 --ep 8 --ep-num-redundant-experts 4", "ep_size 8"),
+    ("ep absent", "--tp 4 --ep-num-redundant-experts 4", "SGLang's default is 1"),
+    ("a2a forces ep", "--tp 8 --ep 4 --moe-a2a-backend deepep --ep-num-redundant-experts 4", "deepep"),
+    ("redundant mismatch", "--tp 4 --ep 4", "--ep-num-redundant-experts 4"),
+    ("ep does not divide tp", "--tp 6 --ep 4 --ep-num-redundant-experts 4", "must divide --tp-size 6"),
+    ("nodes", "--tp 4 --ep 4 --ep-num-redundant-experts 4 --nnodes 2", "--nnodes 2"),
+    ("already has init", "--tp 4 --ep 4 --ep-num-redundant-experts 4 --init-expert-location=trivial",
+     "already set --init-expert-location"),
+    ("bad int", "--tp four", "needs an integer"),
+])
+def test_refusals(tmp_path: Path, model_dir: Path, placement_file: Path, case: str, extra: str,
+                  expect: str) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, extra)])
+    assert_refused(tmp_path, code, stdout, stderr, expect)
+
+
+def test_wrong_expert_count(tmp_path: Path, model_dir: Path, placement_file: Path) -> None:
+    (model_dir / "config.json").write_text(json.dumps({**DSV3_CONFIG, "n_routed_experts": 32}))
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir)])
+    assert_refused(tmp_path, code, stdout, stderr, "32 routed experts")
+
+
+def test_wrong_layer_layout(tmp_path: Path, model_dir: Path, placement_file: Path) -> None:
+    (model_dir / "config.json").write_text(json.dumps({**DSV3_CONFIG, "first_k_dense_replace": 2}))
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir)])
+    assert_refused(tmp_path, code, stdout, stderr, "MoE layers")
+
+
+def test_missing_config_json(tmp_path: Path, placement_file: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    "--model-path", str(empty), "--tp", "4", "--ep", "4"])
+    assert_refused(tmp_path, code, stdout, stderr, "config.json")
+
+
+def test_no_model_at_all(tmp_path: Path, placement_file: Path) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--", "--tp", "4"])
+    assert_refused(tmp_path, code, stdout, stderr, "no model folder")
+
+
+def test_missing_placement(tmp_path: Path, model_dir: Path) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(tmp_path / "nope.json"), "--dry-run", "--",
+                                    *sglang_args(model_dir)])
+    assert_refused(tmp_path, code, stdout, stderr, "no such file")
+
+
+def test_sglang_file_must_be_json(tmp_path: Path, model_dir: Path, placement_file: Path) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--sglang-file",
+                                    str(tmp_path / "map.txt"), "--dry-run", "--", *sglang_args(model_dir)])
+    assert_refused(tmp_path, code, stdout, stderr, "must end in .json")
+
+
+def assert_refused(tmp_path: Path, code: int, stdout: str, stderr: str, expect: str) -> None:
+    assert code == 2, (stdout, stderr)
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert expect in lines[0], lines[0]
+    assert stdout == ""
+    assert not list(tmp_path.rglob("*.sglang.json")), "nothing may be written on a refusal"
+
+
+def test_launch_imports_neither_torch_nor_sglang() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, moeplace.commands.launch, moeplace.sglang.launch; "
+            "assert not {'torch', 'sglang'} & set(sys.modules), 'heavy import'")
+    subprocess.run([sys.executable, "-c", code], check=True)
