@@ -57,28 +57,32 @@ class TileConfig:
     min_chunk: int = 256
 
 
-def choose_rows(rows: int) -> tuple[int, int, int]:
+def choose_rows(rows: int, max_m: int = 64) -> tuple[int, int, int]:
     """(block_m, tail_m, row_blocks) that cover ``rows`` with the fewest padded rows.
 
     Tensor-core tiles want power-of-two rows; a 64-row tile plus a 16/32-row tail covers
     72 rows (9 drafts x 8 heads) as 80 instead of 128.
     """
-    if rows <= 64:
+    if rows <= max_m:
         return max(16, triton.next_power_of_2(rows)), 0, 1
     best = None
     for tail in (0, 16, 32):
-        blocks = triton.cdiv(rows, 64 + tail)
-        cost = blocks * (64 + tail)
+        if tail >= max_m:
+            continue
+        blocks = triton.cdiv(rows, max_m + tail)
+        cost = blocks * (max_m + tail)
         if best is None or cost < best[0]:
             best = (cost, tail, blocks)
-    return 64, best[1], best[2]
+    return max_m, best[1], best[2]
 
 
 def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileConfig:
     """Tile config for this head count and draft width; ``arch_major`` 12 keeps sm_120's budget."""
-    block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
     if arch_major >= 12:
+        # ~99 KB of shared memory per block: queries (<= 48 rows) plus two 16-token KV tiles.
+        block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft, max_m=32)
         return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
+    block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
     return TileConfig(block_m, tail_m, row_blocks)
 
 

@@ -1,0 +1,243 @@
+"""Benchmark MLA tree-verify: moeplace kernel vs SGLang 0.5.23's kernels, on one GPU.
+
+Effective KV bandwidth = sum over requests of context_len * 576 * 2 bytes / time.
+Copy bandwidth is measured in the same run (device-to-device copy, bytes read + written).
+Times are CUDA-graph replays of one call, median of many (torch.cuda.Event).
+
+    python scripts/bench_verify.py --sglang-wheel .whl/sglang-0.5.23-*.whl --out bench.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import statistics
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+import torch
+
+from moeplace_kernels.mla_verify_api import MlaVerify, TileConfig
+
+KV_BYTES = 576 * 2
+
+
+def load_sglang_kernels(wheel: str | None):
+    """(extend_attention module, verify_mla module) from the installed sglang or its wheel.
+
+    The wheel's package ``__init__`` files import the whole server; the kernel modules need
+    only ``sglang.srt.environ`` (stdlib) and four platform predicates of ``sglang.srt.utils``,
+    so when the full import fails we extract the wheel, register the packages without running
+    their ``__init__`` and give ``sglang.srt.utils`` just those predicates.
+    """
+    try:
+        from sglang.kernels.ops.attention import extend_attention, verify_mla
+        return extend_attention, verify_mla
+    except Exception:
+        pass
+    if not wheel:
+        raise SystemExit("sglang is not importable; pass --sglang-wheel")
+    root = Path("/tmp/sglang_wheel")
+    if not (root / "sglang").exists():
+        zipfile.ZipFile(glob.glob(wheel)[0]).extractall(root)
+    for pkg in ("sglang", "sglang.kernels", "sglang.kernels.ops",
+                "sglang.kernels.ops.attention", "sglang.srt"):
+        mod = types.ModuleType(pkg)
+        mod.__path__ = [str(root / pkg.replace(".", "/"))]
+        sys.modules[pkg] = mod
+    utils = types.ModuleType("sglang.srt.utils")
+    utils.is_cuda = lambda: True
+    utils.is_hip = lambda: False
+    utils.is_gfx95_supported = lambda: False
+    utils.is_gfx1250_supported = lambda: False
+    utils.get_device_core_count = (
+        lambda device_id=0: torch.cuda.get_device_properties(device_id).multi_processor_count)
+    sys.modules["sglang.srt.utils"] = utils
+    ext = importlib.import_module("sglang.kernels.ops.attention.extend_attention")
+    ver = importlib.import_module("sglang.kernels.ops.attention.verify_mla")
+    return ext, ver
+
+
+def graph_time_us(fn, reps: int = 50) -> float:
+    """Median µs of one call, replayed from a CUDA graph (compile/warm-up outside)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, GB/s counting bytes read plus written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = graph_time_us(lambda: dst.copy_(src), reps=20)
+    return 2 * n / us / 1e3
+
+
+def binary_tree_mask(D: int) -> torch.Tensor:
+    m = torch.zeros(D, D, dtype=torch.bool)
+    for i in range(D):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = (j - 1) // 2 if j > 0 else -1
+    return m
+
+
+def make_problem(ctx: list[int], H: int, D: int, shuffle: bool, tree: bool = True):
+    """Tensors of one verify step; the pool holds exactly the used slots (+ slack)."""
+    bs = len(ctx)
+    total = sum(ctx)
+    slots = total + 1024
+    pool = torch.randn(slots, 1, 576, device="cuda").to(torch.bfloat16)
+    ids = (torch.randperm(slots, device="cuda")[:total] if shuffle
+           else torch.arange(total, device="cuda"))
+    m = binary_tree_mask(D) if tree else torch.ones(D, D, dtype=torch.bool).tril()
+    qlen = m.reshape(-1).repeat(bs).to(torch.uint8).cuda()
+    full = torch.cat([torch.cat([torch.ones(D, c, dtype=torch.bool), m], 1).reshape(-1)
+                      for c in ctx]).cuda()
+    k_ext = torch.randn(bs * D, 1, 576, device="cuda").to(torch.bfloat16)
+    ctx_t = torch.tensor(ctx, dtype=torch.int32)
+    return dict(
+        q=torch.randn(bs * D, H, 576, device="cuda").to(torch.bfloat16), k_ext=k_ext,
+        v_ext=k_ext[..., :512], pool=pool, kv_indices=ids.long(),
+        qo_indptr=torch.arange(0, (bs + 1) * D, D, dtype=torch.int32, device="cuda"),
+        kv_indptr=torch.cat([torch.zeros(1, dtype=torch.int32), ctx_t.cumsum(0)]).int().cuda(),
+        mask_qlen=qlen, mask_full=full,
+        mask_indptr=torch.cat([torch.zeros(1, dtype=torch.int64),
+                               (D * (ctx_t + D)).long().cumsum(0)]).cuda(),
+        D=D, H=H, bs=bs,
+    )
+
+
+def run_ours(p, op: MlaVerify, out):
+    return lambda: op.forward(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"],
+                              p["kv_indptr"], p["kv_indices"], mask=p["mask_qlen"],
+                              mask_layout="qlen_only", out=out)
+
+
+def run_sglang_extend(ext, p, out):
+    v_buf = p["pool"][..., :512]
+    return lambda: ext.extend_attention_fwd(
+        p["q"], p["k_ext"], p["v_ext"], out, p["pool"], v_buf, p["qo_indptr"], p["kv_indptr"],
+        p["kv_indices"], p["mask_full"], False, p["mask_indptr"], p["D"], 1.0, 1.0,
+        sm_scale=576 ** -0.5)
+
+
+def run_sglang_verify_mla(ver, p, out):
+    """SGLang's chain-only split-KV kernel (is_causal, no mask: it refuses trees)."""
+    v_buf = p["pool"][..., :512]
+    ok = ver.verify_shared_kv_fwd(
+        p["q"], p["k_ext"], p["v_ext"], out, p["pool"], v_buf, p["qo_indptr"], p["kv_indptr"],
+        p["kv_indices"], None, True, p["mask_indptr"], p["D"], 1.0, 1.0,
+        sm_scale=576 ** -0.5, max_bs=p["bs"])
+    if not ok:
+        return None
+    return lambda: ver.verify_shared_kv_fwd(
+        p["q"], p["k_ext"], p["v_ext"], out, p["pool"], v_buf, p["qo_indptr"], p["kv_indptr"],
+        p["kv_indices"], None, True, p["mask_indptr"], p["D"], 1.0, 1.0,
+        sm_scale=576 ** -0.5, max_bs=p["bs"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sglang-wheel", default=None)
+    ap.add_argument("--out", default="bench_verify.md")
+    ap.add_argument("--contexts", default="4096,16384,65536,185000")
+    ap.add_argument("--sweep", action="store_true", help="also sweep tile configs at 64k")
+    ap.add_argument("--no-baseline", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    ext = ver = None
+    if not args.no_baseline:
+        try:
+            ext, ver = load_sglang_kernels(args.sglang_wheel)
+        except Exception as exc:  # report our kernel even when the baseline cannot load
+            print(f"SGLang baseline unavailable: {exc!r}", flush=True)
+    copy_gbs = copy_bandwidth()
+    name = torch.cuda.get_device_name()
+    rows = []
+
+    def record(kernel, case, ctx_label, kv_bytes, us):
+        gbs = kv_bytes / us / 1e3
+        rows.append((kernel, case, ctx_label, us, gbs, 100 * gbs / copy_gbs))
+        print(f"{kernel:34s} {case:22s} {ctx_label:>10s} {us:10.1f} us {gbs:8.0f} GB/s "
+              f"{100 * gbs / copy_gbs:5.1f}%", flush=True)
+
+    H, D = 8, 9
+    if args.sweep:
+        p = make_problem([65536], H, D, shuffle=True)
+        out = torch.empty(D, H, 512, dtype=torch.bfloat16, device="cuda")
+        for bn, w, st in [(32, 8, 2), (32, 8, 3), (64, 8, 2), (16, 8, 3), (32, 4, 2), (64, 8, 1)]:
+            cfg = TileConfig(64, 16, 1, block_n=bn, num_warps=w, num_stages=st)
+            try:
+                op = MlaVerify(H, D, 8, config=cfg)
+                us = graph_time_us(run_ours(p, op, out))
+                record(f"sweep n{bn} w{w} s{st}", "b1 tree shuffled", "65536",
+                       65536 * KV_BYTES, us)
+            except Exception as exc:
+                print("sweep", bn, w, st, "failed", repr(exc)[:200])
+
+    op = MlaVerify(H, D, 8)
+    for ctx in [int(c) for c in args.contexts.split(",")]:
+        for shuffle in (False, True):
+            p = make_problem([ctx], H, D, shuffle)
+            out = torch.empty(D, H, 512, dtype=torch.bfloat16, device="cuda")
+            label = "shuffled" if shuffle else "contiguous"
+            record("moeplace mla_verify", f"b1 tree {label}", str(ctx), ctx * KV_BYTES,
+                   graph_time_us(run_ours(p, op, out)))
+            if ext is not None and shuffle:
+                reps = 5 if ctx > 20000 else 20
+                record("sglang extend_attention_fwd", f"b1 tree {label}", str(ctx),
+                       ctx * KV_BYTES, graph_time_us(run_sglang_extend(ext, p, out), reps))
+                p_chain = make_problem([ctx], H, D, shuffle, tree=False)
+                fn = run_sglang_verify_mla(ver, p_chain, out)
+                if fn is not None:
+                    record("sglang verify_shared_kv (chain)", f"b1 chain {label}", str(ctx),
+                           ctx * KV_BYTES, graph_time_us(fn, reps))
+                    record("moeplace mla_verify", f"b1 chain {label}", str(ctx),
+                           ctx * KV_BYTES, graph_time_us(run_ours(p_chain, op, out)))
+            del p
+
+    gen = torch.Generator().manual_seed(1)
+    mixed = [int(x) for x in torch.randint(4096, 131072, (8,), generator=gen)]
+    for shuffle in (False, True):
+        p = make_problem(mixed, H, D, shuffle)
+        out = torch.empty(8 * D, H, 512, dtype=torch.bfloat16, device="cuda")
+        label = "shuffled" if shuffle else "contiguous"
+        record("moeplace mla_verify", f"b8 mixed {label}", f"{sum(mixed)}",
+               sum(mixed) * KV_BYTES, graph_time_us(run_ours(p, op, out)))
+        if ext is not None and shuffle:
+            record("sglang extend_attention_fwd", f"b8 mixed {label}", f"{sum(mixed)}",
+                   sum(mixed) * KV_BYTES, graph_time_us(run_sglang_extend(ext, p, out), 5))
+
+    lines = [f"Device: {name}; copy bandwidth measured in this run: {copy_gbs:.0f} GB/s "
+             f"(read + write). H={H} heads, D={D}-token binary tree (chain where noted), "
+             f"QLEN_ONLY mask for moeplace, FULL_MASK for SGLang's extend kernel. "
+             f"Mixed batch contexts: {mixed}.", "",
+             "| kernel | case | context | µs | GB/s | % of copy |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
+    lines += [f"| {k} | {c} | {x} | {us:.1f} | {g:.0f} | {pc:.1f}% |"
+              for k, c, x, us, g, pc in rows]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""MLA tree-verify kernel against the fp32 reference: shapes, trees, layouts, graphs, sm_120.
+
+GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA; the CPU tests run the kernel in
+Triton's interpreter on a tiny case and compile (without running) the sm_120 configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+SM_SCALE = 576 ** -0.5
+
+
+def tree_parents(kind: str, D: int, rng: random.Random) -> list[int]:
+    """Parent of each draft token (-1 for the root) for a chain, binary or random tree."""
+    if kind == "chain":
+        return [i - 1 for i in range(D)]
+    if kind == "binary":
+        return [-1] + [(i - 1) // 2 for i in range(1, D)]
+    return [-1] + [rng.randrange(i) for i in range(1, D)]
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[D, D] bool: token i sees itself and its ancestors."""
+    D = len(parents)
+    m = torch.zeros(D, D, dtype=torch.bool)
+    for i in range(D):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def make_case(bs, d_list, H, ctx, tree="random", layout="qlen_only", shuffle=True,
+              nan_pool=True, device="cuda", seed=0):
+    """Random verify problem: dict of kernel arguments (ragged drafts via d_list)."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    T = sum(d_list)
+    total = sum(ctx)
+    slots = total + 64
+    pool = torch.randn(slots, 1, 576, generator=g).to(torch.bfloat16)
+    ids = torch.randperm(slots, generator=g)[:total] if shuffle else torch.arange(total) + 7
+    if nan_pool:  # unused slots hold NaN: any stray read shows up in the output
+        used = torch.zeros(slots, dtype=torch.bool)
+        used[ids] = True
+        pool[~used] = float("nan")
+    d_max = max(d_list)
+    masks, full_parts = [], []
+    for b, D in enumerate(d_list):
+        m = tree_mask(tree_parents(tree, D, rng))
+        q_pad = torch.zeros(d_max, d_max, dtype=torch.bool)
+        q_pad[:D, :D] = m
+        masks.append(m.reshape(-1))
+        full_parts.append(torch.cat([torch.ones(D, ctx[b], dtype=torch.bool), m], 1).reshape(-1))
+    qo = torch.tensor([0] + list(torch.tensor(d_list).cumsum(0)), dtype=torch.int32)
+    kvp = torch.tensor([0] + list(torch.tensor(ctx).cumsum(0)), dtype=torch.int32)
+    if layout == "qlen_only":
+        mask = torch.cat(masks).to(torch.uint8)
+        mask_indptr = torch.tensor([0] + list(torch.tensor([d * d for d in d_list]).cumsum(0)),
+                                   dtype=torch.int32)
+    elif layout == "full":
+        mask = torch.cat(full_parts)
+        mask_indptr = torch.tensor([0] + list(torch.tensor(
+            [d * (c + d) for d, c in zip(d_list, ctx)]).cumsum(0)), dtype=torch.int32)
+    else:
+        mask, mask_indptr = None, None
+    k_ext = torch.randn(T, 1, 576, generator=g).to(torch.bfloat16)
+    case = dict(
+        q=torch.randn(T, H, 576, generator=g).to(torch.bfloat16),
+        k_ext=k_ext, v_ext=k_ext[..., :512], kv_pool=pool, qo_indptr=qo, kv_indptr=kvp,
+        kv_indices=ids.long(), mask=mask, mask_layout=layout, mask_indptr=mask_indptr,
+    )
+    return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+def check(case, d_max, max_bs=None, op=None, atol_rel=1e-2):
+    """Run kernel and reference; assert relative error and that every output row was written."""
+    from moeplace_kernels.mla_verify_api import MlaVerify
+    from moeplace_kernels.mla_verify_ref import mla_verify_ref
+
+    H = case["q"].shape[1]
+    bs = case["qo_indptr"].shape[0] - 1
+    op = op or MlaVerify(H, d_max, max_bs or bs, device=case["q"].device)
+    out = torch.full((case["q"].shape[0], H, 512), float("nan"), dtype=torch.bfloat16,
+                     device=case["q"].device)
+    lse = torch.full(out.shape[:2], float("nan"), device=out.device)
+    op.forward(**case, out=out, lse=lse)
+    ref, ref_lse = mla_verify_ref(**case, sm_scale=op.sm_scale, d_max=d_max)
+    assert not out.isnan().any(), "NaN in output (unwritten row or stray pool read)"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < atol_rel, f"relative error {err:.2e}"
+    assert torch.allclose(lse, ref_lse, atol=2e-2, rtol=1e-3)
+    return err
+
+
+# --- GPU: shapes ------------------------------------------------------------------------
+SHORT_CTX = [1, 63, 64, 4096]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("bs", [1, 3, 8, 32])
+@pytest.mark.parametrize("D", [1, 4, 9, 16])
+@pytest.mark.parametrize("H", [8, 16, 128])
+def test_shapes_ragged_contexts(bs, D, H):
+    ctx = [SHORT_CTX[(b * 7 + D) % len(SHORT_CTX)] for b in range(bs)]
+    check(make_case(bs, [D] * bs, H, ctx, seed=bs * 100 + D * 10 + H), D)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("ctx", [1, 63, 64, 4096, 65536, 185000])
+@pytest.mark.parametrize("tree", ["chain", "binary", "random"])
+def test_contexts_and_trees(ctx, tree):
+    check(make_case(1, [9], 8, [ctx], tree=tree, seed=ctx), 9)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("layout", ["qlen_only", "full", "causal"])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_layouts(layout, shuffle):
+    tree = "chain" if layout == "causal" else "random"
+    check(make_case(3, [9, 9, 9], 8, [100, 5000, 70], tree=tree, layout=layout,
+                    shuffle=shuffle), 9)
+
+
+@pytest.mark.gpu
+@gpu
+def test_long_context_many_heads():
+    check(make_case(2, [9, 9], 128, [65536, 3000], seed=5), 9)
+
+
+@pytest.mark.gpu
+@gpu
+def test_ragged_drafts_and_batch_of_long_contexts():
+    check(make_case(3, [9, 4, 1], 16, [185000, 1, 65536], seed=9), 9)
+    check(make_case(8, [9] * 8, 8, [4096 * (1 + 4 * b) for b in range(8)], seed=3), 9)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_graph_replay_with_new_lengths():
+    """Capture once at one set of lengths; replay with others written into the same buffers."""
+    from moeplace_kernels.mla_verify_api import MlaVerify
+    from moeplace_kernels.mla_verify_ref import mla_verify_ref
+
+    bs, D, H, cap = 4, 9, 8, 70000
+    first = make_case(bs, [D] * bs, H, [64, 4096, 1, 300], seed=1)
+    slots = bs * cap + 64
+    # Static buffers big enough for every replay.
+    static = dict(
+        q=first["q"].clone(), k_ext=first["k_ext"].clone(),
+        kv_pool=torch.randn(slots, 1, 576, device="cuda").to(torch.bfloat16),
+        qo_indptr=first["qo_indptr"].clone(), kv_indptr=first["kv_indptr"].clone(),
+        kv_indices=torch.zeros(bs * cap, dtype=torch.long, device="cuda"),
+        mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone(),
+    )
+    static["v_ext"] = static["k_ext"][..., :512]
+    op = MlaVerify(H, D, bs, device="cuda")
+    out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
+
+    def load(case):
+        n = case["kv_indices"].numel()
+        static["kv_pool"].zero_()
+        static["kv_pool"][:case["kv_pool"].shape[0]].copy_(case["kv_pool"].nan_to_num(0.0))
+        static["kv_indices"][:n].copy_(case["kv_indices"])
+        for k in ("q", "k_ext", "qo_indptr", "kv_indptr", "mask", "mask_indptr"):
+            static[k].copy_(case[k])
+
+    def run():
+        op.forward(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
+                   static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
+                   mask=static["mask"], mask_layout="qlen_only",
+                   mask_indptr=static["mask_indptr"], out=out)
+
+    load(first)
+    run()  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 5, 65536, 64]]):
+        case = make_case(bs, [D] * bs, H, ctx, seed=seed + 10, nan_pool=False)
+        # Masks of other trees have the same size under QLEN_ONLY; copy in place.
+        load(case)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = mla_verify_ref(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
+                                static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
+                                op.sm_scale, static["mask"], "qlen_only", static["mask_indptr"])
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert not out.isnan().any() and err < 1e-2, (ctx, err)
+
+
+@pytest.mark.gpu
+@gpu
+def test_bad_inputs_raise():
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    case = make_case(1, [4], 8, [64])
+    op = MlaVerify(8, 4, 1, device="cuda")
+    with pytest.raises(ValueError, match="bfloat16"):
+        op.forward(**{**case, "q": case["q"].float()})
+    with pytest.raises(ValueError, match="mask_indptr"):
+        op.forward(**{**case, "mask_layout": "full", "mask_indptr": None})
+
+
+# --- CPU: interpreter and sm_120 compile -----------------------------------------------
+_INTERP_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_mla_verify import make_case, check
+    from moeplace_kernels.mla_verify_api import MlaVerify, TileConfig
+    for layout, tree in (("qlen_only", "binary"), ("full", "random"), ("causal", "chain")):
+        case = make_case(2, [3, 2], 2, [5, 40], tree=tree, layout=layout, device="cpu")
+        op = MlaVerify(2, 3, 2, device="cpu", split_slots=8,
+                       config=TileConfig(16, 0, 1, block_n=16, min_chunk=16))
+        check(case, 3, op=op)
+    print("ok")
+""")
+
+
+def test_interpreter_small_case():
+    """The kernel itself, in Triton's CPU interpreter: 2 requests, 4 splits, all 3 layouts."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = _INTERP_SCRIPT.format(tests=os.path.dirname(__file__))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_choose_rows_pads_little():
+    from moeplace_kernels.mla_verify_api import choose_rows
+
+    assert choose_rows(72) == (64, 16, 1)  # 9 drafts x 8 heads: 80 rows, not 128
+    assert choose_rows(8) == (16, 0, 1)
+    assert choose_rows(128) == (64, 0, 2)
+    m, t, n = choose_rows(16 * 128)
+    assert n * (m + t) >= 16 * 128
+
+
+def test_sm120_config_compiles_within_shared_memory():
+    """Ahead-of-time compile of the sm_120 tile config; its shared memory fits ~99 KB."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    from moeplace_kernels.mla_verify import _verify_split_kernel
+    from moeplace_kernels.mla_verify_api import default_config
+
+    cfg = default_config(8, 9, arch_major=12)
+    names = ["Q", "K_ext", "V_ext", "KV", "kv_indptr", "kv_indices", "qo_indptr", "Mask",
+             "mask_indptr", "O_part", "L_part", "B", "H", "MAX_SPLITS", "TARGET_PROGRAMS",
+             "R_PAD", "qk_scale", "stride_qt", "stride_qh", "stride_kvs", "stride_ket",
+             "stride_vet"]
+    types = ["*bf16"] * 4 + ["*i32", "*i64", "*i32", "*u8", "*i32", "*bf16", "*fp32"] + \
+        ["i32"] * 5 + ["fp32"] + ["i32"] * 5
+    const = dict(D_MAX=9, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
+                 BLOCK_D=16, MIN_CHUNK=cfg.min_chunk, MASK_MODE=1, HAS_MASK_INDPTR=True,
+                 DN=512, DP=64, UPCAST=False)
+    sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
+    try:
+        kernel = triton.compile(ASTSource(_verify_split_kernel, sig, constexprs=const),
+                                target=GPUTarget("cuda", 120, 32),
+                                options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    except Exception as exc:  # no ptxas for sm_120 in this Triton build
+        pytest.skip(f"Triton cannot compile for sm_120 here: {exc!r:.200}")
+    assert kernel.metadata.shared <= 99 * 1024, kernel.metadata.shared
