@@ -1,0 +1,76 @@
+"""Placement algorithms, selectable by name (``--algorithm``); adding one is one module and one line.
+
+Every algorithm takes a ``PlacementProblem`` and returns ``phy2log [L, P]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from moeplace.costmodel import CostModel
+from moeplace.errors import MoeplaceError
+from moeplace.model import ModelSpec
+from moeplace.trace.steps import RoutingSteps
+
+
+@dataclass
+class PlacementProblem:
+    """What an algorithm is asked: place ``model``'s experts on ``ranks`` GPUs with ``redundant`` spare slots.
+
+    steps: the steps to fit (training part of the trace)
+    """
+
+    model: ModelSpec
+    steps: RoutingSteps
+    ranks: int
+    nodes: int = 1
+    redundant: int = 0
+    dispatch: str = "dynamic"
+    cost_model: CostModel = field(default_factory=CostModel)
+    seed: int = 0
+    time_budget_s: float = 8.0
+    progress: Callable[[int], None] = lambda n: None  # called with the number of layers just finished
+
+    @property
+    def num_physical(self) -> int:
+        return self.model.num_experts + self.redundant
+
+    def check(self) -> None:
+        """Raise MoeplaceError if no placement can satisfy the problem."""
+        E, P, R = self.model.num_experts, self.num_physical, self.ranks
+        if R < 1 or self.nodes < 1 or R % self.nodes:
+            raise MoeplaceError(f"--ranks ({R}) must be a positive multiple of --nodes ({self.nodes})")
+        if self.redundant < 0:
+            raise MoeplaceError(f"--redundant must be >= 0, got {self.redundant}")
+        if P % R:
+            raise MoeplaceError(f"{E} experts + {self.redundant} redundant = {P} slots do not split evenly "
+                                f"over {R} ranks")
+        if P // R > E:
+            raise MoeplaceError(f"{P // R} slots per rank exceed the {E} experts: some rank would hold two "
+                                f"replicas of one expert")
+
+
+ALGORITHMS: dict[str, str] = {
+    "stepaware": "moeplace.algorithms.stepaware:stepaware",
+    "deepseek": "moeplace.algorithms.baselines:deepseek",
+    "deepseek-hierarchical": "moeplace.algorithms.baselines:deepseek_hierarchical",
+    "contiguous": "moeplace.algorithms.baselines:contiguous",
+}
+DEFAULT_ALGORITHM = "stepaware"
+
+
+def get_algorithm(name: str) -> Callable[[PlacementProblem], np.ndarray]:
+    if name not in ALGORITHMS:
+        raise MoeplaceError(f"unknown algorithm {name!r}; choose from {', '.join(ALGORITHMS)}")
+    module, attr = ALGORITHMS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def solve(name: str, problem: PlacementProblem) -> np.ndarray:
+    """Run algorithm ``name`` on ``problem``; returns phy2log [L, P]."""
+    problem.check()
+    return get_algorithm(name)(problem)

@@ -1,0 +1,53 @@
+"""The MoE cost of one rank in one step: ``a * distinct_experts + b * tokens + c`` (microseconds).
+
+At low batch a rank's grouped-GEMM time is set by how many distinct experts' weights it reads,
+not by how many tokens it runs, so ``a`` dominates. The defaults are a least-squares fit to one
+EP rank of bf16 Kimi-K2-shaped experts on an H200 (41, 142, 274, 406, 539 µs for 1, 4, 8, 12, 16
+distinct experts, nearly the same for 1 or 9 tokens); ``b`` is a small placeholder until a
+calibrated file (``--cost-model``) says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moeplace.errors import FormatError
+
+
+@dataclass(frozen=True)
+class CostModel:
+    a_us_per_expert: float = 33.15
+    b_us_per_token: float = 0.5
+    c_us: float = 8.6
+    provenance: dict[str, Any] = field(default_factory=lambda: {
+        "source": "fit to H200 bf16 Kimi-K2-shaped measurements quoted in issue 3 (1-16 experts); b assumed"})
+
+    def cost(self, distinct: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Cost in µs of each rank-step; distinct, tokens: same shape, e.g. [S, R]."""
+        return self.a_us_per_expert * distinct + self.b_us_per_token * tokens + self.c_us
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_cost_model(path: str | os.PathLike) -> CostModel:
+    """Read a cost-model JSON file: ``{"a_us_per_expert", "b_us_per_token", "c_us", "provenance"}``."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise FormatError(path, e.strerror or "cannot read") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise FormatError(path, "not valid JSON") from None
+    try:
+        values = {k: float(d[k]) for k in ("a_us_per_expert", "b_us_per_token", "c_us")}
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(path, f"cost model needs numeric a_us_per_expert, b_us_per_token, c_us ({e})") from None
+    if not all(np.isfinite(v) and v >= 0 for v in values.values()):
+        raise FormatError(path, "cost model coefficients must be finite and non-negative")
+    return CostModel(**values, provenance=dict(d.get("provenance") or {}))

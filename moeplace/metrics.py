@@ -1,0 +1,211 @@
+"""Imbalance metrics: per-step, per-rank expert loads under a placement and a dispatch rule.
+
+Dimension letters: S steps, T token rows, L MoE layers, K top-k, E logical experts, P physical
+slots, R ranks. A rank's load in a step is the number of distinct physical experts it must read
+(``distinct``) and the tokens it runs (``tokens``); the step waits for its slowest rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moeplace.costmodel import CostModel
+from moeplace.errors import MoeplaceError
+from moeplace.placement import Placement, replica_table
+from moeplace.trace.steps import RoutingSteps
+
+DISPATCH_RULES = ("dynamic", "static")
+
+
+def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nodes: int,
+                          seed: int = 0) -> np.ndarray:
+    """[R, E] physical slot each source rank sends an expert's tokens to (SGLang's ``static`` rule).
+
+    Same GPU first, then same node, then a seeded fair choice among all replicas.
+    phy2log: [P] one layer.
+    """
+    P = phy2log.shape[0]
+    slots_per_rank, ranks_per_node = P // ranks, ranks // nodes
+    rank_of = np.arange(P) // slots_per_rank
+    rng = np.random.default_rng(seed)
+    table = np.zeros((ranks, num_experts), np.int64)
+    for e in range(num_experts):
+        replicas = np.flatnonzero(phy2log == e)
+        fallback = replicas[rng.integers(replicas.size, size=ranks)]
+        for r in range(ranks):
+            local = replicas[rank_of[replicas] == r]
+            same_node = replicas[rank_of[replicas] // ranks_per_node == r // ranks_per_node]
+            table[r, e] = local[0] if local.size else same_node[0] if same_node.size else fallback[r]
+    return table
+
+
+def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
+                     dispatch: str = "dynamic", static_table: np.ndarray | None = None,
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct experts and tokens per rank per step at one MoE layer.
+
+    phy2log: [P] this layer's map. Returns (distinct [S, R], tokens [S, R]).
+    ``dynamic``: a token row picks replica ``row % num_replicas`` (SGLang with --moe-a2a-backend none).
+    ``static``: each source rank (the step's rank) has a fixed replica (SGLang with DeepEP).
+    """
+    if dispatch not in DISPATCH_RULES:
+        raise MoeplaceError(f"unknown dispatch rule {dispatch!r}; choose from {', '.join(DISPATCH_RULES)}")
+    E = steps.model.num_experts
+    P = phy2log.shape[0]
+    S = steps.num_steps
+    spr = P // ranks
+    log2phy, nrep = replica_table(phy2log[None, :], E)
+    log2phy, nrep = log2phy[0], nrep[0]
+    if dispatch == "static" and static_table is None:
+        static_table = static_dispatch_table(phy2log, E, ranks, 1)
+    src_rank = steps.ranks.astype(np.int64) % ranks
+
+    distinct = np.zeros((S, ranks), np.int64)
+    tokens = np.zeros((S, ranks), np.int64)
+
+    # Steps with token rows.
+    step_of_row, row_in_step, ids = steps.layer(layer)
+    if ids.size:
+        K = ids.shape[1]
+        valid = ids >= 0
+        e = np.where(valid, ids, 0).astype(np.int64)
+        if dispatch == "dynamic":
+            phys = log2phy[e, row_in_step[:, None] % nrep[e]]
+        else:
+            phys = static_table[src_rank[step_of_row][:, None], e]
+        step_k = np.broadcast_to(step_of_row[:, None], (ids.shape[0], K))[valid]
+        phys = phys[valid]
+        tokens += np.bincount(step_k * ranks + phys // spr, minlength=S * ranks).reshape(S, ranks)
+        hit = np.zeros(S * P, bool)
+        hit[step_k * P + phys] = True
+        distinct += hit.reshape(S, ranks, spr).sum(axis=2)
+
+    # Steps known only as counts: rows are unknown, so the dynamic rule is taken as spreading
+    # c tokens round-robin over the replicas from the first (rows 0..c-1).
+    if steps.count_steps.size:
+        counts = steps.counts[:, layer, :]  # [S_c, E]
+        X = log2phy.shape[1]
+        j = np.arange(X)
+        if dispatch == "dynamic":
+            n = nrep[None, :, None]
+            c = counts[:, :, None]
+            per_replica = np.where(j < n, np.floor(c / n) + (j < np.mod(c, n)), 0)  # [S_c, E, X]
+            slot = np.broadcast_to(log2phy[None], per_replica.shape)
+        else:
+            per_replica = counts[:, :, None].copy()
+            slot = static_table[src_rank[steps.count_steps]][:, :, None]
+        rank_of_slot = np.where(slot >= 0, slot // spr, 0)
+        for k, s in enumerate(steps.count_steps):
+            w = per_replica[k].ravel()
+            r = np.broadcast_to(rank_of_slot[k], per_replica[k].shape).ravel()
+            tokens[s] += np.bincount(r, weights=w, minlength=ranks).astype(np.int64)
+            distinct[s] += np.bincount(r, weights=(w > 0), minlength=ranks).astype(np.int64)
+    return distinct, tokens
+
+
+def layer_distinct_total(steps: RoutingSteps, layer: int) -> np.ndarray:
+    """[S] distinct logical experts activated per step at one layer."""
+    S, E = steps.num_steps, steps.model.num_experts
+    out = np.zeros(S, np.int64)
+    step_of_row, _, ids = steps.layer(layer)
+    if ids.size:
+        step_k = np.broadcast_to(step_of_row[:, None], ids.shape)[ids >= 0]
+        hit = np.zeros(S * E, bool)
+        hit[step_k * E + ids[ids >= 0]] = True
+        out += hit.reshape(S, E).sum(axis=1)
+    if steps.count_steps.size:
+        out[steps.count_steps] += (steps.counts[:, layer, :] > 0).sum(axis=1)
+    return out
+
+
+@dataclass
+class LayerSums:
+    """Running sums for one placement over streamed chunks (so a 10M-step trace fits in memory)."""
+
+    num_layers: int
+    ranks: int
+    steps: int = 0
+    max_distinct: np.ndarray = field(default=None)      # [L] sum over steps of max_r distinct
+    mean_distinct: np.ndarray = field(default=None)     # [L] sum over steps of mean_r distinct
+    lower_bound: np.ndarray = field(default=None)       # [L] sum over steps of ceil(distinct / R)
+    max_cost: np.ndarray = field(default=None)          # [L] sum over steps of max_r cost
+    mean_cost: np.ndarray = field(default=None)         # [L] sum over steps of mean_r cost
+    rank_tokens: np.ndarray = field(default=None)       # [L, R] tokens per rank
+    rank_distinct: np.ndarray = field(default=None)     # [L, R] sum of distinct per rank
+    step_max_hist: np.ndarray = field(default=None)     # [L, 65] histogram of per-step max distinct (last bin: 64+)
+    step_cost: list = field(default_factory=list)       # per-step MoE cost over all layers, if kept
+
+    def __post_init__(self) -> None:
+        L, R = self.num_layers, self.ranks
+        for name in ("max_distinct", "mean_distinct", "lower_bound", "max_cost", "mean_cost"):
+            setattr(self, name, np.zeros(L))
+        self.rank_tokens = np.zeros((L, R))
+        self.rank_distinct = np.zeros((L, R))
+        self.step_max_hist = np.zeros((L, 65), np.int64)
+
+
+def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_model: CostModel,
+               dispatch: str = "dynamic", keep_step_cost: bool = False,
+               static_tables: list[np.ndarray] | None = None) -> None:
+    """Add one chunk of steps to ``sums`` under ``placement``."""
+    R = placement.ranks
+    step_total = np.zeros(steps.num_steps)
+    for layer in range(steps.model.num_moe_layers):
+        table = static_tables[layer] if static_tables is not None else None
+        distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, dispatch, table)
+        cost = cost_model.cost(distinct, tokens)
+        step_max = distinct.max(axis=1)
+        sums.max_distinct[layer] += step_max.sum()
+        sums.mean_distinct[layer] += distinct.mean(axis=1).sum()
+        sums.lower_bound[layer] += np.ceil(layer_distinct_total(steps, layer) / R).sum()
+        sums.max_cost[layer] += cost.max(axis=1).sum()
+        sums.mean_cost[layer] += cost.mean(axis=1).sum()
+        sums.rank_tokens[layer] += tokens.sum(axis=0)
+        sums.rank_distinct[layer] += distinct.sum(axis=0)
+        sums.step_max_hist[layer] += np.bincount(np.minimum(step_max, 64), minlength=65)
+        step_total += cost.max(axis=1)
+    sums.steps += steps.num_steps
+    if keep_step_cost:
+        sums.step_cost.append(step_total)
+
+
+def balancedness(rank_load: np.ndarray) -> np.ndarray:
+    """SGLang's balancedness per row: (mean + 1e-5) / (max + 1e-5). rank_load: [L, R] -> [L]."""
+    return (rank_load.mean(axis=-1) + 1e-5) / (rank_load.max(axis=-1) + 1e-5)
+
+
+def summarize(sums: LayerSums) -> dict[str, Any]:
+    """Per-layer and overall metrics from running sums (means over steps)."""
+    if sums.steps == 0:
+        raise MoeplaceError("no steps to measure (empty trace or no steps of the chosen mode)")
+    n = sums.steps
+    per_layer_bal = balancedness(sums.rank_tokens)
+    e_max = sums.max_distinct / n
+    lower = sums.lower_bound / n
+    return {
+        "steps": n,
+        "e_max_distinct": float(e_max.mean()),
+        "e_mean_distinct": float((sums.mean_distinct / n).mean()),
+        "lower_bound": float(lower.mean()),
+        "token_balancedness": float(per_layer_bal.mean()),
+        "balancedness_p50": float(np.percentile(per_layer_bal, 50)),
+        "balancedness_p90": float(np.percentile(per_layer_bal, 10)),  # the layer 90% of layers beat
+        "balancedness_worst": float(per_layer_bal.min()),
+        "moe_us_per_step": float((sums.max_cost / n).sum()),
+        "moe_us_per_step_if_balanced": float((sums.mean_cost / n).sum()),
+        "per_layer": {
+            "e_max_distinct": e_max.tolist(),
+            "lower_bound": lower.tolist(),
+            "token_balancedness": per_layer_bal.tolist(),
+            "moe_us": (sums.max_cost / n).tolist(),
+        },
+    }
+
+
+def gap_closed(value: float, baseline: float, lower_bound: float) -> float:
+    """Share of the baseline's gap to the lower bound that ``value`` closes (1.0 = reaches the bound)."""
+    gap = baseline - lower_bound
+    return float((baseline - value) / gap) if gap > 1e-12 else 0.0

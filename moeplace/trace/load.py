@@ -1,0 +1,170 @@
+"""Open any supported trace source, detecting its format.
+
+Sources: a moeplace trace (shard file or folder of shards), SGLang ``expert_distribution_recorder``
+dumps (``.pt``), SGLang's ``{"logical_count": ...}`` JSON (aggregate only), and the GPT-OSS-20B
+per-token routing arrays (``*topk_ids*.npz``) from ``shared/traces-real``, whose decode runs are cut
+into windows of consecutive tokens that stand in for speculative verify steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from moeplace.errors import FormatError, MoeplaceError
+from moeplace.model import ModelSpec
+from moeplace.trace import modes as M
+from moeplace.trace.steps import RoutingSteps, concat_steps
+from moeplace.trace.store import SHARD_SUFFIX, TraceHeader, TraceReader
+
+DEFAULT_WINDOW = 9
+
+
+@dataclass
+class Trace:
+    """A trace opened for reading: its header and a way to stream its steps in chunks."""
+
+    path: Path
+    header: TraceHeader
+    _reader: TraceReader | None = None
+    _steps: RoutingSteps | None = None
+    damaged: list = field(default_factory=list)
+
+    @property
+    def model(self) -> ModelSpec:
+        return self.header.model
+
+    def chunks(self) -> Iterator[RoutingSteps]:
+        """Steps in file order, a chunk at a time (memory bounded by the chunk size)."""
+        if self._steps is not None:
+            yield self._steps
+            return
+        yield from self._reader
+        self.damaged = self._reader.damaged
+
+    def load(self, mode: str = "all", max_steps: int | None = None) -> RoutingSteps:
+        """All steps of ``mode`` in order; if more than ``max_steps``, an evenly spaced subset."""
+        total = sum(int(M.mode_mask(c.modes, mode).sum()) for c in self.chunks()) if max_steps else None
+        stride = max(1, -(-total // max_steps)) if max_steps and total else 1
+        parts, seen = [], 0
+        for chunk in self.chunks():
+            idx = np.flatnonzero(M.mode_mask(chunk.modes, mode))
+            keep = idx[(seen + np.arange(idx.size)) % stride == 0]
+            seen += idx.size
+            if keep.size:
+                parts.append(chunk.take(keep))
+        if not parts:
+            return RoutingSteps.empty(self.model)
+        return concat_steps(parts)
+
+
+def open_trace(path: str | os.PathLike, window: int = DEFAULT_WINDOW, top_k: int | None = None) -> Trace:
+    """Open ``path`` in whatever supported format it is; raise FormatError if none fits."""
+    path = Path(path)
+    if not path.exists():
+        raise FormatError(path, "no such file or folder")
+    if window < 1:
+        raise MoeplaceError(f"--window must be at least 1, got {window}")
+    if path.is_dir() or path.suffix == SHARD_SUFFIX or _starts_with(path, b"MPTRACE"):
+        reader = TraceReader(path)
+        return Trace(path, reader.header, _reader=reader)
+    if path.suffix == ".npz" or zipfile.is_zipfile(path) and path.suffix != ".pt":
+        header, steps = read_topk_npz(path, window)
+    elif path.suffix == ".json":
+        header, steps = read_logical_count_json(path, top_k)
+    elif path.suffix == ".pt":
+        from moeplace.sglang.recorder_dump import read_recorder_dump  # needs torch
+
+        header, steps = read_recorder_dump(path)
+    else:
+        raise FormatError(path, "unknown trace format (want a .mptrace file or folder, an SGLang recorder "
+                                ".pt dump, a logical_count .json, or a top-k ids .npz)")
+    return Trace(path, header, _steps=steps)
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    if not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
+def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW) -> tuple[TraceHeader, RoutingSteps]:
+    """Per-token decode routing (``topk_ids [N, L, K]``, ``example_offsets [X+1]``) -> verify windows.
+
+    Each example is one sequence's decode run; every ``window`` consecutive tokens of it become one
+    TARGET_VERIFY step (a speculative verify of ``window`` draft tokens sees about this co-activation).
+    The last partial window of each example is dropped.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            ids = z["topk_ids"]
+            offsets = z["example_offsets"] if "example_offsets" in z.files else np.array([0, ids.shape[0]])
+            name = str(z["model_name"]) if "model_name" in z.files else path.stem
+            num_experts = int(z["num_experts"]) if "num_experts" in z.files else int(ids.max(initial=0)) + 1
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise FormatError(path, f"not a top-k ids .npz ({e.__class__.__name__}: {e})") from None
+    if ids.ndim != 3:
+        raise FormatError(path, f"topk_ids must be [tokens, layers, top_k], got shape {list(ids.shape)}")
+    offsets = np.asarray(offsets, np.int64)
+    if offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != ids.shape[0] or np.any(np.diff(offsets) < 0):
+        raise FormatError(path, "example_offsets do not cover the token rows")
+    if ids.size and int(ids.max()) >= num_experts:
+        raise FormatError(path, f"expert id {int(ids.max())} outside the {num_experts} experts")
+    T, L, K = ids.shape
+    model = ModelSpec.all_moe(name, L, num_experts, K)
+    starts, ends = offsets[:-1], offsets[1:]
+    windows = (ends - starts) // window
+    win_start = np.repeat(starts, windows) + window * _ranges_within(windows)
+    rows = (win_start[:, None] + np.arange(window)).ravel()
+    steps = RoutingSteps.from_topk(model, ids[rows].astype(np.int16), np.full(win_start.size, window),
+                                   M.TARGET_VERIFY)
+    header = TraceHeader(model=model, source=f"converted:{path.name}",
+                         notes=f"decode runs cut into verify windows of {window} consecutive tokens")
+    return header, steps
+
+
+def _ranges_within(lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(n)`` for each n in lengths."""
+    total = int(lengths.sum())
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.arange(total) - starts
+
+
+def read_logical_count_json(path: Path, top_k: int | None = None) -> tuple[TraceHeader, RoutingSteps]:
+    """SGLang's ``{"logical_count": [L][E] or [T][L][E]}``: aggregate counts, no per-step information.
+
+    Layers whose counts are all zero are taken as dense. The file does not say top-k: 8 unless given.
+    """
+    try:
+        data = json.loads(path.read_text())
+        counts = np.asarray(data["logical_count"], dtype=np.float64)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        raise FormatError(path, "not valid JSON") from None
+    except (KeyError, TypeError):
+        raise FormatError(path, "JSON has no 'logical_count' array (not an SGLang expert distribution)") from None
+    except ValueError:
+        raise FormatError(path, "logical_count is not a rectangular array of numbers") from None
+    if counts.ndim == 3:
+        counts = counts.sum(axis=0)
+    if counts.ndim != 2 or counts.size == 0:
+        raise FormatError(path, f"logical_count must be [layers, experts] or [steps, layers, experts], "
+                                f"got shape {list(counts.shape)}")
+    if not np.all(np.isfinite(counts)) or counts.min() < 0:
+        raise FormatError(path, "logical_count holds negative, NaN or infinite values")
+    moe_layers = tuple(int(x) for x in np.flatnonzero(counts.sum(axis=1) > 0))
+    if not moe_layers:
+        raise FormatError(path, "logical_count is all zero (empty trace)")
+    k = top_k or 8
+    model = ModelSpec(path.stem, counts.shape[0], moe_layers, counts.shape[1], k)
+    steps = RoutingSteps.from_counts(model, counts[list(moe_layers)][None], M.UNKNOWN)
+    header = TraceHeader(model=model, source=f"sglang-logical-count:{path.name}", aggregate_only=True,
+                         notes=f"aggregate counts only: no per-step information; top-k {k} "
+                               f"{'given' if top_k else 'assumed'}")
+    return header, steps

@@ -1,0 +1,45 @@
+"""SYNTHETIC Kimi-K2-shaped routing for tests and benchmarks: not real model data.
+
+61 layers with the first dense, 384 experts, top-8 by default. Skew: expert popularity follows a
+Zipf law per layer. Co-activation: experts belong to latent topics; each step draws one topic
+mixture, so the tokens of one step (a verify window of one sequence) share experts, as real
+decode traces do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeplace.model import ModelSpec
+from moeplace.trace import modes as M
+from moeplace.trace.steps import RoutingSteps
+from moeplace.trace.store import TraceHeader
+
+KIMI_K2 = ModelSpec("SYNTHETIC kimi-k2-shaped", 61, tuple(range(1, 61)), 384, 8)
+
+
+def synthetic_steps(num_steps: int, tokens_per_step: int = 9, model: ModelSpec = KIMI_K2,
+                    skew: float = 1.0, coactivation: float = 0.7, num_topics: int = 16,
+                    mode: int = M.TARGET_VERIFY, seed: int = 0) -> tuple[TraceHeader, RoutingSteps]:
+    """Steps of ``tokens_per_step`` tokens each, ids [S * tokens, L, K].
+
+    skew: Zipf exponent of expert popularity (0 = uniform).
+    coactivation: weight of the step's topic in each token's routing (0 = independent tokens).
+    """
+    rng = np.random.default_rng(seed)
+    L, E, K = model.num_moe_layers, model.num_experts, model.top_k
+    T = num_steps * tokens_per_step
+    ids = np.empty((T, L, K), np.int16)
+    for layer in range(L):
+        popularity = 1.0 / np.arange(1, E + 1) ** skew
+        popularity = np.log(popularity[rng.permutation(E)] / popularity.sum())
+        topics = rng.normal(0, 2.0, (num_topics, E))
+        step_topic = rng.integers(num_topics, size=num_steps)
+        base = (popularity[None] + coactivation * topics[step_topic]).astype(np.float32)
+        gumbel = -np.log(-np.log(rng.random((T, E), dtype=np.float32) + np.float32(1e-12)))
+        logits = base.repeat(tokens_per_step, axis=0) + gumbel
+        ids[:, layer, :] = np.argpartition(-logits, K, axis=1)[:, :K]
+    steps = RoutingSteps.from_topk(model, ids, np.full(num_steps, tokens_per_step), mode)
+    header = TraceHeader(model=model, source="synthetic",
+                         notes=f"SYNTHETIC: skew={skew} coactivation={coactivation} topics={num_topics} seed={seed}")
+    return header, steps
