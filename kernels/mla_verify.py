@@ -93,14 +93,15 @@ def _load_rows(Q, q_row0, rows, H, n_rows, stride_qt, stride_qh, DN: tl.constexp
 
 
 @triton.jit
-def _store_partial(O_part, L_part, part_row0, rows, m_i, l_i, acc, R_PAD, DN: tl.constexpr):
-    """Write a normalised partial [M, DN] (bf16) and its log2-sum-exp [M] (fp32)."""
+def _store_partial(O_part, L_part, part_row0, rows, m_i, l_i, acc, R_PAD, col0,
+                   DN: tl.constexpr, DVB: tl.constexpr):
+    """Write a normalised partial [M, DVB] (bf16, columns col0..) and its log2-sum-exp [M]."""
     safe_l = tl.where(l_i > 0, l_i, 1.0)
     out = acc / safe_l[:, None]
     lse = tl.where(l_i > 0, m_i + tl.math.log2(safe_l), float("-inf"))
     ok = rows < R_PAD
     prow = part_row0 + rows.to(tl.int64)
-    tl.store(O_part + prow[:, None] * DN + tl.arange(0, DN)[None, :],
+    tl.store(O_part + prow[:, None] * DN + col0 + tl.arange(0, DVB)[None, :],
              out.to(O_part.dtype.element_ty), mask=ok[:, None])
     tl.store(L_part + prow, lse, mask=ok)
 
@@ -137,6 +138,7 @@ def _verify_split_kernel(
     D_MAX: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, MASK_MODE: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr,
+    DV_SPLIT: tl.constexpr,
 ):
     """Partial attention of one (split, request, row block).
 
@@ -144,11 +146,15 @@ def _verify_split_kernel(
     O_part [B * MAX_SPLITS, R_PAD, DN] bf16; L_part [B * MAX_SPLITS, R_PAD] fp32.
     A row block holds BLOCK_M + TAIL_M rows: the tail is a second, small tile (for example
     the 9th draft token's 8 heads) sharing every KV load with the main tile, so 72 rows cost
-    80 rows of tensor-core work rather than 128.
+    80 rows of tensor-core work rather than 128. DV_SPLIT > 1 gives each program a slice of
+    the 512 output columns (grid axis 2 = row block x slice): fewer accumulator registers,
+    the QK product repeated, the KV tile's second read served by L2.
     """
     split = tl.program_id(0)
     batch = tl.program_id(1)
-    rblock = tl.program_id(2)
+    rblock = tl.program_id(2) // DV_SPLIT
+    DVB: tl.constexpr = DN // DV_SPLIT
+    col0 = (tl.program_id(2) % DV_SPLIT) * DVB
     kv_start, seq_len, chunk, n_splits = _split_plan(
         kv_indptr, batch, B, MAX_SPLITS, TARGET_PROGRAMS, MIN_CHUNK, BLOCK_N)
     if split >= n_splits:
@@ -164,13 +170,13 @@ def _verify_split_kernel(
     qn, qp = _load_rows(Q, q_row0, rows, H, n_rows, stride_qt, stride_qh, DN, DP)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DN], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVB], tl.float32)
     if TAIL_M > 0:
         rows_t = row0 + BLOCK_M + tl.arange(0, TAIL_M)
         qn_t, qp_t = _load_rows(Q, q_row0, rows_t, H, n_rows, stride_qt, stride_qh, DN, DP)
         m_t = tl.full([TAIL_M], -1.0e30, tl.float32)
         l_t = tl.zeros([TAIL_M], tl.float32)
-        acc_t = tl.zeros([TAIL_M, DN], tl.float32)
+        acc_t = tl.zeros([TAIL_M, DVB], tl.float32)
 
     offs_dn = tl.arange(0, DN)
     offs_dp = tl.arange(0, DP)
@@ -183,10 +189,15 @@ def _verify_split_kernel(
         row_ptr = KV + slot * stride_kvs
         kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
         kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(qn, qp, kn, kp, kn, valid[None, :], m_i, l_i, acc,
+        if DV_SPLIT == 1:
+            vn = kn
+        else:
+            vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
+                         mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
                                        qk_scale, UPCAST)
         if TAIL_M > 0:
-            m_t, l_t, acc_t = _online_update(qn_t, qp_t, kn, kp, kn, valid[None, :], m_t, l_t,
+            m_t, l_t, acc_t = _online_update(qn_t, qp_t, kn, kp, vn, valid[None, :], m_t, l_t,
                                              acc_t, qk_scale, UPCAST)
 
     if split == 0:
@@ -197,7 +208,8 @@ def _verify_split_kernel(
         kn = tl.load(ext[:, None] + offs_dn[None, :], mask=jm[:, None], other=0.0)
         kp = tl.load(ext[:, None] + DN + offs_dp[None, :], mask=jm[:, None], other=0.0)
         vext = V_ext + (q_row0 + offs_j).to(tl.int64) * stride_vet
-        vn = tl.load(vext[:, None] + offs_dn[None, :], mask=jm[:, None], other=0.0)
+        vn = tl.load(vext[:, None] + col0 + tl.arange(0, DVB)[None, :], mask=jm[:, None],
+                     other=0.0)
         keep = _tree_keep(Mask, mask_indptr, batch, rows, offs_j, H, D, seq_len, D_MAX,
                           MASK_MODE, HAS_MASK_INDPTR)
         m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, keep, m_i, l_i, acc, qk_scale, UPCAST)
@@ -208,9 +220,10 @@ def _verify_split_kernel(
                                              qk_scale, UPCAST)
 
     part_row0 = (batch * MAX_SPLITS + split).to(tl.int64) * R_PAD
-    _store_partial(O_part, L_part, part_row0, rows, m_i, l_i, acc, R_PAD, DN)
+    _store_partial(O_part, L_part, part_row0, rows, m_i, l_i, acc, R_PAD, col0, DN, DVB)
     if TAIL_M > 0:
-        _store_partial(O_part, L_part, part_row0, rows_t, m_t, l_t, acc_t, R_PAD, DN)
+        _store_partial(O_part, L_part, part_row0, rows_t, m_t, l_t, acc_t, R_PAD, col0, DN,
+                       DVB)
 
 
 @triton.jit

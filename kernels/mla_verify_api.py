@@ -55,6 +55,7 @@ class TileConfig:
     num_warps: int = 8
     num_stages: int = 2
     min_chunk: int = 256
+    dv_split: int = 1
 
 
 def choose_rows(rows: int, max_m: int = 64) -> tuple[int, int, int]:
@@ -168,7 +169,7 @@ class MlaVerify:
         mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
         mask_indptr_arg = mask_indptr if mask_indptr is not None else kv_indptr
         lse_arg = lse if lse is not None else self.l_part
-        _verify_split_kernel[(max_splits, bs, cfg.row_blocks)](
+        self.last_split_kernel = _verify_split_kernel[(max_splits, bs, cfg.row_blocks * cfg.dv_split)](
             q, k_ext, v_ext, kv_pool, kv_indptr, kv_indices, qo_indptr, mask_arg,
             mask_indptr_arg, self.o_part, self.l_part,
             bs, self.num_heads, max_splits, target, self.rows_pad, self.sm_scale * LOG2E,
@@ -176,7 +177,7 @@ class MlaVerify:
             D_MAX=self.max_draft, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
             BLOCK_D=max(16, triton.next_power_of_2(self.max_draft)), MIN_CHUNK=cfg.min_chunk,
             MASK_MODE=mode, HAS_MASK_INDPTR=mask_indptr is not None, DN=V_DIM, DP=ROPE_DIM,
-            UPCAST=_INTERPRET,
+            UPCAST=_INTERPRET, DV_SPLIT=cfg.dv_split,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         block_dv = 128

@@ -162,6 +162,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="4096,16384,65536,185000")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs at 64k")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--sweep-only", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
     ext = ver = None
@@ -182,17 +183,27 @@ def main() -> None:
 
     H, D = 8, 9
     if args.sweep:
-        p = make_problem([65536], H, D, shuffle=True)
         out = torch.empty(D, H, 512, dtype=torch.bfloat16, device="cuda")
-        for bn, w, st in [(32, 8, 2), (32, 8, 3), (64, 8, 2), (16, 8, 3), (32, 4, 2), (64, 8, 1)]:
-            cfg = TileConfig(64, 16, 1, block_n=bn, num_warps=w, num_stages=st)
-            try:
-                op = MlaVerify(H, D, 8, config=cfg)
-                us = graph_time_us(run_ours(p, op, out))
-                record(f"sweep n{bn} w{w} s{st}", "b1 tree shuffled", "65536",
-                       65536 * KV_BYTES, us)
-            except Exception as exc:
-                print("sweep", bn, w, st, "failed", repr(exc)[:200])
+        sweep = [TileConfig(64, 16, 1, block_n=n, num_warps=w, num_stages=st, dv_split=dv)
+                 for n, w, st, dv in [(32, 8, 2, 1), (64, 8, 2, 1), (64, 8, 2, 2), (32, 4, 2, 2),
+                                      (64, 4, 3, 2), (32, 8, 3, 2), (64, 8, 2, 4), (32, 4, 3, 4),
+                                      (128, 8, 2, 2), (64, 4, 2, 4)]]
+        sweep += [TileConfig(64, 0, 2, block_n=64, num_warps=4, num_stages=2, dv_split=2),
+                  TileConfig(128, 0, 1, block_n=32, num_warps=8, num_stages=2, dv_split=4)]
+        for ctx in (65536, 4096):
+            p = make_problem([ctx], H, D, shuffle=True)
+            for cfg in sweep:
+                try:
+                    op = MlaVerify(H, D, 8, config=cfg)
+                    us = graph_time_us(run_ours(p, op, out))
+                    k = op.last_split_kernel
+                    record(f"sweep m{cfg.block_m}+{cfg.tail_m} n{cfg.block_n} w{cfg.num_warps} "
+                           f"s{cfg.num_stages} dv{cfg.dv_split} r{k.n_regs} sp{k.n_spills}",
+                           "b1 tree shuffled", str(ctx), ctx * KV_BYTES, us)
+                except Exception as exc:
+                    print("sweep", cfg, "failed", repr(exc)[:200], flush=True)
+        if args.sweep_only:
+            return
 
     op = MlaVerify(H, D, 8)
     for ctx in [int(c) for c in args.contexts.split(",")]:

@@ -226,10 +226,11 @@ _INTERP_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_mla_verify import make_case, check
     from moeplace_kernels.mla_verify_api import MlaVerify, TileConfig
-    for layout, tree in (("qlen_only", "binary"), ("full", "random"), ("causal", "chain")):
+    for layout, tree, dvs in (("qlen_only", "binary", 1), ("full", "random", 2),
+                              ("causal", "chain", 1)):
         case = make_case(2, [3, 2], 2, [5, 40], tree=tree, layout=layout, device="cpu")
         op = MlaVerify(2, 3, 2, device="cpu", split_slots=8,
-                       config=TileConfig(16, 0, 1, block_n=16, min_chunk=16))
+                       config=TileConfig(16, 0, 1, block_n=16, min_chunk=16, dv_split=dvs))
         check(case, 3, op=op)
     print("ok")
 """)
@@ -272,7 +273,7 @@ def test_sm120_config_compiles_within_shared_memory():
         ["i32"] * 5 + ["fp32"] + ["i32"] * 5
     const = dict(D_MAX=9, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
                  BLOCK_D=16, MIN_CHUNK=cfg.min_chunk, MASK_MODE=1, HAS_MASK_INDPTR=True,
-                 DN=512, DP=64, UPCAST=False)
+                 DN=512, DP=64, UPCAST=False, DV_SPLIT=cfg.dv_split)
     sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
     try:
         kernel = triton.compile(ASTSource(_verify_split_kernel, sig, constexprs=const),
