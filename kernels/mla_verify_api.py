@@ -51,7 +51,7 @@ class TileConfig:
     block_m: int
     tail_m: int
     row_blocks: int
-    block_n: int = 32
+    block_n: int = 64
     num_warps: int = 8
     num_stages: int = 2
     min_chunk: int = 256

@@ -1,0 +1,155 @@
+"""Route SGLang 0.5.23's MLA TARGET_VERIFY attention to moeplace's split-KV tree kernel.
+
+Route: an AROUND hook on ``TritonAttnBackend.__init__`` and ``init_cuda_graph_state``
+rather than a new backend name. A new name trips SGLang's name checks for draft backends
+(``srt/speculative/draft_utils.py``) and for topk > 1 with page size > 1
+(``srt/arg_groups/speculative_hook.py``). ``TritonAttnBackend.forward_extend`` already
+has a verify seam: when ``use_verify_shared_kv`` is set it calls ``verify_shared_kv_fwd``
+(same arguments as ``extend_attention_fwd``) on TARGET_VERIFY and falls back to
+``extend_attention_fwd`` when that returns False. We fill the seam with
+``moeplace_verify_fwd`` for MLA models; everything else stays SGLang's Triton backend.
+
+Enabled only when ``MOEPLACE_VERIFY_KERNEL=1`` (checked by ``install``). torch, triton and
+SGLang are imported inside the functions: ``import moeplace`` never imports them.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+ENV_FLAG = "MOEPLACE_VERIFY_KERNEL"
+_INSTALLED_ATTR = "_moeplace_verify_installed"
+
+
+def enabled() -> bool:
+    """Whether the environment asks for the verify kernel."""
+    return os.environ.get(ENV_FLAG, "") == "1"
+
+
+def install() -> None:
+    """Patch SGLang's TritonAttnBackend (idempotent). A no-op unless MOEPLACE_VERIFY_KERNEL=1."""
+    if not enabled():
+        return
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+    if getattr(TritonAttnBackend, _INSTALLED_ATTR, False):
+        return
+    orig_init = TritonAttnBackend.__init__
+    orig_graph_state = TritonAttnBackend.init_cuda_graph_state
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, *args, **kwargs)
+        attach(self)
+
+    @functools.wraps(orig_graph_state)
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any,
+                              **kwargs: Any) -> None:
+        orig_graph_state(self, max_bs, max_num_tokens, *args, **kwargs)
+        if getattr(self, "_moeplace_verify", None) is not None:
+            # Workspace for the largest captured batch, before any capture starts.
+            self._moeplace_verify.reserve(max_bs)
+
+    TritonAttnBackend.__init__ = __init__
+    TritonAttnBackend.init_cuda_graph_state = init_cuda_graph_state
+    setattr(TritonAttnBackend, _INSTALLED_ATTR, True)
+
+
+def attach(backend: Any) -> bool:
+    """Point ``backend``'s verify seam at the moeplace kernel if it is an MLA target backend."""
+    if not getattr(backend, "use_mla", False) or getattr(backend, "is_draft_runner", False):
+        return False
+    if not getattr(backend, "num_draft_tokens", None) or getattr(backend, "page_size", 1) != 1:
+        return False
+    state = VerifyState(backend)
+    backend._moeplace_verify = state
+    backend.use_verify_shared_kv = True
+    backend.verify_shared_kv_fwd = state.forward
+    return True
+
+
+class VerifyState:
+    """Per-backend kernel objects (one per head count) and the fallback rules."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.max_draft = int(backend.num_draft_tokens)
+        self.max_bs = 1
+        self.ops: dict[int, Any] = {}
+
+    def reserve(self, max_bs: int) -> None:
+        """Allocate workspaces for batches up to ``max_bs`` (call outside graph capture)."""
+        self.max_bs = max(self.max_bs, max_bs)
+        self.ops.clear()
+        self._op(int(self.backend.num_head))
+
+    def _op(self, num_heads: int) -> Any:
+        op = self.ops.get(num_heads)
+        if op is None:
+            from moeplace_kernels.mla_verify_api import MlaVerify
+
+            op = MlaVerify(num_heads, self.max_draft, self.max_bs, device=self.backend.device)
+            self.ops[num_heads] = op
+        return op
+
+    def mask_layout(self) -> str:
+        """'qlen_only' when the backend's verify buffer is laid out D x D, else 'full'."""
+        vm = getattr(self.backend, "_verify_mask", None)
+        if vm is not None and getattr(vm.mode, "name", "") == "QLEN_ONLY":
+            return "qlen_only"
+        return "full"
+
+    def forward(self, q, k, v, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                custom_mask, is_causal, mask_indptr, max_len_extend, k_scale, v_scale,
+                sm_scale=None, logit_cap=0.0, sliding_window_size=-1, sinks=None,
+                window_kv_offsets=None, xai_temperature_len=-1, max_bs=None, **_: Any) -> bool:
+        """``verify_shared_kv_fwd``'s contract: True if o was written, False to fall back.
+
+        q [T, H, 576]; k [T, 1, 576]; v [T, 1, 512]; o [T, H, 512]; k_buffer [slots, 1, 576]
+        (v_buffer is its first 512 values). Decided from shapes and flags only: no host sync.
+        """
+        import torch
+
+        if not self.supports(q, k, v, k_buffer, custom_mask, is_causal, k_scale, v_scale,
+                             logit_cap, sliding_window_size, sinks, xai_temperature_len):
+            return False
+        bs = qo_indptr.shape[0] - 1
+        if q.shape[0] > bs * self.max_draft:
+            return False
+        if bs > self.max_bs:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return False  # never allocate inside a capture; SGLang's kernel serves it
+            self.reserve(bs)
+        op = self._op(q.shape[1])
+        if sm_scale is not None:
+            op.sm_scale = float(sm_scale)
+        if custom_mask is None:
+            layout, mask_indptr = "causal", None
+        else:
+            layout = self.mask_layout()
+            if layout == "qlen_only":
+                mask_indptr = None  # D x D per request at b * D^2
+        op.forward(q, k, v, k_buffer, qo_indptr, kv_indptr, kv_indices, mask=custom_mask,
+                   mask_layout=layout, mask_indptr=mask_indptr, out=o)
+        return True
+
+    def supports(self, q, k, v, k_buffer, custom_mask, is_causal, k_scale, v_scale, logit_cap,
+                 sliding_window_size, sinks, xai_temperature_len) -> bool:
+        """Only plain bf16 MLA verify (576/512, one latent head, no scales/caps/windows)."""
+        import torch
+
+        if sinks is not None or (logit_cap or 0) > 0 or (xai_temperature_len or -1) > 0:
+            return False
+        if sliding_window_size is not None and sliding_window_size > 0:
+            return False
+        if k_scale not in (None, 1.0) or v_scale not in (None, 1.0):
+            return False
+        if q.dim() != 3 or q.shape[2] != 576 or v.shape[-1] != 512 or k.shape[-1] != 576:
+            return False
+        if k_buffer.dim() != 3 or k_buffer.shape[1:] != (1, 576):
+            return False
+        if custom_mask is None and not is_causal:
+            return False
+        return all(t.dtype == torch.bfloat16 for t in (q, k, v, k_buffer))
