@@ -24,6 +24,9 @@ How it stays cheap and CUDA-graph safe
   at most ``C / flush_steps`` batches. When the ring is full (disk slow, thread behind) the pass is
   dropped and counted (``dropped_steps``); the forward never waits. Write errors (ENOSPC included)
   drop the chunk, count it and back off; they never reach the server.
+* Shards are ``{MOEPLACE_TRACE_DIR}/{prefix}-r{rank:03d}-{seq:05d}.mptrace`` (``.part`` while written);
+  a new one starts every ``MOEPLACE_TRACE_SHARD_MB`` (256) or when the physical-to-logical map
+  changes. ``moeplace trace merge DIR -o OUT`` joins the ranks' shards.
 * ``close()`` (atexit) drains what is left and renames the shard; a shard cut by a crash stays as
   ``*.mptrace.part``, whose cut chunk the reader detects and skips.
 
