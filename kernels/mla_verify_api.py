@@ -56,6 +56,9 @@ class TileConfig:
     num_stages: int = 2
     min_chunk: int = 256
     dv_split: int = 1
+    tail_mode: int = 2  # 1: tail fused in the program (transposed tile), 2: its own program
+    programs_per_sm: int = 2  # splits per request ~ programs_per_sm * SMs / row_blocks
+    tail_block_n: int = 0  # KV tokens per step of a tail program (tail_mode 2); 0: block_n
 
 
 def choose_rows(rows: int, max_m: int = 64) -> tuple[int, int, int]:
@@ -84,7 +87,8 @@ def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileC
         block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft, max_m=32)
         return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
     block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
-    return TileConfig(block_m, tail_m, row_blocks)
+    # Hopper: 64-token KV steps, one split per SM and request (sweep in scripts/bench_verify.py).
+    return TileConfig(block_m, tail_m, row_blocks, block_n=64, programs_per_sm=1)
 
 
 class MlaVerify:
@@ -163,13 +167,15 @@ class MlaVerify:
             out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=q.dtype, device=q.device)
         cfg = self.config
         max_splits = self.max_splits(bs)
-        target = max(1, triton.cdiv(2 * self.num_sms, cfg.row_blocks))
+        target = max(1, triton.cdiv(cfg.programs_per_sm * self.num_sms, cfg.row_blocks))
+        tail_mode = cfg.tail_mode if cfg.tail_m > 0 else 0
+        tiles = cfg.row_blocks * (2 if tail_mode == 2 else 1) * cfg.dv_split
         mode = _MASK_MODES[mask_layout]
         # Dummies for absent optional tensors: never read (the constexpr flags say so).
         mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
         mask_indptr_arg = mask_indptr if mask_indptr is not None else kv_indptr
         lse_arg = lse if lse is not None else self.l_part
-        self.last_split_kernel = _verify_split_kernel[(max_splits, bs, cfg.row_blocks * cfg.dv_split)](
+        self.last_split_kernel = _verify_split_kernel[(tiles, max_splits, bs)](
             q, k_ext, v_ext, kv_pool, kv_indptr, kv_indices, qo_indptr, mask_arg,
             mask_indptr_arg, self.o_part, self.l_part,
             bs, self.num_heads, max_splits, target, self.rows_pad, self.sm_scale * LOG2E,
@@ -177,7 +183,8 @@ class MlaVerify:
             D_MAX=self.max_draft, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
             BLOCK_D=max(16, triton.next_power_of_2(self.max_draft)), MIN_CHUNK=cfg.min_chunk,
             MASK_MODE=mode, HAS_MASK_INDPTR=mask_indptr is not None, DN=V_DIM, DP=ROPE_DIM,
-            UPCAST=_INTERPRET, DV_SPLIT=cfg.dv_split,
+            UPCAST=_INTERPRET, DV_SPLIT=cfg.dv_split, TAIL_MODE=tail_mode,
+            TAIL_BLOCK_N=cfg.tail_block_n or cfg.block_n,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         block_dv = 128

@@ -183,25 +183,40 @@ def main() -> None:
 
     H, D = 8, 9
     if args.sweep:
-        out = torch.empty(D, H, 512, dtype=torch.bfloat16, device="cuda")
-        sweep = [TileConfig(64, 16, 1, block_n=n, num_warps=w, num_stages=st, dv_split=dv)
-                 for n, w, st, dv in [(32, 8, 2, 1), (64, 8, 2, 1), (64, 8, 2, 2), (32, 4, 2, 2),
-                                      (64, 4, 3, 2), (32, 8, 3, 2), (64, 8, 2, 4), (32, 4, 3, 4),
-                                      (128, 8, 2, 2), (64, 4, 2, 4)]]
-        sweep += [TileConfig(64, 0, 2, block_n=64, num_warps=4, num_stages=2, dv_split=2),
-                  TileConfig(128, 0, 1, block_n=32, num_warps=8, num_stages=2, dv_split=4)]
-        for ctx in (65536, 4096):
-            p = make_problem([ctx], H, D, shuffle=True)
-            for cfg in sweep:
-                try:
-                    op = MlaVerify(H, D, 8, config=cfg)
-                    us = graph_time_us(run_ours(p, op, out))
-                    k = op.last_split_kernel
-                    record(f"sweep m{cfg.block_m}+{cfg.tail_m} n{cfg.block_n} w{cfg.num_warps} "
-                           f"s{cfg.num_stages} dv{cfg.dv_split} r{k.n_regs} sp{k.n_spills}",
-                           "b1 tree shuffled", str(ctx), ctx * KV_BYTES, us)
-                except Exception as exc:
-                    print("sweep", cfg, "failed", repr(exc)[:200], flush=True)
+        from moeplace_kernels.mla_verify_ref import mla_verify_ref
+
+        def cfg(n=64, w=8, st=2, mc=256, tm=2, pps=2, m=64, t=16, rb=1, dv=1, tn=0):
+            return TileConfig(m, t, rb, block_n=n, num_warps=w, num_stages=st, min_chunk=mc,
+                              dv_split=dv, tail_mode=tm, programs_per_sm=pps, tail_block_n=tn)
+        sweep = [cfg(pps=1), cfg(), cfg(pps=1, st=3), cfg(pps=1, mc=128),
+                 cfg(n=32, st=3, tn=64, pps=1)]
+        gen = torch.Generator().manual_seed(1)
+        mixed = [int(x) for x in torch.randint(4096, 131072, (8,), generator=gen)]
+        problems = [(str(c), [c]) for c in (4096, 16384, 65536, 185000)]
+        problems.append(("b8 mixed", mixed))
+        problems = [(lab, ctx, make_problem(ctx, H, D, shuffle=True)) for lab, ctx in problems]
+        for c in sweep:
+            tag = (f"sweep m{c.block_m}+{c.tail_m}x{c.row_blocks} n{c.block_n} w{c.num_warps} "
+                   f"s{c.num_stages} mc{c.min_chunk} tm{c.tail_mode} pps{c.programs_per_sm} "
+                   f"tn{c.tail_block_n}")
+            try:
+                op = MlaVerify(H, D, 8, config=c)
+                for lab, ctx, p in problems:
+                    out = torch.empty(len(ctx) * D, H, 512, dtype=torch.bfloat16, device="cuda")
+                    if lab == "65536":  # correctness of this config before timing it
+                        run_ours(p, op, out)()
+                        ref, _ = mla_verify_ref(p["q"], p["k_ext"], p["v_ext"], p["pool"],
+                                                p["qo_indptr"], p["kv_indptr"], p["kv_indices"],
+                                                op.sm_scale, p["mask_qlen"], "qlen_only")
+                        err = ((out.float() - ref).norm() / ref.norm()).item()
+                        k = op.last_split_kernel
+                        print(f"{tag}: rel err {err:.1e} regs {k.n_regs} spills {k.n_spills} "
+                              f"smem {k.metadata.shared}", flush=True)
+                    record(tag, "tree shuffled", lab, sum(ctx) * KV_BYTES,
+                           graph_time_us(run_ours(p, op, out)))
+            except Exception as exc:
+                print("sweep", tag, "failed", repr(exc)[:300], flush=True)
+        del problems
         if args.sweep_only:
             return
 
