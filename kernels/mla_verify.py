@@ -11,11 +11,14 @@ Dimension letters:
     C   576 = 512 latent (also V) + 64 rope values per KV token
 
 Two launches:
-  1. ``_verify_split_kernel``, grid (S_max, B, row blocks): each program takes all R rows of a
-     request (so every KV byte is read once per request and goes through the tensor cores as
-     an [R, C] x [C, BLOCK_N] product) against one contiguous chunk of its prefix, and writes a
-     normalised partial output plus its log2-sum-exp. Split 0 also attends to the draft tokens
-     themselves under the tree mask.
+  1. ``_verify_split_kernel``, grid (tiles, S_max, B): each program takes one row tile of a
+     request against one contiguous chunk of its prefix (so each KV tile goes through the
+     tensor cores as an [M, C] x [C, BLOCK_N] product) and writes a normalised partial output
+     plus its log2-sum-exp. Split 0 also attends to the draft tokens themselves under the
+     tree mask. A row block is a 64-row main tile plus an optional small tail tile (72 rows =
+     64 + 16); by default (TAIL_MODE 2) the tail runs as its own program next to the main
+     one, which reads the same chunk: sharing one program made the 16-row mma.sync operands
+     and the 64 x 512 fp32 accumulator spill (255 registers).
   2. ``_verify_merge_kernel``, grid (B * D_max, H, 512 / BLOCK_DV): log-sum-exp merge of the
      partials into the output.
 
@@ -232,10 +235,11 @@ def _verify_split_kernel(
     Q [T, H, C]; K_ext [T, 1, C]; V_ext [T, 1, DN]; KV [slots, 1, C] (V = KV[..., :DN]);
     O_part [B * MAX_SPLITS, R_PAD, DN] bf16; L_part [B * MAX_SPLITS, R_PAD] fp32.
     A row block holds BLOCK_M + TAIL_M rows: the tail is a second, small tile (for example
-    the 9th draft token's 8 heads) sharing every KV load with the main tile, so 72 rows cost
-    80 rows of tensor-core work rather than 128. DV_SPLIT > 1 gives each program a slice of
-    the 512 output columns (grid axis 2 = row block x slice): fewer accumulator registers,
-    the QK product repeated, the KV tile's second read served by L2.
+    the 9th draft token's 8 heads), so 72 rows cost 80 rows of tensor-core work rather than
+    128. TAIL_MODE 1 runs it in the same program as a transposed tile sharing every KV load
+    (slow: it spills); TAIL_MODE 2 gives it its own program (grid axis 0 = row block x part x
+    V slice), stepping TAIL_BLOCK_N KV tokens at a time. DV_SPLIT > 1 gives each program a
+    slice of the 512 output columns: fewer accumulator registers, the QK product repeated.
     """
     split = tl.program_id(1)
     batch = tl.program_id(2)

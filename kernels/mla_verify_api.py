@@ -43,9 +43,11 @@ ROPE_DIM = KV_DIM - V_DIM
 class TileConfig:
     """Launch shape of the split kernel.
 
-    block_m + tail_m rows per program (tail_m = 0 for none); row_blocks programs cover one
-    request's R = D_max * H rows. Shared memory ~ (block_m + tail_m) * 576 * 2 (queries)
-    + num_stages * block_n * 576 * 2 (KV tiles): the sm_120 preset stays under its ~99 KB.
+    block_m + tail_m rows per row block (tail_m = 0 for none); row_blocks blocks cover one
+    request's R = D_max * H rows. Shared memory ~ block_m * 576 * 2 (queries) + 2 * block_n
+    * 576 * 2 (KV tiles; Triton double-buffers the gathered KV loads whatever num_stages
+    says): 221 KB for the Hopper default, one program per SM; the sm_120 preset stays under
+    its ~99 KB.
     """
 
     block_m: int
