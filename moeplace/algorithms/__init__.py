@@ -32,7 +32,7 @@ class PlacementProblem:
     dispatch: str = "dynamic"
     cost_model: CostModel = field(default_factory=CostModel)
     seed: int = 0
-    time_budget_s: float = 8.0
+    effort: float = 2.4e9  # swap-search work over all layers (steps x slots x ranks per round)
     progress: Callable[[int], None] = lambda n: None  # called with the number of layers just finished
 
     @property

@@ -1,0 +1,296 @@
+"""Step-aware placement: minimise the expected per-step maximum rank load, not the average.
+
+Dimension letters: S steps, P physical slots ("items": one per replica), R ranks, E experts.
+
+At low batch a rank's MoE time is set by how many distinct experts it reads in a step, and the step
+waits for its slowest rank, so the objective per layer is ``mean_s max_r D[s, r]`` where ``D[s, r]``
+counts the slots on rank r that step s activates. Experts that fire together must be spread apart
+(anti-affinity). Phases, per layer:
+
+1. replicate: give spare slots to the experts present in the most steps (split by the dispatch
+   rule, a replica only sees the token rows sent to it).
+2. place greedily: slots by decreasing tokens, each to the rank where it raises the per-step
+   maximum least (the share of its steps in which that rank is already a maximum), among the ranks
+   light enough to keep token balancedness.
+3. improve by swaps: the exact change of the objective for every pair swap at once, in matrix form,
+   best swap first, until none helps or the time budget ends. A small quadratic term breaks ties
+   on the plateaus of the max, and a floor on token balancedness keeps prefill from regressing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeplace.algorithms import PlacementProblem
+from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.metrics import balancedness
+from moeplace.trace.steps import RoutingSteps
+
+TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
+BALANCE_FLOOR = 0.98        # token balancedness kept at >= this share of DeepSeek EPLB's
+MAX_REPAIRS = 64           # swaps allowed to lift token balancedness to the floor
+SEARCH_CELLS = 800_000      # the swap search sees at most this many step x slot cells (all steps place)
+
+
+def stepaware(problem: PlacementProblem) -> np.ndarray:
+    """phy2log [L, P] minimising E_s[max_r distinct experts] layer by layer."""
+    m = problem.model
+    rng = np.random.default_rng(problem.seed)
+    weight = problem.steps.expert_token_counts()
+    ref, _, _ = rebalance_experts(weight, problem.num_physical, 1, 1, problem.ranks, False)
+    out = np.zeros((m.num_moe_layers, problem.num_physical), np.int64)
+    for layer in range(m.num_moe_layers):
+        out[layer] = place_layer(problem, layer, ref[layer], rng, problem.effort / m.num_moe_layers)
+        problem.progress(1)
+    return out
+
+
+def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rng: np.random.Generator,
+                effort: float) -> np.ndarray:
+    """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor."""
+    R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
+    spr = P // R
+    replicas = replica_counts(problem.steps, layer, E, problem.redundant, R)
+    item_expert = np.repeat(np.arange(E), replicas)
+    active, tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
+    item_tokens = tokens.sum(axis=0)
+    ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
+                                                                                       item_tokens), minlength=R)
+    floor = min(BALANCE_FLOOR * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
+    search = active
+    search_steps = max(SEARCH_CELLS // P, 1)
+    if active.shape[0] > search_steps:
+        search = active[np.sort(rng.choice(active.shape[0], search_steps, replace=False))]
+    # The swap budget is counted in work, not seconds, so a seed gives the same placement anywhere.
+    rounds_left = max(1, int(effort / (search.shape[0] * P * R + 50 * P * P)))
+    # Start from the token order, then (budget permitting) from the presence order: the search
+    # ends in different local optima; keep the better one on the steps it fits.
+    presence = active.sum(axis=0)
+    orders = [None, np.argsort(-(presence + 1e-9 * item_tokens), kind="stable")]
+    best, best_value = None, np.inf
+    for order in orders:
+        if best is not None and rounds_left < 2:
+            break
+        start = greedy_place(active, item_tokens, item_expert, R, spr, floor, order)
+        rank, used = swap_search(search, item_tokens, item_expert, start, R, floor, rounds_left)
+        rounds_left -= used
+        value = _objective(_loads(active, rank, R))
+        if value < best_value:
+            best, best_value = rank, value
+    rank = best
+    # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
+    order = np.lexsort((item_expert, rank))
+    return item_expert[order]
+
+
+def _ranks_of(phy2log: np.ndarray, spr: int) -> np.ndarray:
+    return np.arange(phy2log.shape[0]) // spr
+
+
+def _expert_tokens_on(phy2log: np.ndarray, item_expert: np.ndarray, item_tokens: np.ndarray) -> np.ndarray:
+    """Tokens of each slot of ``phy2log`` if an expert's tokens split evenly over its replicas."""
+    per_expert = np.bincount(item_expert, weights=item_tokens, minlength=phy2log.max() + 1)
+    copies = np.bincount(phy2log, minlength=per_expert.shape[0])
+    return per_expert[phy2log] / np.maximum(copies[phy2log], 1)
+
+
+def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant: int, ranks: int) -> np.ndarray:
+    """[E] replicas per expert: spare slots go, one at a time, to the expert with the most steps per replica."""
+    counts = np.ones(num_experts, np.int64)
+    if redundant == 0:
+        return counts
+    presence = _presence(steps, layer, num_experts)
+    for _ in range(redundant):
+        score = np.where(counts < ranks, presence / counts, -1.0)
+        counts[int(np.argmax(score))] += 1
+    return counts
+
+
+def _presence(steps: RoutingSteps, layer: int, num_experts: int) -> np.ndarray:
+    """[E] number of steps in which each expert is active, tokens as a tie-break."""
+    active, tokens = item_activity(steps, layer, np.ones(num_experts, np.int64), "dynamic")
+    return active.sum(axis=0) + 1e-6 * tokens.sum(axis=0)
+
+
+def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatch: str
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Which slots each step reads and how many tokens it sends them: (active [S, P] f32, tokens [S, P]).
+
+    Items are replicas in expert order. ``dynamic``: token row r goes to replica ``r % n``;
+    ``static``: a step's source rank picks replica ``rank % n`` (the placement decides which replica
+    is local, so this is the even split the search can see).
+    """
+    S, E = steps.num_steps, replicas.shape[0]
+    P = int(replicas.sum())
+    first = np.concatenate([[0], np.cumsum(replicas)[:-1]])
+    tokens = np.zeros((S, P), np.float32)
+    step_of_row, row_in_step, ids = steps.layer(layer)
+    if ids.size:
+        valid = ids >= 0
+        e = np.where(valid, ids, 0).astype(np.int64)
+        pick = row_in_step[:, None] if dispatch == "dynamic" else steps.ranks[step_of_row][:, None].astype(np.int64)
+        item = first[e] + pick % replicas[e]
+        step_k = np.broadcast_to(step_of_row[:, None], ids.shape)
+        tokens += np.bincount((step_k * P + item)[valid], minlength=S * P).reshape(S, P)
+    if steps.count_steps.size:
+        c = steps.counts[:, layer, :]
+        for j in range(int(replicas.max())):
+            has = replicas > j
+            share = np.floor(c[:, has] / replicas[has]) + (j < np.mod(c[:, has], replicas[has]))
+            tokens[steps.count_steps[:, None], first[has] + j] += share
+    return (tokens > 0).astype(np.float32), tokens
+
+
+def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, R: int, spr: int,
+                 balance_floor: float = 0.0, order: np.ndarray | None = None) -> np.ndarray:
+    """[P] rank of each item: heaviest first, each to the rank where it raises the step maxima least.
+
+    Like DeepSeek's balanced packing, items come in decreasing token order (unless ``order`` says
+    otherwise) and only ranks whose
+    load is near the lightest open rank's may take the next one; "near" is the slack that token
+    balancedness >= balance_floor allows, so a loose floor leaves anti-affinity free to choose.
+    """
+    S, P = active.shape
+    by_item = np.ascontiguousarray(active.T) > 0
+    D = np.zeros((R, S), np.int16)      # rank-major: reductions over ranks run along long rows
+    fill = np.zeros(R, np.int64)
+    load = np.zeros(R)
+    rank = np.full(P, -1, np.int64)
+    holds = np.zeros((R, int(item_expert.max()) + 1), bool)
+    slack = (1.0 / balance_floor - 1.0) * item_tokens.sum() / R if balance_floor > 0 else np.inf
+    if order is None:
+        order = np.argsort(-(item_tokens + 1e-9 * active.sum(axis=0)), kind="stable")
+    for i in order:
+        steps = np.flatnonzero(by_item[i])
+        Di = D[:, steps]
+        score = (Di == Di.max(axis=0)).sum(axis=1) + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size)
+        open_ = (fill < spr) & ~holds[:, item_expert[i]]
+        score[~open_ | (load > load[open_].min() + slack)] = np.inf
+        r = int(np.argmin(score))
+        rank[i], fill[r], load[r] = r, fill[r] + 1, load[r] + item_tokens[i]
+        holds[r, item_expert[i]] = True
+        D[r, steps] += 1
+    return rank
+
+
+def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, rank: np.ndarray,
+                R: int, balance_floor: float, max_rounds: int) -> tuple[np.ndarray, int]:
+    """Best-improvement pair swaps on the exact objective sum_s max_r D + TIE_BREAK * sum D^2.
+
+    While token balancedness is under ``balance_floor`` (greedy packing can leave it there), each
+    round instead makes the cheapest swap that unloads the heaviest rank. Returns (rank, rounds used).
+    """
+    rank = rank.copy()
+    X = active
+    D = _loads(X, rank, R)
+    rounds_done = repairs = 0
+    while repairs < MAX_REPAIRS:
+        load = np.bincount(rank, weights=item_tokens, minlength=R)
+        if balancedness(load[None])[0] < balance_floor:
+            heavy = int(np.argmax(load))
+            delta = swap_deltas(X, D, rank, item_expert, R, only_rank=heavy)
+            new_heavy = load[heavy] - item_tokens[:, None] + item_tokens[None, :]
+            new_other = load[rank][None, :] + item_tokens[:, None] - item_tokens[None, :]
+            helps = (rank == heavy)[:, None] & (new_heavy < load[heavy]) & (new_other < load[heavy])
+            cost = np.where(helps, delta, np.inf)
+            k = int(np.argmin(cost))
+            if not np.isfinite(cost.flat[k]):
+                return rank, rounds_done
+            _swap(D, X, rank, *divmod(k, X.shape[1]))
+            repairs += 1
+            continue
+        if rounds_done >= max_rounds:
+            return rank, rounds_done
+        rounds_done += 1
+        if not _improve(X, D, rank, item_expert, item_tokens, load, R, balance_floor):
+            return rank, rounds_done
+    return rank, rounds_done
+
+
+def _loads(X: np.ndarray, rank: np.ndarray, R: int) -> np.ndarray:
+    """[S, R] active slots per rank per step."""
+    return np.stack([X[:, rank == r].sum(axis=1) for r in range(R)], axis=1).astype(np.float32)
+
+
+def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray, R: int,
+                only_rank: int | None = None) -> np.ndarray:
+    """[P, P] exact change of sum_s max_r D + TIE_BREAK * sum D^2 if items i and j swap ranks.
+
+    X: [S, P] activity, D: [S, R] loads. inf where a swap is not allowed (same rank, or a rank would
+    hold two replicas of one expert) or, with ``only_rank``, where neither item is on that rank.
+    """
+    S, P = X.shape
+    mx = D.max(axis=1)
+    # h[s, a, b]: change of step s's objective when rank a loses one active slot and b gains one.
+    h = np.zeros((S, R, R), np.float32)
+    for a in range(R):
+        for b in range(a + 1, R):
+            others = np.delete(D, [a, b], axis=1).max(axis=1) if R > 2 else np.zeros(S, np.float32)
+            for x, y in ((a, b), (b, a)):
+                new_max = np.maximum(others, np.maximum(D[:, x] - 1, D[:, y] + 1))
+                h[:, x, y] = new_max - mx + TIE_BREAK * 2 * (D[:, y] - D[:, x] + 1)
+    XH = X.T @ h.reshape(S, R * R)                     # [P, R*R]: sum_s x_si h(s, a, b)
+    delta = np.full((P, P), np.inf, np.float32)
+    members = [np.flatnonzero(rank == r) for r in range(R)]
+    for a in range(R) if only_rank is None else (only_rank,):
+        I = members[a]
+        for b in range(R):
+            if a == b:
+                continue
+            J = members[b]
+            w = h[:, a, b] + h[:, b, a]
+            cross = (X[:, I] * w[:, None]).T @ X[:, J]    # sum_s x_si x_sj (h_ab + h_ba)
+            delta[np.ix_(I, J)] = XH[I, a * R + b][:, None] + XH[J, b * R + a][None, :] - cross
+    holds = np.zeros((R, int(item_expert.max()) + 1), bool)
+    holds[rank, item_expert] = True
+    delta[holds[rank[None, :], item_expert[:, None]]] = np.inf      # i's expert already on j's rank
+    delta[holds[rank[:, None], item_expert[None, :]]] = np.inf      # j's expert already on i's rank
+    return np.minimum(delta, delta.T)
+
+
+def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray,
+             item_tokens: np.ndarray, load: np.ndarray, R: int, balance_floor: float) -> bool:
+    """One round: apply the best improving swaps on disjoint rank pairs (their effects barely
+    interact), keeping the token-balance floor; a batch that turns out worse is cut back to its
+    best swap. Returns False when no swap improves."""
+    P = X.shape[1]
+    flat = swap_deltas(X, D, rank, item_expert, R).ravel()
+    top = np.argpartition(flat, min(255, flat.size - 1))[:256]
+    top = top[np.argsort(flat[top], kind="stable")]
+    chosen, used = [], set()
+    for k in top:
+        if not flat[k] < -1e-4 or len(chosen) >= R // 2:
+            break
+        i, j = divmod(int(k), P)
+        a, b = int(rank[i]), int(rank[j])
+        if a in used or b in used:
+            continue
+        new_load = load.copy()
+        new_load[a] += item_tokens[j] - item_tokens[i]
+        new_load[b] += item_tokens[i] - item_tokens[j]
+        if balancedness(new_load[None])[0] < balance_floor:
+            continue
+        chosen.append((i, j))
+        used.update((a, b))
+        load = new_load
+    if not chosen:
+        return False
+    before = _objective(D)
+    for i, j in chosen:
+        _swap(D, X, rank, i, j)
+    if len(chosen) > 1 and _objective(D) > before + flat[chosen[0][0] * P + chosen[0][1]] / 2:
+        for i, j in reversed(chosen[1:]):
+            _swap(D, X, rank, i, j)
+    return True
+
+
+def _swap(D: np.ndarray, X: np.ndarray, rank: np.ndarray, i: int, j: int) -> None:
+    """Exchange the ranks of items i and j, updating the step loads D [S, R] in place."""
+    a, b = rank[i], rank[j]
+    D[:, a] += X[:, j] - X[:, i]
+    D[:, b] += X[:, i] - X[:, j]
+    rank[i], rank[j] = b, a
+
+
+def _objective(D: np.ndarray) -> float:
+    return float(D.max(axis=1).sum() + TIE_BREAK * (D.astype(np.float64) ** 2).sum())

@@ -1,0 +1,37 @@
+"""Options shared by the commands that read a trace, defined once."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import click
+
+from moeplace.metrics import DISPATCH_RULES
+from moeplace.trace.load import DEFAULT_WINDOW
+from moeplace.trace.modes import MODE_SELECTIONS
+
+
+def trace_options(f: Callable) -> Callable:
+    """TRACE argument plus the options that say how to read it and which steps to use."""
+    decorators = [
+        click.argument("trace", type=click.Path(exists=True, dir_okay=True)),
+        click.option("--ranks", type=click.IntRange(min=1), default=8, show_default=True,
+                     help="EP ranks (GPUs) the experts are spread over."),
+        click.option("--mode", type=click.Choice(list(MODE_SELECTIONS)), default="all", show_default=True,
+                     help="Which steps count: verify (speculative verify), decode (decode + verify), "
+                          "prefill, or all."),
+        click.option("--dispatch", type=click.Choice(DISPATCH_RULES), default="dynamic", show_default=True,
+                     help="How SGLang picks among replicas: dynamic (token row %% replicas; "
+                          "--moe-a2a-backend none) or static (fixed replica per source rank; DeepEP)."),
+        click.option("--cost-model", "cost_model_path", type=click.Path(exists=True, dir_okay=False),
+                     help="Cost-model JSON (a_us_per_expert, b_us_per_token, c_us); default: H200 bf16 fit."),
+        click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
+                     help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
+        click.option("--top-k", type=click.IntRange(min=1), default=None,
+                     help="For logical_count JSON files, which do not record it (default 8)."),
+        click.option("--max-steps", type=click.IntRange(min=1), default=200_000, show_default=True,
+                     help="Use at most this many steps (evenly spaced) to bound memory and time."),
+    ]
+    for d in reversed(decorators):
+        f = d(f)
+    return f

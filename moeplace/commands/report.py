@@ -1,0 +1,85 @@
+"""``moeplace report``: how imbalanced is a trace under a placement."""
+
+from __future__ import annotations
+
+import click
+
+from moeplace.algorithms import PlacementProblem
+from moeplace.algorithms.baselines import contiguous
+from moeplace.commands.common import check_ranks, cost_model_from, echo_json, mode_chunks, open_source
+from moeplace.commands.options import trace_options
+from moeplace.placement import Placement, load_placement
+from moeplace.report import evaluate, format_table, comparison_rows, hottest_experts, write_plots
+from moeplace.trace.steps import RoutingSteps
+
+
+@click.command()
+@trace_options
+@click.option("--placement", "placement_path", type=click.Path(exists=True, dir_okay=False),
+              help="Placement to measure (moeplace JSON or SGLang --init-expert-location file); "
+                   "default: SGLang's contiguous layout.")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON instead of a table.")
+@click.option("--plot-dir", type=click.Path(file_okay=False), help="Write PNG heatmaps and distributions here.")
+def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
+           top_k: int | None, max_steps: int, placement_path: str | None, as_json: bool,
+           plot_dir: str | None) -> None:
+    """Measure per-step expert imbalance of TRACE under a placement.
+
+    TRACE is a moeplace trace (file or folder of shards), an SGLang expert-distribution dump (.pt),
+    an SGLang logical_count .json, or a per-token top-k ids .npz.
+
+    \b
+    Example:
+      moeplace report traces/gptoss20b-sample.mptrace --ranks 8 --plot-dir plots/
+    """
+    src = open_source(trace, window, top_k)
+    model = src.model
+    cost_model = cost_model_from(cost_model_path)
+    if placement_path:
+        placement = load_placement(placement_path, model=model, ranks=ranks)
+        name = placement.algorithm
+    else:
+        check_ranks(src, ranks)
+        empty = PlacementProblem(model, RoutingSteps.empty(model), ranks)
+        placement = Placement(model, ranks, contiguous(empty), algorithm="contiguous")
+        name = "contiguous"
+    ev = evaluate({name: placement}, mode_chunks(src, mode), cost_model, dispatch)[0]
+    s = ev.summary
+    counts = ev.sums.rank_tokens  # [L, R]
+    hot = hottest_experts(_expert_tokens(src, mode), model.moe_layers)
+    result = {"trace": trace, "source": src.header.source, "model": model.to_json(), "mode": mode,
+              "ranks": ranks, "dispatch": dispatch, "placement": name, "aggregate_only": src.header.aggregate_only,
+              "cost_model": cost_model.to_json(), "metrics": s, "hottest_experts": hot}
+    if plot_dir:
+        result["plots"] = write_plots([ev], plot_dir)
+    if as_json:
+        echo_json(result)
+        return
+    click.echo(f"trace     {trace}  ({src.header.source}; {s['steps']} {mode} steps)")
+    click.echo(f"model     {model.name}: {model.num_moe_layers} MoE layers, {model.num_experts} experts, "
+               f"top-{model.top_k}")
+    click.echo(f"placement {name} on {ranks} ranks, dispatch {dispatch}")
+    if src.header.aggregate_only:
+        click.echo("note      aggregate counts only: per-step metrics below treat the whole trace as one step; "
+                   "only token balancedness is meaningful")
+    click.echo("")
+    click.echo(format_table(comparison_rows([ev]), name))
+    worst = sorted(range(model.num_moe_layers), key=lambda i: -s["per_layer"]["e_max_distinct"][i])[:3]
+    click.echo("")
+    click.echo(f"token balancedness across layers: p50 {s['balancedness_p50']:.3f}, "
+               f"p90 {s['balancedness_p90']:.3f}, worst {s['balancedness_worst']:.3f}")
+    click.echo("worst layers by E[max distinct]: " + ", ".join(
+        f"{model.moe_layers[i]} ({s['per_layer']['e_max_distinct'][i]:.2f})" for i in worst))
+    click.echo("hottest experts: " + ", ".join(
+        f"L{h['layer']}/E{h['expert']} {100 * h['share']:.1f}%" for h in hot)
+        + f"  (uniform {100 / model.num_experts:.1f}%)")
+    if plot_dir:
+        click.echo(f"plots: {', '.join(result['plots'])}")
+
+
+def _expert_tokens(src, mode: str):
+    total = None
+    for chunk in mode_chunks(src, mode):
+        c = chunk.expert_token_counts()
+        total = c if total is None else total + c
+    return total
