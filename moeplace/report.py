@@ -101,16 +101,20 @@ def write_plots(evals: list[Evaluation], plot_dir: str) -> list[str]:
 
     for key, title, fname in (("rank_tokens", "token load per rank / layer mean", "token_load_heatmap.png"),
                               ("rank_distinct", "mean distinct experts per rank per step", "distinct_heatmap.png")):
-        fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1, 6), squeeze=False)
-        for ax, e in zip(axes[0], evals):
+        fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1.5, 6), squeeze=False, constrained_layout=True)
+        panels = []
+        for e in evals:
             data = getattr(e.sums, key)
-            data = data / np.maximum(data.mean(axis=1, keepdims=True), 1e-12) if key == "rank_tokens" \
-                else data / e.sums.steps
-            im = ax.imshow(data, aspect="auto", cmap="magma", interpolation="nearest")
+            panels.append(data / np.maximum(data.mean(axis=1, keepdims=True), 1e-12) if key == "rank_tokens"
+                          else data / e.sums.steps)
+        vmin, vmax = min(p.min() for p in panels), max(p.max() for p in panels)  # one scale for all
+        for i, (ax, e, data) in enumerate(zip(axes[0], evals, panels)):
+            im = ax.imshow(data, aspect="auto", cmap="magma", interpolation="nearest", vmin=vmin, vmax=vmax)
             ax.set_title(e.name, fontsize=9)
             ax.set_xlabel("rank")
-            ax.set_ylabel("MoE layer")
-            fig.colorbar(im, ax=ax, fraction=0.05)
+            if i == 0:
+                ax.set_ylabel("MoE layer")
+        fig.colorbar(im, ax=axes[0].tolist(), fraction=0.04)
         fig.suptitle(title)
         save(fig, fname)
 

@@ -22,11 +22,34 @@ def _deepseek(problem: PlacementProblem, hierarchical: bool) -> np.ndarray:
     phy2log, _, _ = rebalance_experts(weight, problem.num_physical, groups, problem.nodes, problem.ranks,
                                       hierarchical)
     problem.progress(problem.model.num_moe_layers)
-    return phy2log
+    return np.stack([separate_replicas(row, problem.ranks, w) for row, w in zip(phy2log, weight)])
+
+
+def separate_replicas(phy2log: np.ndarray, ranks: int, weight: np.ndarray) -> np.ndarray:
+    """Swap slots so that no rank holds two replicas of one expert (DeepSeek EPLB can do that).
+
+    phy2log: [P] one layer; weight: [E] tokens. Each duplicate swaps with the slot on another rank
+    whose per-replica load is closest, so token balance barely moves. SGLang would accept the
+    duplicate, but it wastes a slot, and without an all-to-all backend both copies can be read.
+    """
+    out = phy2log.copy()
+    spr = out.shape[0] // ranks
+    replica_load = weight / np.bincount(out, minlength=weight.shape[0])
+    for slot in range(out.shape[0]):
+        r, e = slot // spr, out[slot]
+        mine = out[r * spr:(r + 1) * spr]
+        if np.count_nonzero(mine == e) < 2 or np.flatnonzero(mine == e)[0] == slot - r * spr:
+            continue
+        candidates = [s for s in range(out.shape[0]) if s // spr != r
+                      and out[s] not in mine and e not in out[(s // spr) * spr:(s // spr + 1) * spr]]
+        best = min(candidates, key=lambda s: abs(replica_load[out[s]] - replica_load[e]))
+        out[slot], out[best] = out[best], out[slot]
+    return out
 
 
 def deepseek(problem: PlacementProblem) -> np.ndarray:
-    """DeepSeek EPLB, global policy: replicate the heaviest experts, then pack ranks by token count."""
+    """DeepSeek EPLB, global policy: replicate the heaviest experts, then pack ranks by token count
+    (duplicate replicas on one rank are then swapped apart, see ``separate_replicas``)."""
     return _deepseek(problem, hierarchical=False)
 
 

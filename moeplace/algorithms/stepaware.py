@@ -7,8 +7,9 @@ waits for its slowest rank, so the objective per layer is ``mean_s max_r D[s, r]
 counts the slots on rank r that step s activates. Experts that fire together must be spread apart
 (anti-affinity). Phases, per layer:
 
-1. replicate: give spare slots to the experts present in the most steps (split by the dispatch
-   rule, a replica only sees the token rows sent to it).
+1. replicate: give spare slots to the experts whose extra replica adds the fewest reads (under
+   the dispatch rule a replica only sees the token rows sent to it; two replicas hit in one step
+   are two reads).
 2. place greedily: slots by decreasing tokens, each to the rank where it raises the per-step
    maximum least (the share of its steps in which that rank is already a maximum), among the ranks
    light enough to keep token balancedness.
@@ -50,7 +51,7 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
     spr = P // R
-    replicas = replica_counts(problem.steps, layer, E, problem.redundant, R)
+    replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
     active, tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
     item_tokens = tokens.sum(axis=0)
@@ -62,25 +63,49 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     if active.shape[0] > search_steps:
         search = active[np.sort(rng.choice(active.shape[0], search_steps, replace=False))]
     # The swap budget is counted in work, not seconds, so a seed gives the same placement anywhere.
-    rounds_left = max(1, int(effort / (search.shape[0] * P * R + 50 * P * P)))
-    # Start from the token order, then (budget permitting) from the presence order: the search
-    # ends in different local optima; keep the better one on the steps it fits.
+    rounds = max(1, int(effort / (search.shape[0] * P * R + 50 * P * P)))
+    nodes = problem.nodes
+    if nodes == 1:
+        rank = partition(active, search, item_tokens, item_expert, R, floor, rounds)
+    else:
+        # Hierarchical: slots to nodes first (a node may hold up to ranks-per-node replicas of an
+        # expert, one per rank), then each node's slots to its ranks.
+        per_node = R // nodes
+        replica_index = np.arange(P) - np.searchsorted(item_expert, item_expert)
+        node_key = item_expert * P + replica_index // per_node
+        node = partition(active, search, item_tokens, node_key, nodes, floor, rounds // 2)
+        rank = np.zeros(P, np.int64)
+        for n in range(nodes):
+            mine = np.flatnonzero(node == n)
+            rank[mine] = n * per_node + partition(active[:, mine], search[:, mine], item_tokens[mine],
+                                                  item_expert[mine], per_node, floor,
+                                                  max(1, rounds // (2 * nodes)))
+    # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
+    order = np.lexsort((item_expert, rank))
+    return item_expert[order]
+
+
+def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
+              R: int, floor: float, rounds: int) -> np.ndarray:
+    """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
+
+    Starts from the token order, then (budget permitting) from the presence order: the search ends
+    in different local optima; the better one on all steps is kept.
+    """
+    P = active.shape[1]
     presence = active.sum(axis=0)
     orders = [None, np.argsort(-(presence + 1e-9 * item_tokens), kind="stable")]
     best, best_value = None, np.inf
     for order in orders:
-        if best is not None and rounds_left < 2:
+        if best is not None and rounds < 2:
             break
-        start = greedy_place(active, item_tokens, item_expert, R, spr, floor, order)
-        rank, used = swap_search(search, item_tokens, item_expert, start, R, floor, rounds_left)
-        rounds_left -= used
+        start = greedy_place(active, item_tokens, item_expert, R, P // R, floor, order)
+        rank, used = swap_search(search, item_tokens, item_expert, start, R, floor, rounds)
+        rounds -= used
         value = _objective(_loads(active, rank, R))
         if value < best_value:
             best, best_value = rank, value
-    rank = best
-    # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
-    order = np.lexsort((item_expert, rank))
-    return item_expert[order]
+    return best
 
 
 def _ranks_of(phy2log: np.ndarray, spr: int) -> np.ndarray:
@@ -94,22 +119,25 @@ def _expert_tokens_on(phy2log: np.ndarray, item_expert: np.ndarray, item_tokens:
     return per_expert[phy2log] / np.maximum(copies[phy2log], 1)
 
 
-def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant: int, ranks: int) -> np.ndarray:
-    """[E] replicas per expert: spare slots go, one at a time, to the expert with the most steps per replica."""
+def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant: int, ranks: int,
+                   dispatch: str = "dynamic") -> np.ndarray:
+    """[E] replicas per expert.
+
+    At low batch a replica costs as well as helps: a step whose tokens for an expert fall on two
+    replicas reads that expert's weights twice. Spare slots go, one at a time, to the expert whose
+    second replica adds the fewest reads over the steps (ties: the hotter expert), and an expert
+    with n replicas is charged n times that, so slots spread before they pile up.
+    """
     counts = np.ones(num_experts, np.int64)
     if redundant == 0:
         return counts
-    presence = _presence(steps, layer, num_experts)
+    single_reads = item_activity(steps, layer, counts, dispatch)[0].sum(axis=0)
+    paired, _ = item_activity(steps, layer, np.full(num_experts, 2), dispatch)
+    extra_reads = paired.reshape(paired.shape[0], num_experts, 2).sum(axis=(0, 2)) - single_reads
     for _ in range(redundant):
-        score = np.where(counts < ranks, presence / counts, -1.0)
-        counts[int(np.argmax(score))] += 1
+        score = np.where(counts < ranks, extra_reads * counts - 1e-9 * single_reads, np.inf)
+        counts[int(np.argmin(score))] += 1
     return counts
-
-
-def _presence(steps: RoutingSteps, layer: int, num_experts: int) -> np.ndarray:
-    """[E] number of steps in which each expert is active, tokens as a tie-break."""
-    active, tokens = item_activity(steps, layer, np.ones(num_experts, np.int64), "dynamic")
-    return active.sum(axis=0) + 1e-6 * tokens.sum(axis=0)
 
 
 def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatch: str
@@ -165,12 +193,37 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
         Di = D[:, steps]
         score = (Di == Di.max(axis=0)).sum(axis=1) + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size)
         open_ = (fill < spr) & ~holds[:, item_expert[i]]
+        if not open_.any():
+            # Every rank with a free slot already holds this expert: move some other item k from a
+            # rank without it into the free slot, and take k's place.
+            r = _make_room(rank, item_expert, holds, fill, spr, i)
+            k = int(np.flatnonzero((rank == r) & ~holds[int(np.argmax(fill < spr)), item_expert])[0])
+            free = int(np.argmax(fill < spr))
+            steps_k = np.flatnonzero(by_item[k])
+            D[r, steps_k] -= 1
+            D[free, steps_k] += 1
+            rank[k], fill[free], fill[r] = free, fill[free] + 1, fill[r] - 1
+            load[r] -= item_tokens[k]
+            load[free] += item_tokens[k]
+            holds[r, item_expert[k]], holds[free, item_expert[k]] = False, True
+            open_[:] = False
+            open_[r] = True
         score[~open_ | (load > load[open_].min() + slack)] = np.inf
         r = int(np.argmin(score))
         rank[i], fill[r], load[r] = r, fill[r] + 1, load[r] + item_tokens[i]
         holds[r, item_expert[i]] = True
         D[r, steps] += 1
     return rank
+
+
+def _make_room(rank: np.ndarray, item_expert: np.ndarray, holds: np.ndarray, fill: np.ndarray, spr: int,
+               i: int) -> int:
+    """A rank that does not hold item i's expert and has an item that can move to a free slot."""
+    free = int(np.argmax(fill < spr))
+    for r in np.flatnonzero(~holds[:, item_expert[i]]):
+        if np.any((rank == r) & ~holds[free, item_expert]):
+            return int(r)
+    raise AssertionError("no rank can make room: replicas exceed ranks")  # replica_counts caps at R
 
 
 def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, rank: np.ndarray,

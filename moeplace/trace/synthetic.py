@@ -43,3 +43,19 @@ def synthetic_steps(num_steps: int, tokens_per_step: int = 9, model: ModelSpec =
     header = TraceHeader(model=model, source="synthetic",
                          notes=f"SYNTHETIC: skew={skew} coactivation={coactivation} topics={num_topics} seed={seed}")
     return header, steps
+
+
+def steps_from_counts(model: ModelSpec, counts: np.ndarray, num_steps: int, tokens_per_step: int = 9,
+                      seed: int = 0) -> RoutingSteps:
+    """Steps sampled from aggregate counts [L, E]: each token draws top-k distinct experts in
+    proportion to their counts, independently. For traces that have no per-step information; it
+    loses all co-activation, so a step-aware placement made from it is only load-aware."""
+    rng = np.random.default_rng(seed)
+    L, E, K = model.num_moe_layers, model.num_experts, model.top_k
+    T = num_steps * tokens_per_step
+    ids = np.empty((T, L, K), np.int16)
+    for layer in range(L):
+        logp = np.log(np.maximum(counts[layer], 1e-12) / max(counts[layer].sum(), 1e-12)).astype(np.float32)
+        gumbel = -np.log(-np.log(rng.random((T, E), dtype=np.float32) + np.float32(1e-12)))
+        ids[:, layer, :] = np.argpartition(-(logp + gumbel), K, axis=1)[:, :K]
+    return RoutingSteps.from_topk(model, ids, np.full(num_steps, tokens_per_step), M.UNKNOWN)

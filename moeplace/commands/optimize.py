@@ -1,0 +1,108 @@
+"""``moeplace optimize`` and ``moeplace compare``."""
+
+from __future__ import annotations
+
+import click
+
+from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
+from moeplace.commands.common import check_ranks, cost_model_from, echo_json, mode_chunks, open_source
+from moeplace.commands.options import trace_options
+from moeplace.errors import MoeplaceError
+from moeplace.optimize import optimize as run_optimize
+from moeplace.placement import Placement, load_placement, save_placement, save_sglang
+from moeplace.report import comparison_rows, evaluate, format_table, write_plots
+
+
+@click.command()
+@trace_options
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Nodes the ranks span; > 1 places hierarchically (nodes, then ranks).")
+@click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Spare physical slots for replicas (SGLang's --ep-num-redundant-experts).")
+@click.option("--algorithm", type=click.Choice(list(ALGORITHMS)), default=DEFAULT_ALGORITHM, show_default=True,
+              help="stepaware minimises the expected per-step maximum rank load; deepseek* balance average "
+                   "token counts (DeepSeek EPLB); contiguous is SGLang's default layout.")
+@click.option("--holdout", type=click.FloatRange(0, 1, max_open=True), default=0.3, show_default=True,
+              help="Share of the trace's last steps held out: the placement is fitted on the rest and the "
+                   "table reports the held-out steps (0: fit and report on all steps).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same placement.")
+@click.option("--effort", type=click.FloatRange(min=1), default=None,
+              help="stepaware's swap-search work budget (default 2.4e9, ~10 s for a Kimi-K2-sized trace).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
+              help="Where to write the placement (moeplace JSON).")
+@click.option("--sglang-out", type=click.Path(dir_okay=False),
+              help="Also write SGLang's --init-expert-location JSON here.")
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+@click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
+def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
+             top_k: int | None, max_steps: int, nodes: int, redundant: int, algorithm: str, holdout: float,
+             seed: int, effort: float | None, output: str, sglang_out: str | None, as_json: bool,
+             plot_dir: str | None) -> None:
+    """Compute an expert placement for TRACE that minimises per-step imbalance.
+
+    Fits on the first part of the trace, then prints contiguous, DeepSeek EPLB and the chosen
+    algorithm side by side on the held-out steps: E[max distinct experts on a rank per step]
+    (what decides low-batch MoE latency), its lower bound, the share of the gap closed, token
+    balancedness, and the predicted MoE time per step.
+
+    \b
+    Example:
+      moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --mode verify \\
+          -o placement.json --sglang-out init_expert_location.json
+    """
+    src = open_source(trace, window, top_k)
+    check_ranks(src, ranks, redundant)
+    cost_model = cost_model_from(cost_model_path)
+    with click.progressbar(length=src.model.num_moe_layers, label=f"{algorithm}: placing layers",
+                           file=click.get_text_stream("stderr")) as bar:
+        result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
+                              seed, max_steps, effort, progress=bar.update)
+    save_placement(output, result.placement)
+    if sglang_out:
+        save_sglang(sglang_out, result.placement)
+    rows = comparison_rows(result.evaluations, "deepseek")
+    plots = write_plots(result.evaluations, plot_dir) if plot_dir else []
+    if as_json:
+        echo_json({"placement": output, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
+                   "eval_steps": result.eval_steps, "note": result.note, "rows": rows, "plots": plots})
+        return
+    where = "held-out" if holdout else "fitted"
+    click.echo(f"fitted on {result.fit_steps} {mode} steps; table on {result.eval_steps} {where} steps; "
+               f"{ranks} ranks, {redundant} redundant, dispatch {dispatch}")
+    if result.note:
+        click.echo(f"note: {result.note}")
+    click.echo(format_table(rows, "deepseek"))
+    click.echo(f"wrote {output}" + (f" and {sglang_out}" if sglang_out else "")
+               + (f"; plots in {plot_dir}" if plots else ""))
+
+
+@click.command()
+@trace_options
+@click.argument("placements", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
+@click.option("--plot-dir", type=click.Path(file_okay=False), help="Write side-by-side PNG plots here.")
+def compare(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
+            top_k: int | None, max_steps: int, placements: tuple[str, ...], as_json: bool,
+            plot_dir: str | None) -> None:
+    """Compare existing PLACEMENTS on TRACE (moeplace JSON, or SGLang .json/.pt written by hand or exported).
+
+    The first placement is the baseline for "vs" and "gap closed".
+
+    \b
+    Example:
+      moeplace compare traces/gptoss20b-sample.mptrace old.json new.json --ranks 8
+    """
+    src = open_source(trace, window, top_k)
+    loaded: dict[str, Placement] = {}
+    for path in placements:
+        p = load_placement(path, model=src.model, ranks=ranks)
+        if path in loaded:
+            raise MoeplaceError(f"{path} is given twice")
+        loaded[path] = p
+    evals = evaluate(loaded, mode_chunks(src, mode), cost_model_from(cost_model_path), dispatch)
+    rows = comparison_rows(evals, placements[0])
+    plots = write_plots(evals, plot_dir) if plot_dir else []
+    if as_json:
+        echo_json({"rows": rows, "plots": plots})
+        return
+    click.echo(format_table(rows, "first"))

@@ -1,0 +1,88 @@
+"""``moeplace optimize`` and ``compare`` as functions: split a trace, place, evaluate held-out steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.costmodel import CostModel
+from moeplace.errors import MoeplaceError
+from moeplace.placement import Placement
+from moeplace.report import Evaluation, evaluate
+from moeplace.trace.load import Trace
+from moeplace.trace.steps import RoutingSteps
+from moeplace.trace.synthetic import steps_from_counts
+
+BASELINES = ("contiguous", "deepseek")
+AGGREGATE_SAMPLE_STEPS = 4000
+
+
+@dataclass
+class OptimizeResult:
+    placement: Placement
+    evaluations: list[Evaluation]   # baselines and the chosen algorithm, on the held-out steps
+    fit_steps: int
+    eval_steps: int
+    note: str
+
+
+def split_steps(steps: RoutingSteps, holdout: float) -> tuple[RoutingSteps, RoutingSteps]:
+    """(fit, held-out): the first ``1 - holdout`` of the steps and the rest, in time order, because a
+    placement made from yesterday's traffic is used on tomorrow's. holdout 0: both are all steps."""
+    if not 0 <= holdout < 1:
+        raise MoeplaceError(f"--holdout must be in [0, 1), got {holdout}")
+    S = steps.num_steps
+    cut = int(round(S * (1 - holdout)))
+    if holdout == 0:
+        return steps, steps
+    if cut < 1 or cut >= S:
+        raise MoeplaceError(f"{S} steps are too few to hold out {holdout:.0%} of them; lower --holdout")
+    return steps.take(np.arange(cut)), steps.take(np.arange(cut, S))
+
+
+def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
+             dispatch: str = "dynamic", cost_model: CostModel | None = None, holdout: float = 0.3,
+             seed: int = 0, max_steps: int | None = None, effort: float | None = None,
+             progress: Callable[[int], None] = lambda n: None) -> OptimizeResult:
+    """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest."""
+    cost_model = cost_model or CostModel()
+    model = trace.model
+    steps = trace.load(mode, max_steps)
+    note = ""
+    if trace.header.aggregate_only:
+        counts = steps.expert_token_counts()
+        steps = steps_from_counts(model, counts, AGGREGATE_SAMPLE_STEPS, seed=seed)
+        note = (f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
+                f"independent tokens (no co-activation); metrics are for those sampled steps")
+    if steps.num_steps == 0:
+        raise MoeplaceError(f"{trace.path}: no steps of mode {mode!r}")
+    fit, held_out = split_steps(steps, holdout)
+
+    def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
+        p = PlacementProblem(model, steps_, ranks, nodes=nodes, redundant=redundant, dispatch=dispatch,
+                             cost_model=cost_model, seed=seed, progress=report)
+        if effort is not None:
+            p.effort = effort
+        return p
+
+    problem(fit, progress).check()
+    maps = {name: solve(name, problem(fit, lambda n: None)) for name in BASELINES if name != algorithm}
+    maps[algorithm] = solve(algorithm, problem(fit, progress))
+    placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
+                  for name, phy2log in maps.items()}
+    evals = evaluate(placements, [held_out], cost_model, dispatch)
+    chosen = placements[algorithm]
+    by_name = {e.name: e for e in evals}
+    chosen.metrics = {
+        "evaluated_on": "held-out steps" if holdout else "fitted steps", "holdout": holdout, "mode": mode,
+        "dispatch": dispatch, "seed": seed, "fit_steps": fit.num_steps, "eval_steps": held_out.num_steps,
+        "cost_model": cost_model.to_json(),
+        **{f"{name}.{k}": by_name[name].summary[k] for name in placements
+           for k in ("e_max_distinct", "lower_bound", "token_balancedness", "moe_us_per_step")},
+    }
+    if note:
+        chosen.metrics["note"] = note
+    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note)
