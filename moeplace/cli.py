@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "trace": "moeplace.commands.trace:trace",
     "capture": "moeplace.commands.capture:capture",
     "launch": "moeplace.commands.launch:launch",
+    "advise": "moeplace.commands.advise:advise",
 }
 
 

@@ -1,0 +1,173 @@
+"""EP with a placement or TP-MoE? Per-rank work lists, TP-MoE cost, and the batch size where the answer flips.
+
+Dimension letters: S steps, T token rows, L MoE layers, K top-k, E logical experts, P physical slots,
+R ranks, B tokens per step.
+
+EP: rank r runs the distinct experts of its slots that the step activates; the step waits for the
+slowest rank, so a layer costs ``max_r cost(distinct[r], tokens[r])`` (``moeplace.costmodel``).
+TP-MoE: every rank holds 1/R of every expert, so every rank runs every expert the step activates, on
+all of the step's (token, expert) pairs: perfectly balanced, but each activated expert is read by
+every rank. A layer costs ``tp.cost(distinct_total, pairs_total)`` with a cost model calibrated at
+intermediate size / R (``moeplace/data/cost_h200_bf16_tp8.json``). Communication (EP dispatch and
+combine, TP all-reduce) is not in either cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+
+import numpy as np
+
+from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.errors import MoeplaceError
+from moeplace.metrics import layer_distinct_total, layer_rank_loads, static_dispatch_table
+from moeplace.model import ModelSpec
+from moeplace.placement import replica_table
+from moeplace.trace.steps import RoutingSteps
+
+DEFAULT_EP_COST = "cost_h200_bf16.json"
+DEFAULT_TP_COST = "cost_h200_bf16_tp8.json"
+BATCH_GRID = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def packaged_cost_model(name: str) -> CostModel:
+    """A cost model shipped in ``moeplace/data`` (e.g. ``cost_h200_bf16.json``)."""
+    path = resources.files("moeplace") / "data" / name
+    if not path.is_file():
+        raise MoeplaceError(f"packaged cost model {name} is missing from moeplace/data")
+    return load_cost_model(str(path))
+
+
+def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
+                      dispatch: str = "dynamic") -> np.ndarray:
+    """[S, P] tokens each physical slot runs in each step at one layer, as SGLang dispatches them.
+
+    phy2log: [P] this layer's map. Same rules as ``metrics.layer_rank_loads`` (dynamic: token row
+    ``row % replicas``; static: a fixed replica per source rank); token-row steps only.
+    """
+    if steps.count_steps.size:
+        raise MoeplaceError("per-slot work needs token rows; this trace has count-only steps")
+    E, P, S = steps.model.num_experts, phy2log.shape[0], steps.num_steps
+    log2phy, nrep = replica_table(phy2log[None, :], E)
+    log2phy, nrep = log2phy[0], nrep[0]
+    step_of_row, row_in_step, ids = steps.layer(layer)
+    valid = ids >= 0
+    e = np.where(valid, ids, 0).astype(np.int64)
+    if dispatch == "dynamic":
+        phys = log2phy[e, row_in_step[:, None] % nrep[e]]
+    else:
+        table = static_dispatch_table(phy2log, E, ranks, 1)
+        src = steps.ranks.astype(np.int64)[step_of_row] % ranks
+        phys = table[src[:, None], e]
+    step_k = np.broadcast_to(step_of_row[:, None], ids.shape)[valid]
+    return np.bincount(step_k * P + phys[valid], minlength=S * P).reshape(S, P)
+
+
+def rank_work(slot_counts: np.ndarray, ranks: int) -> np.ndarray:
+    """[S, R, P/R] tokens per local slot of each rank (rank r owns slots r*P/R ... (r+1)*P/R - 1)."""
+    S, P = slot_counts.shape
+    return slot_counts.reshape(S, ranks, P // ranks)
+
+
+def work_key(counts: np.ndarray) -> tuple[int, ...]:
+    """A rank's work as the multiset of its nonzero per-slot token counts (which slots does not matter)."""
+    c = np.asarray(counts)
+    return tuple(sorted((int(x) for x in c[c > 0]), reverse=True))
+
+
+def ep_layer_cost(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel,
+                  dispatch: str = "dynamic") -> np.ndarray:
+    """[S] µs of one layer under EP: the slowest rank's predicted cost."""
+    distinct, tokens = layer_rank_loads(steps, layer, phy2log, ranks, dispatch)
+    return cost.cost(distinct, tokens).max(axis=1)
+
+
+def tp_layer_cost(steps: RoutingSteps, layer: int, tp_cost: CostModel) -> np.ndarray:
+    """[S] µs of one layer under TP-MoE: every rank runs all activated experts on all pairs."""
+    distinct = layer_distinct_total(steps, layer)
+    _, _, ids = steps.layer(layer)
+    step_of_row = np.repeat(np.arange(steps.num_steps), np.diff(steps.token_offsets))
+    pairs = np.bincount(step_of_row, weights=(ids >= 0).sum(axis=1), minlength=steps.num_steps)
+    return tp_cost.cost(distinct, pairs)
+
+
+def step_costs(steps: RoutingSteps, placements: dict[str, np.ndarray], ranks: int, ep_cost: CostModel,
+               tp_cost: CostModel, dispatch: str = "dynamic") -> dict[str, np.ndarray]:
+    """[S] µs per step (all layers) for each EP placement (phy2log [L, P]) and for ``"tp"``."""
+    out = {name: np.zeros(steps.num_steps) for name in [*placements, "tp"]}
+    for layer in range(steps.model.num_moe_layers):
+        for name, phy2log in placements.items():
+            out[name] += ep_layer_cost(steps, layer, phy2log[layer], ranks, ep_cost, dispatch)
+        out["tp"] += tp_layer_cost(steps, layer, tp_cost)
+    return out
+
+
+def resample_batches(steps: RoutingSteps, batch: int, num_steps: int, seed: int = 0) -> RoutingSteps:
+    """``num_steps`` steps of ``batch`` tokens each, built from whole steps of ``steps``.
+
+    A batch of B tokens is the concatenation of random steps (verify windows of different requests),
+    cut to B rows, so tokens of one request keep their shared experts. Needs token-row steps.
+    """
+    lengths = np.diff(steps.token_offsets)
+    usable = np.flatnonzero(lengths > 0)
+    if usable.size == 0:
+        raise MoeplaceError("the trace has no token-row steps to build batches from")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(num_steps):
+        picked: list[np.ndarray] = []
+        have = 0
+        while have < batch:
+            s = usable[rng.integers(usable.size)]
+            r = np.arange(steps.token_offsets[s], steps.token_offsets[s + 1])
+            picked.append(r)
+            have += r.size
+        rows.append(np.concatenate(picked)[:batch])
+    ids = steps.topk_ids[np.concatenate(rows)]
+    return RoutingSteps.from_topk(steps.model, ids, np.full(num_steps, batch), steps.modes[usable[0]])
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    """EP vs TP-MoE at one batch size. Costs are µs per step (all MoE layers), means over steps."""
+
+    batch: int
+    ep_us: float
+    tp_us: float
+    ep_placement: str
+
+    @property
+    def winner(self) -> str:
+        return "ep" if self.ep_us <= self.tp_us else "tp"
+
+    @property
+    def speedup(self) -> float:
+        """How many times faster the winner is than the loser."""
+        return max(self.ep_us, self.tp_us) / min(self.ep_us, self.tp_us)
+
+
+def verdict(costs: dict[str, np.ndarray], batch: int) -> BatchVerdict:
+    """The best EP placement against TP-MoE, from ``step_costs`` output."""
+    ep = {k: float(v.mean()) for k, v in costs.items() if k != "tp"}
+    best = min(ep, key=ep.get)
+    return BatchVerdict(batch, ep[best], float(costs["tp"].mean()), best)
+
+
+def flip_batch(verdicts: list[BatchVerdict]) -> float | None:
+    """Batch size where the winner changes (log-linear interpolation of the cost ratio), or None.
+
+    verdicts: sorted by batch. The first change is reported.
+    """
+    for lo, hi in zip(verdicts, verdicts[1:]):
+        if lo.winner != hi.winner:
+            r0, r1 = np.log(lo.ep_us / lo.tp_us), np.log(hi.ep_us / hi.tp_us)
+            t = r0 / (r0 - r1)
+            return float(np.exp(np.log(lo.batch) + t * (np.log(hi.batch) - np.log(lo.batch))))
+    return None
+
+
+def model_check(model: ModelSpec, ranks: int, redundant: int) -> None:
+    if (model.num_experts + redundant) % ranks:
+        raise MoeplaceError(f"{model.num_experts} experts + {redundant} redundant slots do not split evenly "
+                            f"over {ranks} ranks")

@@ -1,0 +1,91 @@
+"""``moeplace advise``: at this trace's traffic, is EP (best placement) or TP-MoE faster, and where does it flip."""
+
+from __future__ import annotations
+
+import click
+import numpy as np
+
+from moeplace.advise import (BATCH_GRID, DEFAULT_EP_COST, DEFAULT_TP_COST, flip_batch, model_check,
+                             packaged_cost_model, resample_batches, step_costs, verdict)
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.commands.common import echo_json, open_source
+from moeplace.commands.options import trace_options
+from moeplace.costmodel import load_cost_model
+from moeplace.errors import MoeplaceError
+
+FIT_STEPS = 2000      # steps the placements are fit on
+EVAL_STEPS = 256      # steps (or resampled batches) each cost is averaged over
+
+
+@click.command()
+@trace_options
+@click.option("--tp-cost-model", "tp_cost_path", type=click.Path(exists=True, dir_okay=False),
+              help=f"TP-MoE cost model (one rank, 1/R of every expert); default: packaged {DEFAULT_TP_COST}.")
+@click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Redundant expert slots for the EP placements.")
+@click.option("--effort", type=float, default=2e8, show_default=True, help="Step-aware swap-search work.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
+def advise(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
+           top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
+           as_json: bool) -> None:
+    """Say whether EP with the best placement or TP-MoE runs TRACE's MoE layers faster.
+
+    EP cost: the slowest rank per layer under DeepSeek EPLB and step-aware placements (the better one
+    counts). TP-MoE: every rank runs every activated expert at 1/R width. Costs come from calibrated
+    cost models (default: H200, bf16, Kimi-K2-shaped experts; pass the files for your model's shape).
+    Communication is not counted. Batches of other sizes are built from the trace's own steps.
+
+    \b
+    Example:
+      moeplace advise gptoss20b_routing_topk_ids.npz --ranks 8 \\
+        --cost-model moeplace/data/cost_h200_bf16_gptoss.json \\
+        --tp-cost-model moeplace/data/cost_h200_bf16_gptoss_tp8.json
+    """
+    src = open_source(trace, window, top_k)
+    model_check(src.model, ranks, redundant)
+    ep_cost = load_cost_model(cost_model_path) if cost_model_path else packaged_cost_model(DEFAULT_EP_COST)
+    tp_cost = load_cost_model(tp_cost_path) if tp_cost_path else packaged_cost_model(DEFAULT_TP_COST)
+    steps = src.load(mode, max_steps)
+    if steps.num_steps == 0:
+        raise MoeplaceError(f"{trace}: no steps of mode {mode!r}")
+    if steps.count_steps.size:
+        raise MoeplaceError(f"{trace}: advise needs per-token routing (token rows); this trace has only counts")
+    fit = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(FIT_STEPS, steps.num_steps)).astype(np.int64)))
+    placements = {}
+    for name in ("deepseek", "stepaware"):
+        click.echo(f"placing: {name}", err=True)
+        placements[name] = solve(name, PlacementProblem(steps.model, fit, ranks, redundant=redundant,
+                                                        dispatch=dispatch, cost_model=ep_cost, effort=effort))
+    sample = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(EVAL_STEPS, steps.num_steps))
+                                  .astype(np.int64)))
+    here = verdict(step_costs(sample, placements, ranks, ep_cost, tp_cost, dispatch),
+                   int(np.median(sample.num_tokens)))
+    grid = []
+    for batch in BATCH_GRID:
+        batches = resample_batches(steps, batch, EVAL_STEPS // 4)
+        grid.append(verdict(step_costs(batches, placements, ranks, ep_cost, tp_cost, dispatch), batch))
+    flip = flip_batch(grid)
+    if as_json:
+        def row(v):
+            return {"batch": v.batch, "ep_us": v.ep_us, "tp_us": v.tp_us, "ep_placement": v.ep_placement,
+                    "winner": v.winner, "speedup": v.speedup}
+        echo_json({"trace": trace, "ranks": ranks, "at_trace": row(here), "grid": [row(v) for v in grid],
+                   "flip_batch": flip, "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json()})
+        return
+    name = {"ep": f"EP ({here.ep_placement} placement)", "tp": "TP-MoE"}
+    click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} steps): "
+               f"{name[here.winner]} is faster, {here.speedup:.2f}x "
+               f"(EP {here.ep_us / 1e3:.2f} ms vs TP-MoE {here.tp_us / 1e3:.2f} ms of MoE per step, "
+               f"{steps.model.num_moe_layers} layers).")
+    click.echo("tokens/step   EP ms   TP ms   faster")
+    for v in grid:
+        click.echo(f"{v.batch:>11} {v.ep_us / 1e3:7.2f} {v.tp_us / 1e3:7.2f}   {v.winner.upper()} "
+                   f"x{v.speedup:.2f}" + (f" ({v.ep_placement})" if v.winner == "ep" else ""))
+    if flip is None:
+        click.echo(f"No flip between {BATCH_GRID[0]} and {BATCH_GRID[-1]} tokens per step.")
+    else:
+        click.echo(f"The answer flips at about {flip:.0f} tokens per step "
+                   f"({grid[0].winner.upper()} below, {grid[-1].winner.upper()} above).")
+    click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce); cost models: "
+               f"EP {ep_cost.provenance.get('dtype', '?')} {ep_cost.provenance.get('shape', '')}, "
+               f"TP {tp_cost.provenance.get('shape', '')}.")

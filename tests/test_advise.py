@@ -1,0 +1,96 @@
+"""CPU-side logic of issue 6: per-rank work lists, the cost fit, EP vs TP-MoE verdicts."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moeplace.advise import (BatchVerdict, flip_batch, packaged_cost_model, rank_work, resample_batches,
+                             slot_token_counts, step_costs, verdict, work_key)
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.costmodel import CostModel
+from moeplace.metrics import layer_rank_loads
+from moeplace.model import ModelSpec
+from moeplace.trace.synthetic import synthetic_steps
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import calibrate_cost  # noqa: E402
+
+MODEL = ModelSpec.all_moe("small", 3, 32, 4)
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return synthetic_steps(40, tokens_per_step=9, model=MODEL, seed=1)[1]
+
+
+@pytest.mark.parametrize("redundant", [0, 8])
+@pytest.mark.parametrize("algorithm", ["contiguous", "deepseek"])
+@pytest.mark.parametrize("dispatch", ["dynamic", "static"])
+def test_rank_work_matches_metrics(steps, redundant, algorithm, dispatch):
+    phy2log = solve(algorithm, PlacementProblem(MODEL, steps, 8, redundant=redundant))
+    for layer in range(MODEL.num_moe_layers):
+        work = rank_work(slot_token_counts(steps, layer, phy2log[layer], 8, dispatch), 8)
+        distinct, tokens = layer_rank_loads(steps, layer, phy2log[layer], 8, dispatch)
+        np.testing.assert_array_equal((work > 0).sum(axis=2), distinct)
+        np.testing.assert_array_equal(work.sum(axis=2), tokens)
+        assert work.sum() == (steps.topk_ids[:, layer] >= 0).sum()
+
+
+def test_work_key_ignores_slot_order():
+    assert work_key(np.array([0, 3, 1, 0, 3])) == (3, 3, 1) == work_key(np.array([1, 3, 3]))
+    assert work_key(np.zeros(4)) == ()
+
+
+def test_fit_recovers_linear_costs():
+    pts = [{"distinct": d, "tokens": n, "us": 20.0 * d + 0.5 * n + 40.0}
+           for d in (1, 2, 4, 8, 16) for n in (16, 32, 64) if d <= n]
+    f = calibrate_cost.fit_linear(pts + [{"distinct": 0, "tokens": 0, "us": 5.0}])
+    assert f["a"] == pytest.approx(20.0) and f["b"] == pytest.approx(0.5) and f["c"] == pytest.approx(40.0)
+    assert f["points"] == len(pts) and f["max_rel_err"] < 1e-9  # the idle-rank point is left out
+
+
+def test_linear_range_finds_the_break():
+    pts = [{"distinct": d, "tokens": n, "us": 20.0 * d + 40.0 + (300.0 if n > 32 else 0.0)}
+           for d in (1, 4, 8) for n in (8, 16, 32, 64, 128) if d <= n]
+    assert calibrate_cost.linear_range(pts, tol=0.05) == 32
+
+
+def test_align_blocks_is_sglang_layout():
+    ids, experts, padded = calibrate_cost.align_blocks([3, 0, 17], n_local=4, block_m=16)
+    assert padded == 48 and ids.size == 20 + 4 * 15
+    assert list(ids[:3]) == [0, 1, 2] and (ids[3:16] == 20).all() and list(ids[16:33]) == list(range(3, 20))
+    assert list(experts[:3]) == [0, 2, 2] and (experts[3:] == -1).all()
+
+
+def test_flip_batch_interpolates():
+    vs = [BatchVerdict(8, 100.0, 50.0, "deepseek"), BatchVerdict(32, 100.0, 200.0, "deepseek")]
+    assert flip_batch(vs) == pytest.approx(16.0)
+    assert flip_batch(vs[:1]) is None and vs[0].winner == "tp" and vs[0].speedup == 2.0
+
+
+def test_tp_wins_small_batches_ep_large(steps):
+    ep, tp = CostModel(20.0, 0.5, 40.0), CostModel(3.0, 0.1, 30.0)
+    placements = {"deepseek": solve("deepseek", PlacementProblem(MODEL, steps, 8))}
+    small = verdict(step_costs(resample_batches(steps, 1, 16), placements, 8, ep, tp), 1)
+    large = verdict(step_costs(resample_batches(steps, 512, 16), placements, 8, ep, tp), 512)
+    # One token reads 4 experts: TP reads them once at 1/8 width; 512 tokens touch all 32: EP splits them.
+    assert small.winner == "tp" and large.winner == "ep"
+
+
+def test_resample_batches_shape(steps):
+    b = resample_batches(steps, 20, 5)
+    assert b.num_steps == 5 and (b.num_tokens == 20).all() and b.topk_ids.shape == (100, 3, 4)
+
+
+@pytest.mark.parametrize("name", ["cost_h200_bf16.json", "cost_h200_fp8.json", "cost_h200_bf16_tp8.json",
+                                  "cost_h200_bf16_gptoss.json", "cost_h200_bf16_gptoss_tp8.json"])
+def test_packaged_cost_models_have_provenance(name):
+    cm = packaged_cost_model(name)
+    assert cm.a_us_per_expert > 0
+    for key in ("gpu", "dtype", "kernel", "date"):
+        assert cm.provenance[key]
