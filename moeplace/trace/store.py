@@ -230,6 +230,7 @@ class TraceReader:
         return self.headers[0].model
 
     def __iter__(self) -> Iterator[RoutingSteps]:
+        self.damaged.clear()  # each pass reports what it found, once
         for path, header in zip(self.shards, self.headers):
             yield from self._chunks(path, header)
 
@@ -256,8 +257,9 @@ class TraceReader:
                     self.damaged.append((path, "chunk CRC mismatch"))
                     return
                 steps = self._decode(path, header, payload, p2l)
-                if steps.num_steps != num_steps:
-                    raise FormatError(path, "chunk step count disagrees with its header")
+                if steps.num_steps != num_steps:  # the chunk header is outside the CRC
+                    self.damaged.append((path, "chunk header disagrees with its payload"))
+                    return
                 yield steps
 
     @staticmethod
