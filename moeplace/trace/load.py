@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -108,23 +109,26 @@ def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW) -> tuple[TraceHeader
             offsets = z["example_offsets"] if "example_offsets" in z.files else np.array([0, ids.shape[0]])
             name = str(z["model_name"]) if "model_name" in z.files else path.stem
             num_experts = int(z["num_experts"]) if "num_experts" in z.files else int(ids.max(initial=0)) + 1
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise FormatError(path, f"not a top-k ids .npz ({e.__class__.__name__}: {e})") from None
     if ids.ndim != 3:
         raise FormatError(path, f"topk_ids must be [tokens, layers, top_k], got shape {list(ids.shape)}")
     offsets = np.asarray(offsets, np.int64)
-    if offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != ids.shape[0] or np.any(np.diff(offsets) < 0):
+    if offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != ids.shape[0] or np.any(np.diff(offsets) < 0):
         raise FormatError(path, "example_offsets do not cover the token rows")
     if ids.size and int(ids.max()) >= num_experts:
         raise FormatError(path, f"expert id {int(ids.max())} outside the {num_experts} experts")
     T, L, K = ids.shape
-    model = ModelSpec.all_moe(name, L, num_experts, K)
     starts, ends = offsets[:-1], offsets[1:]
     windows = (ends - starts) // window
     win_start = np.repeat(starts, windows) + window * _ranges_within(windows)
     rows = (win_start[:, None] + np.arange(window)).ravel()
-    steps = RoutingSteps.from_topk(model, ids[rows].astype(np.int16), np.full(win_start.size, window),
-                                   M.TARGET_VERIFY)
+    try:
+        model = ModelSpec.all_moe(name, L, num_experts, K)
+        steps = RoutingSteps.from_topk(model, ids[rows].astype(np.int16), np.full(win_start.size, window),
+                                       M.TARGET_VERIFY)
+    except MoeplaceError as e:  # ids below -1, or no experts to infer the model from
+        raise FormatError(path, str(e)) from None
     header = TraceHeader(model=model, source=f"converted:{path.name}",
                          notes=f"decode runs cut into verify windows of {window} consecutive tokens")
     return header, steps
