@@ -24,8 +24,9 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
                           seed: int = 0) -> np.ndarray:
     """[R, E] physical slot each source rank sends an expert's tokens to (SGLang's ``static`` rule).
 
-    Same GPU first, then same node, then a seeded fair choice among all replicas.
-    phy2log: [P] one layer.
+    Same GPU first, then same node when that narrows the choice, then a seeded fair choice among
+    all replicas: the remaining ranks spread evenly over them (SGLang 0.5.23's
+    ``_find_nearest_expert`` and ``_fair_choices``). phy2log: [P] one layer.
     """
     P = phy2log.shape[0]
     slots_per_rank, ranks_per_node = P // ranks, ranks // nodes
@@ -34,11 +35,20 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
     table = np.zeros((ranks, num_experts), np.int64)
     for e in range(num_experts):
         replicas = np.flatnonzero(phy2log == e)
-        fallback = replicas[rng.integers(replicas.size, size=ranks)]
+        remaining = []
         for r in range(ranks):
             local = replicas[rank_of[replicas] == r]
             same_node = replicas[rank_of[replicas] // ranks_per_node == r // ranks_per_node]
-            table[r, e] = local[0] if local.size else same_node[0] if same_node.size else fallback[r]
+            if local.size:
+                table[r, e] = local[0]
+            elif 0 < same_node.size < replicas.size:
+                table[r, e] = same_node[0]
+            else:
+                remaining.append(r)
+        if remaining:
+            whole, rest = divmod(len(remaining), replicas.size)
+            choices = np.concatenate([np.tile(replicas, whole), rng.choice(replicas, rest, replace=False)])
+            table[remaining, e] = rng.permutation(choices)
     return table
 
 
