@@ -30,7 +30,7 @@ from moeplace.trace.steps import RoutingSteps
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
 BALANCE_FLOOR = 0.98        # token balancedness kept at >= this share of DeepSeek EPLB's
 MAX_REPAIRS = 64           # swaps allowed to lift token balancedness to the floor
-SEARCH_CELLS = 800_000      # the swap search sees at most this many step x slot cells (all steps place)
+SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
 
 
 def stepaware(problem: PlacementProblem) -> np.ndarray:
@@ -62,46 +62,51 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     search_steps = max(SEARCH_CELLS // P, 1)
     if active.shape[0] > search_steps:
         search = active[np.sort(rng.choice(active.shape[0], search_steps, replace=False))]
-    # The swap budget is counted in work, not seconds, so a seed gives the same placement anywhere.
-    rounds = max(1, int(effort / (search.shape[0] * P * R + 50 * P * P)))
     nodes = problem.nodes
     if nodes == 1:
-        rank = partition(active, search, item_tokens, item_expert, R, floor, rounds)
+        rank = partition(active, search, item_tokens, item_expert, R, floor, effort)
     else:
         # Hierarchical: slots to nodes first (a node may hold up to ranks-per-node replicas of an
-        # expert, one per rank), then each node's slots to its ranks.
+        # expert, one per rank), then each node's slots to its ranks. Replicas sharing a key go to
+        # different nodes; groups of ``nodes`` replicas make at most ranks-per-node groups (an
+        # expert has at most R replicas), so no node gets more replicas than it has ranks.
         per_node = R // nodes
         replica_index = np.arange(P) - np.searchsorted(item_expert, item_expert)
-        node_key = item_expert * P + replica_index // per_node
-        node = partition(active, search, item_tokens, node_key, nodes, floor, rounds // 2)
+        node_key = item_expert * P + replica_index // nodes
+        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2)
         rank = np.zeros(P, np.int64)
         for n in range(nodes):
             mine = np.flatnonzero(node == n)
             rank[mine] = n * per_node + partition(active[:, mine], search[:, mine], item_tokens[mine],
                                                   item_expert[mine], per_node, floor,
-                                                  max(1, rounds // (2 * nodes)))
+                                                  effort / (2 * nodes))
     # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
     order = np.lexsort((item_expert, rank))
     return item_expert[order]
 
 
 def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
-              R: int, floor: float, rounds: int) -> np.ndarray:
+              R: int, floor: float, effort: float) -> np.ndarray:
     """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
 
-    Starts from the token order, then (budget permitting) from the presence order: the search ends
-    in different local optima; the better one on all steps is kept.
+    Starts from the token order, then, if the work budget ``effort`` allows, from the presence order:
+    the search ends in different local optima; the better one on all steps is kept. Work is counted
+    in step x slot x rank cells, not seconds, so a seed gives the same placement on any machine.
     """
-    P = active.shape[1]
+    S, P = active.shape
+    start_cost = S * P * R
+    round_cost = search.shape[0] * P * R + 50 * P * P
     presence = active.sum(axis=0)
     orders = [None, np.argsort(-(presence + 1e-9 * item_tokens), kind="stable")]
     best, best_value = None, np.inf
     for order in orders:
-        if best is not None and rounds < 2:
+        if best is not None and effort < start_cost + 2 * round_cost:
             break
+        effort -= start_cost
         start = greedy_place(active, item_tokens, item_expert, R, P // R, floor, order)
-        rank, used = swap_search(search, item_tokens, item_expert, start, R, floor, rounds)
-        rounds -= used
+        rank, used = swap_search(search, item_tokens, item_expert, start, R, floor,
+                                 max(1, int(effort // round_cost)))
+        effort -= used * round_cost
         value = _objective(_loads(active, rank, R))
         if value < best_value:
             best, best_value = rank, value
@@ -262,7 +267,7 @@ def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nda
 
 def _loads(X: np.ndarray, rank: np.ndarray, R: int) -> np.ndarray:
     """[S, R] active slots per rank per step."""
-    return np.stack([X[:, rank == r].sum(axis=1) for r in range(R)], axis=1).astype(np.float32)
+    return X @ np.eye(R, dtype=np.float32)[rank]
 
 
 def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray, R: int,
@@ -285,20 +290,21 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
     XH = X.T @ h.reshape(S, R * R)                     # [P, R*R]: sum_s x_si h(s, a, b)
     delta = np.full((P, P), np.inf, np.float32)
     members = [np.flatnonzero(rank == r) for r in range(R)]
-    for a in range(R) if only_rank is None else (only_rank,):
-        I = members[a]
-        for b in range(R):
-            if a == b:
+    for a in range(R):
+        for b in range(a + 1, R):
+            if only_rank is not None and only_rank not in (a, b):
                 continue
-            J = members[b]
+            I, J = members[a], members[b]
             w = h[:, a, b] + h[:, b, a]
-            cross = (X[:, I] * w[:, None]).T @ X[:, J]    # sum_s x_si x_sj (h_ab + h_ba)
-            delta[np.ix_(I, J)] = XH[I, a * R + b][:, None] + XH[J, b * R + a][None, :] - cross
+            cross = (X[:, I] * w[:, None]).T @ X[:, J]    # sum_s x_si x_sj (h_ab + h_ba), symmetric in a, b
+            block = XH[I, a * R + b][:, None] + XH[J, b * R + a][None, :] - cross
+            delta[np.ix_(I, J)] = block
+            delta[np.ix_(J, I)] = block.T
     holds = np.zeros((R, int(item_expert.max()) + 1), bool)
     holds[rank, item_expert] = True
     delta[holds[rank[None, :], item_expert[:, None]]] = np.inf      # i's expert already on j's rank
     delta[holds[rank[:, None], item_expert[None, :]]] = np.inf      # j's expert already on i's rank
-    return np.minimum(delta, delta.T)
+    return delta
 
 
 def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray,
