@@ -59,17 +59,18 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
     click.echo(f"model     {model.name}: {model.num_moe_layers} MoE layers, {model.num_experts} experts, "
                f"top-{model.top_k}")
     click.echo(f"placement {name} on {ranks} ranks, dispatch {dispatch}")
+    click.echo("")
     if src.header.aggregate_only:
-        click.echo("note      aggregate counts only: per-step metrics below treat the whole trace as one step; "
-                   "only token balancedness is meaningful")
-    click.echo("")
-    click.echo(format_table(comparison_rows([ev]), name))
-    worst = sorted(range(model.num_moe_layers), key=lambda i: -s["per_layer"]["e_max_distinct"][i])[:3]
-    click.echo("")
+        click.echo("aggregate counts only (no per-step information): per-step metrics cannot be measured")
+        click.echo(f"token balancedness {s['token_balancedness']:.3f}")
+    else:
+        click.echo(format_table(comparison_rows([ev]), name))
+        worst = sorted(range(model.num_moe_layers), key=lambda i: -s["per_layer"]["e_max_distinct"][i])[:3]
+        click.echo("")
+        click.echo("worst layers by E[max distinct]: " + ", ".join(
+            f"{model.moe_layers[i]} ({s['per_layer']['e_max_distinct'][i]:.2f})" for i in worst))
     click.echo(f"token balancedness across layers: p50 {s['balancedness_p50']:.3f}, "
                f"p90 {s['balancedness_p90']:.3f}, worst {s['balancedness_worst']:.3f}")
-    click.echo("worst layers by E[max distinct]: " + ", ".join(
-        f"{model.moe_layers[i]} ({s['per_layer']['e_max_distinct'][i]:.2f})" for i in worst))
     click.echo("hottest experts: " + ", ".join(
         f"L{h['layer']}/E{h['expert']} {100 * h['share']:.1f}%" for h in hot)
         + f"  (uniform {100 / model.num_experts:.1f}%)")
