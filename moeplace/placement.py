@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from moeplace.atomic import atomic_write_text
-from moeplace.errors import FormatError, PlacementError
+from moeplace.errors import FormatError, MoeplaceError, PlacementError
 from moeplace.model import ModelSpec
 
 PLACEMENT_FORMAT = "moeplace-placement"
@@ -186,7 +186,7 @@ def load_placement(path: str | os.PathLike, model: ModelSpec | None = None, rank
             p = Placement(own_model, int(data["ranks"]), phy2log, nodes=int(data.get("nodes", 1)),
                           algorithm=str(data.get("algorithm", "unknown")), trace=str(data.get("trace", "")),
                           metrics=dict(data.get("metrics") or {}))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, MoeplaceError) as e:  # MoeplaceError: a bad model
             raise FormatError(path, f"bad placement field: {e}") from None
         if model is not None and (own_model.num_experts, own_model.num_moe_layers) != (model.num_experts, model.num_moe_layers):
             raise PlacementError(f"{path}: placement is for {own_model.name!r} ({own_model.num_moe_layers} MoE layers, "
