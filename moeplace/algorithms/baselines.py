@@ -31,10 +31,25 @@ def separate_replicas(phy2log: np.ndarray, ranks: int, weight: np.ndarray) -> np
     phy2log: [P] one layer; weight: [E] tokens. Each duplicate swaps with the slot on another rank
     whose per-replica load is closest, so token balance barely moves. SGLang would accept the
     duplicate, but it wastes a slot, and without an all-to-all backend both copies can be read.
+    An expert with more replicas than ranks gives its extra ones to other experts.
     """
     out = phy2log.copy()
     spr = out.shape[0] // ranks
-    replica_load = weight / np.bincount(out, minlength=weight.shape[0])
+    copies = np.bincount(out, minlength=weight.shape[0])
+    for slot in range(out.shape[0]):
+        # EPLB does not cap replicas at the rank count, and more than ``ranks`` replicas cannot be
+        # separated: an extra one on a rank that already holds its expert goes to the expert EPLB
+        # would replicate next (highest load per replica) among those under the cap, preferably
+        # one this rank lacks; the swaps below separate the rest.
+        r, e = slot // spr, out[slot]
+        mine = out[r * spr:(r + 1) * spr]
+        if copies[e] > ranks and np.flatnonzero(mine == e)[0] != slot - r * spr:
+            fits = copies < ranks
+            if (fits & ~np.isin(np.arange(copies.shape[0]), mine)).any():
+                fits &= ~np.isin(np.arange(copies.shape[0]), mine)
+            f = int(np.argmax(np.where(fits, weight / copies, -np.inf)))
+            out[slot], copies[e], copies[f] = f, copies[e] - 1, copies[f] + 1
+    replica_load = weight / copies
     for slot in range(out.shape[0]):
         r, e = slot // spr, out[slot]
         mine = out[r * spr:(r + 1) * spr]
@@ -42,6 +57,11 @@ def separate_replicas(phy2log: np.ndarray, ranks: int, weight: np.ndarray) -> np
             continue
         candidates = [s for s in range(out.shape[0]) if s // spr != r
                       and out[s] not in mine and e not in out[(s // spr) * spr:(s // spr + 1) * spr]]
+        if not candidates:
+            # Rare (many replicas per rank): the swaps have cornered themselves. Deal the replicas
+            # round-robin over the ranks, hottest first; no expert has more than ``ranks`` of them now.
+            order = np.lexsort((out, -replica_load[out]))
+            return out[order].reshape(spr, ranks).T.ravel()
         best = min(candidates, key=lambda s: abs(replica_load[out[s]] - replica_load[e]))
         out[slot], out[best] = out[best], out[slot]
     return out

@@ -38,7 +38,7 @@ def synthetic_steps(num_steps: int, tokens_per_step: int = 9, model: ModelSpec =
         base = (popularity[None] + coactivation * topics[step_topic]).astype(np.float32)
         gumbel = -np.log(-np.log(rng.random((T, E), dtype=np.float32) + np.float32(1e-12)))
         logits = base.repeat(tokens_per_step, axis=0) + gumbel
-        ids[:, layer, :] = np.argpartition(-logits, K, axis=1)[:, :K]
+        ids[:, layer, :] = np.argpartition(-logits, K - 1, axis=1)[:, :K]
     steps = RoutingSteps.from_topk(model, ids, np.full(num_steps, tokens_per_step), mode)
     header = TraceHeader(model=model, source="synthetic",
                          notes=f"SYNTHETIC: skew={skew} coactivation={coactivation} topics={num_topics} seed={seed}")
@@ -57,5 +57,5 @@ def steps_from_counts(model: ModelSpec, counts: np.ndarray, num_steps: int, toke
     for layer in range(L):
         logp = np.log(np.maximum(counts[layer], 1e-12) / max(counts[layer].sum(), 1e-12)).astype(np.float32)
         gumbel = -np.log(-np.log(rng.random((T, E), dtype=np.float32) + np.float32(1e-12)))
-        ids[:, layer, :] = np.argpartition(-(logp + gumbel), K, axis=1)[:, :K]
+        ids[:, layer, :] = np.argpartition(-(logp + gumbel), K - 1, axis=1)[:, :K]
     return RoutingSteps.from_topk(model, ids, np.full(num_steps, tokens_per_step), M.UNKNOWN)
