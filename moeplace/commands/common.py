@@ -34,7 +34,8 @@ def mode_chunks(trace: Trace, mode: str, label: str = "reading") -> Iterator[Rou
         if mask.any():
             yield chunk.select(mask)
     if seen == 0:
-        raise MoeplaceError(f"{trace.path}: no steps of mode {mode!r} (empty trace or other modes only)")
+        damage = "".join(f"; {path}: {why}" for path, why in trace.damaged)
+        raise MoeplaceError(f"{trace.path}: no steps of mode {mode!r} (empty trace or other modes only){damage}")
     for path, why in trace.damaged:
         click.echo(f"warning: {path}: {why}; the rest of that shard was skipped", err=True)
 

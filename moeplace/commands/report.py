@@ -10,6 +10,7 @@ from moeplace.commands.common import check_ranks, cost_model_from, echo_json, mo
 from moeplace.commands.options import trace_options
 from moeplace.placement import Placement, load_placement
 from moeplace.report import evaluate, format_table, comparison_rows, hottest_experts, write_plots
+from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps
 
 
@@ -80,7 +81,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
 
 def _expert_tokens(src, mode: str):
     total = None
-    for chunk in mode_chunks(src, mode):
-        c = chunk.expert_token_counts()
+    for chunk in src.chunks():  # second pass: mode_chunks already warned and showed progress
+        c = chunk.select(M.mode_mask(chunk.modes, mode)).expert_token_counts()
         total = c if total is None else total + c
     return total

@@ -1,0 +1,215 @@
+"""The CLI: ``moeplace report`` on the shipped sample, one-line errors with exit code 2, light imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from moeplace.cli import cli
+from moeplace.model import ModelSpec
+from moeplace.placement import Placement, save_placement, save_sglang
+from moeplace.trace.load import open_trace
+
+REPO = Path(__file__).parents[1]
+SAMPLE = REPO / "traces" / "gptoss20b-sample.mptrace"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+GPTOSS = open_trace(SAMPLE).model  # 24 MoE layers, 32 experts, top-4
+
+
+def moeplace(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the real entry point in a fresh interpreter, as the console script would."""
+    return subprocess.run([sys.executable, "-c", "from moeplace.cli import main; main()", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def _strict_json(text: str):
+    def reject(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(text, parse_constant=reject)
+
+
+def _shuffled_placement(model: ModelSpec, ranks: int, seed: int = 0) -> Placement:
+    rng = np.random.default_rng(seed)
+    phy2log = np.stack([rng.permutation(model.num_experts) for _ in range(model.num_moe_layers)])
+    return Placement(model, ranks, phy2log, algorithm="shuffled")
+
+
+# ----------------------------------------------------------------------------- report on the sample
+
+def test_report_table_and_plots(tmp_path):
+    plots = tmp_path / "plots"
+    result = CliRunner().invoke(cli, ["report", str(SAMPLE), "--ranks", "8", "--plot-dir", str(plots)])
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "openai/gpt-oss-20b: 24 MoE layers, 32 experts, top-4" in out
+    assert "placement contiguous on 8 ranks, dispatch dynamic" in out
+    assert "E[max distinct]" in out and "lower bound" in out and "hottest experts" in out
+    row = next(line for line in out.splitlines() if line.startswith("contiguous "))
+    e_max, lower = (float(x) for x in row.split()[1:3])
+    assert lower <= e_max <= 4  # 4 slots per rank
+    pngs = sorted(plots.glob("*.png"))
+    assert [p.name for p in pngs] == ["distinct_heatmap.png", "step_max_distribution.png", "token_load_heatmap.png"]
+    for p in pngs:
+        assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
+    assert not [p for p in plots.iterdir() if p.suffix != ".png"]  # no temp files left
+
+
+def test_report_json_and_placement(tmp_path):
+    placement = tmp_path / "p.json"
+    save_placement(placement, _shuffled_placement(GPTOSS, 8))
+    runner = CliRunner()
+    result = runner.invoke(cli, ["report", str(SAMPLE), "--ranks", "8", "--json", "--mode", "verify"])
+    assert result.exit_code == 0, result.output
+    data = _strict_json(result.output)
+    m = data["metrics"]
+    assert data["model"]["num_experts"] == 32 and data["ranks"] == 8 and data["placement"] == "contiguous"
+    assert m["steps"] > 1000 and m["lower_bound"] <= m["e_max_distinct"]
+    assert len(m["per_layer"]["e_max_distinct"]) == 24 and len(data["hottest_experts"]) == 5
+    assert data["aggregate_only"] is False
+
+    result = runner.invoke(cli, ["report", str(SAMPLE), "--ranks", "8", "--json", "--placement", str(placement),
+                                 "--dispatch", "static"])
+    assert result.exit_code == 0, result.output
+    shuffled = _strict_json(result.output)
+    assert shuffled["placement"] == "shuffled" and shuffled["dispatch"] == "static"
+    # Placements move load between ranks, never the tokens themselves, so the lower bound is the same.
+    assert shuffled["metrics"]["lower_bound"] == pytest.approx(m["lower_bound"])
+
+    sglang = tmp_path / "init.json"
+    save_sglang(sglang, _shuffled_placement(GPTOSS, 8))
+    result = runner.invoke(cli, ["report", str(SAMPLE), "--ranks", "8", "--placement", str(sglang)])
+    assert result.exit_code == 0, result.output
+    assert "placement sglang-file on 8 ranks" in result.output
+
+
+def test_report_aggregate_only_json(tmp_path):
+    counts = np.zeros((4, 16))
+    counts[1:] = np.arange(1, 17)
+    path = tmp_path / "stats.json"
+    path.write_text(json.dumps({"logical_count": counts.tolist()}))
+    result = CliRunner().invoke(cli, ["report", str(path), "--ranks", "4", "--top-k", "2"])
+    assert result.exit_code == 0, result.output
+    assert "aggregate counts only" in result.output
+    result = CliRunner().invoke(cli, ["report", str(path), "--ranks", "4", "--json"])
+    assert _strict_json(result.output)["aggregate_only"] is True
+
+
+def test_help_lists_commands():
+    result = CliRunner().invoke(cli, ["--help"])
+    assert result.exit_code == 0
+    for name in ("report", "optimize", "compare", "trace", "capture", "launch"):
+        assert f"  {name}" in result.output
+    result = CliRunner().invoke(cli, ["report", "--help"])
+    assert result.exit_code == 0 and "Example:" in result.output and "--plot-dir" in result.output
+
+
+def test_ranks_that_do_not_divide_the_experts():
+    result = CliRunner().invoke(cli, ["report", str(SAMPLE), "--ranks", "7"])
+    assert result.exit_code == 2
+    assert "--ranks" in result.output and "32 experts" in result.output and "7 ranks" in result.output
+
+
+# ----------------------------------------------------------------------------- errors through main()
+
+def _assert_one_line_error(res: subprocess.CompletedProcess, *needles: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert res.stdout == ""
+
+
+def test_placement_for_another_model_or_rank_count(tmp_path):
+    other = tmp_path / "other_model.json"
+    save_placement(other, _shuffled_placement(ModelSpec.all_moe("kimi-ish", 24, 64, 8), 8))
+    res = moeplace("report", SAMPLE, "--ranks", "8", "--placement", other)
+    _assert_one_line_error(res, "other_model.json", "64 experts", "32 experts")
+
+    four = tmp_path / "four_ranks.json"
+    save_placement(four, _shuffled_placement(GPTOSS, 4))
+    res = moeplace("report", SAMPLE, "--ranks", "8", "--placement", four)
+    _assert_one_line_error(res, "four_ranks.json", "4 ranks, not 8")
+
+    sglang = tmp_path / "sglang_rows.json"  # SGLang file whose slots do not split over the ranks
+    sglang.write_text(json.dumps({"physical_to_logical_map": [list(range(32)) + [0, 1, 2, 3]] * 24}))
+    res = moeplace("report", SAMPLE, "--ranks", "8", "--placement", sglang)
+    _assert_one_line_error(res, "sglang_rows.json", "36 slots per layer do not split evenly over 8 ranks")
+
+
+def _bad_traces(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    data = SAMPLE.read_bytes()
+    files = {
+        "garbage.mptrace": (b"\x00garbage\xff" * 50, "bad magic"),
+        "header_cut.mptrace": (data[:100], "shard header"),
+        "chunk_cut.mptrace": (data[:len(data) // 2], "cut inside a chunk"),  # the sample is one chunk
+        "garbage.npz": (b"PK\x03\x04garbage" * 20, "not a top-k ids .npz"),
+        "garbage.json": (b"{\"logical_count\": [[1, 2]", "not valid JSON"),
+        "garbage.dat": (b"\x01\x02\x03", "unknown trace format"),
+    }
+    out = {}
+    for name, (content, needle) in files.items():
+        (tmp_path / name).write_bytes(content)
+        out[name] = (tmp_path / name, needle)
+    return out
+
+
+def test_bad_traces_are_one_line_errors(tmp_path):
+    for name, (path, needle) in _bad_traces(tmp_path).items():
+        res = moeplace("report", path, "--ranks", "8")
+        _assert_one_line_error(res, name, needle)
+
+
+def test_damaged_shard_warns_once(tmp_path):
+    folder = tmp_path / "trace"
+    folder.mkdir()
+    data = SAMPLE.read_bytes()
+    (folder / "a.mptrace").write_bytes(data)
+    (folder / "b.mptrace").write_bytes(data[:-10])
+    res = moeplace("report", folder, "--ranks", "8", "--mode", "verify")
+    assert res.returncode == 0, res.stderr
+    warnings = [line for line in res.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "b.mptrace" in warnings[0] and "cut" in warnings[0]
+    assert "Traceback" not in res.stderr and "contiguous" in res.stdout
+
+
+def test_bad_option_values_exit_2_without_traceback(tmp_path):
+    res = moeplace("report", SAMPLE, "--ranks", "7")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "Invalid value for '--ranks'" in res.stderr or "Invalid value for --ranks" in res.stderr
+    res = moeplace("report", tmp_path / "missing.mptrace")
+    assert res.returncode == 2 and "Traceback" not in res.stderr and "does not exist" in res.stderr
+    bad_cost = tmp_path / "cost.json"
+    bad_cost.write_text("{}")
+    res = moeplace("report", SAMPLE, "--cost-model", bad_cost)
+    _assert_one_line_error(res, "cost.json")
+
+
+# ----------------------------------------------------------------------------- light imports
+
+def test_help_does_not_import_torch_or_sglang():
+    script = (
+        "import sys, io, contextlib\n"
+        "import moeplace, moeplace.cli\n"
+        "from moeplace.cli import main\n"
+        "for argv in (['--help'], ['report', '--help'], ['optimize', '--help']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            assert not e.code, (argv, e.code)\n"
+        "    assert 'Usage' in out.getvalue(), argv\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang'))\n"
+        "print(','.join(heavy))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "", f"--help imported: {res.stdout.strip()[:200]}"
