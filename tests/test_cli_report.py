@@ -213,3 +213,50 @@ def test_help_does_not_import_torch_or_sglang():
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "", f"--help imported: {res.stdout.strip()[:200]}"
+
+
+# ----------------------------------------------------------------------------- report module
+
+def test_evaluate_compare_and_format():
+    from moeplace.costmodel import CostModel
+    from moeplace.report import comparison_rows, evaluate, format_table, hottest_experts
+    from moeplace.trace import modes as M
+    from moeplace.trace.steps import RoutingSteps
+
+    model = ModelSpec("two", 1, (0,), 4, 1)
+    # Each step reads experts 0 and 1: contiguous puts both on rank 0, "split" puts them on different ranks.
+    steps = RoutingSteps.from_topk(model, np.array([[[0]], [[1]]] * 3), [2, 2, 2], M.TARGET_VERIFY)
+    placements = {"contiguous": Placement(model, 2, np.array([[0, 1, 2, 3]])),
+                  "split": Placement(model, 2, np.array([[0, 2, 1, 3]]))}
+    cost = CostModel(1.0, 0.0, 0.0)
+    chunks = iter([steps.take([0]), steps.take([1, 2])])  # one pass over a stream of chunks
+    evals = evaluate(placements, chunks, cost)
+    assert [e.name for e in evals] == ["contiguous", "split"]
+    assert [e.summary["e_max_distinct"] for e in evals] == [2.0, 1.0]
+    assert all(e.summary["lower_bound"] == 1.0 and e.summary["steps"] == 3 for e in evals)
+    rows = comparison_rows(evals, baseline="contiguous")
+    assert rows[1]["vs_baseline_pct"] == pytest.approx(-50.0) and rows[1]["gap_closed_pct"] == pytest.approx(100.0)
+    assert rows[0]["gap_closed_pct"] == 0.0
+    table = format_table(rows, "contiguous").splitlines()
+    assert len(table) == 4 and table[0].startswith("placement") and set(table[1]) <= {"-", " "}
+    assert table[3].split()[:3] == ["split", "1.000", "1.000"] and "-50.0%" in table[3] and "100%" in table[3]
+
+    hot = hottest_experts(np.array([[1.0, 3, 0, 0], [5, 5, 5, 5]]), (3, 7), n=3)
+    assert [(h["layer"], h["expert"]) for h in hot[:1]] == [(3, 1)]
+    assert hot[0]["share"] == pytest.approx(0.75) and hot[0]["uniform_share"] == 0.25
+    assert [h["share"] for h in hot[1:]] == pytest.approx([0.25, 0.25])
+
+
+def test_write_plots_side_by_side(tmp_path):
+    from moeplace.costmodel import CostModel
+    from moeplace.report import evaluate, write_plots
+
+    trace = open_trace(SAMPLE)
+    steps = trace.load(max_steps=200)
+    placements = {"contiguous": Placement(GPTOSS, 8, np.tile(np.arange(32), (24, 1))),
+                  "shuffled": _shuffled_placement(GPTOSS, 8)}
+    evals = evaluate(placements, [steps], CostModel())
+    files = write_plots(evals, str(tmp_path / "plots"))
+    assert len(files) == 3
+    for f in files:
+        assert Path(f).read_bytes()[:8] == PNG_MAGIC

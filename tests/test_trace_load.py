@@ -304,3 +304,55 @@ def test_bad_inputs_are_format_errors_naming_the_file(tmp_path):
             open_trace(path).load()
         assert path.name in str(info.value), (path.name, str(info.value))
         assert match in str(info.value), (path.name, str(info.value))
+
+
+# ----------------------------------------------------------------------------- modes and synthetic traces
+
+def test_mode_mask_selections():
+    modes = np.array([M.UNKNOWN, M.EXTEND, M.DECODE, M.MIXED, M.IDLE, M.TARGET_VERIFY, M.DRAFT_EXTEND], np.uint8)
+    assert M.mode_mask(modes, "verify").tolist() == [0, 0, 0, 0, 0, 1, 0]
+    assert M.mode_mask(modes, "decode").tolist() == [0, 0, 1, 0, 0, 1, 0]
+    assert M.mode_mask(modes, "prefill").tolist() == [0, 1, 0, 1, 0, 0, 0]
+    assert M.mode_mask(modes, "all").all()
+    assert set(M.MODE_NAMES) == set(range(7))
+
+
+def test_synthetic_steps_shape_determinism_and_label():
+    from moeplace.trace.synthetic import KIMI_K2, synthetic_steps
+
+    header, steps = synthetic_steps(5, tokens_per_step=3, seed=1)
+    assert header.model == KIMI_K2 and (KIMI_K2.num_hidden_layers, KIMI_K2.num_moe_layers) == (61, 60)
+    assert "SYNTHETIC" in header.notes and "SYNTHETIC" in header.model.name and header.source == "synthetic"
+    assert steps.topk_ids.shape == (15, 60, 8) and (steps.modes == M.TARGET_VERIFY).all()
+    steps.validate()
+    # Top-k ids of a token are distinct experts.
+    srt = np.sort(steps.topk_ids, axis=2)
+    assert (np.diff(srt, axis=2) > 0).all()
+    np.testing.assert_array_equal(synthetic_steps(5, tokens_per_step=3, seed=1)[1].topk_ids, steps.topk_ids)
+    assert not np.array_equal(synthetic_steps(5, tokens_per_step=3, seed=2)[1].topk_ids, steps.topk_ids)
+
+
+def test_synthetic_skew_and_coactivation_do_what_they_say():
+    from moeplace.metrics import layer_distinct_total
+    from moeplace.trace.synthetic import synthetic_steps
+
+    model = ModelSpec.all_moe("s", 2, 64, 4)
+    _, flat = synthetic_steps(300, 9, model, skew=0.0, coactivation=0.0, seed=3)
+    _, skewed = synthetic_steps(300, 9, model, skew=1.5, coactivation=0.0, seed=3)
+    _, topical = synthetic_steps(300, 9, model, skew=0.0, coactivation=1.5, seed=3)
+    share = lambda s: (s.expert_token_counts().max(axis=1) / s.expert_token_counts().sum(axis=1)).mean()  # noqa
+    assert share(skewed) > 2 * share(flat)
+    distinct = lambda s: np.mean([layer_distinct_total(s, layer).mean() for layer in range(2)])  # noqa
+    assert distinct(topical) < 0.8 * distinct(flat)  # tokens of one step share experts
+
+
+def test_steps_from_counts_follow_the_counts():
+    from moeplace.trace.synthetic import steps_from_counts
+
+    model = ModelSpec.all_moe("s", 1, 8, 2)
+    counts = np.array([[100.0, 50, 25, 0, 0, 0, 0, 25]])
+    steps = steps_from_counts(model, counts, 400, tokens_per_step=5, seed=0)
+    assert steps.num_steps == 400 and steps.topk_ids.shape == (2000, 1, 2)
+    got = steps.expert_token_counts()[0]
+    assert got[[3, 4, 5, 6]].sum() < 0.02 * got.sum()  # experts with no tokens (almost) never drawn
+    assert got[0] > got[1] > got[2]

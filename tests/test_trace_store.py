@@ -15,7 +15,7 @@ import zlib
 import numpy as np
 import pytest
 
-from moeplace.errors import FormatError
+from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
@@ -136,12 +136,15 @@ def test_physical_ids_read_back_logical(tmp_path, E, K, redundant, layers):
     _assert_same_steps(logical, back)
 
 
-def test_physical_id_outside_map_is_format_error(tmp_path):
+@pytest.mark.parametrize("bad_id", [6, 100, -2, -7])
+def test_physical_id_outside_map_is_format_error(tmp_path, bad_id):
+    """Slot ids past the map, or negative ones other than -1, are a bad file, not silently 'none'."""
     model = ModelSpec.all_moe("phys", 1, 4, 1)
     header = TraceHeader(model, "moeplace-tracer", id_space="physical", physical_to_logical_map=[[0, 1, 2, 3, 0, 1]])
     steps = RoutingSteps.from_topk(model, [[[0]]], [1], M.DECODE)
     arrays = {k: getattr(steps, k) for k in CHUNK_ARRAYS}
-    arrays["topk_ids"] = np.array([[[6]]], np.int16)  # slot 6 of 6
+    arrays["topk_ids"] = np.array([[[bad_id]]], np.int16)
+    arrays["counts"] = np.zeros((0, 1, 6))  # [S_c, L, P]
     with ShardWriter(tmp_path / "p", header) as w:
         w.append_arrays(arrays)
     with pytest.raises(FormatError, match="p.mptrace"):
@@ -310,6 +313,12 @@ GOOD_HEADER = TraceHeader(ModelSpec("m", 2, (0, 1), 8, 2), "synthetic").to_json(
      "physical_to_logical_map"),
     (_header_bytes({**GOOD_HEADER, "id_space": "physical", "physical_to_logical_map": [list(range(9))] * 2}),
      "outside the model's experts"),
+    (_header_bytes({**GOOD_HEADER, "id_space": "physical", "physical_to_logical_map": [[0, 1], [2]]}),
+     "physical_to_logical_map"),
+    (_header_bytes({**GOOD_HEADER, "id_space": "physical", "physical_to_logical_map": [["a"] * 8] * 2}),
+     "physical_to_logical_map"),
+    (_header_bytes({**GOOD_HEADER, "id_space": "physical", "physical_to_logical_map": [[0.5] * 8] * 2}),
+     "physical_to_logical_map"),
 ])
 def test_bad_shard_header_is_format_error(tmp_path, content, match):
     path = tmp_path / "bad.mptrace"
@@ -383,3 +392,88 @@ def test_ten_million_steps_stream_with_bounded_memory(tmp_path):
     assert in_memory_mb > 150
     growth_mb = res["growth_kb"] / 1024  # ru_maxrss is in KiB on Linux
     assert growth_mb < 40, f"reading grew the peak RSS by {growth_mb:.0f} MiB (all steps: {in_memory_mb:.0f} MiB)"
+
+
+# ----------------------------------------------------------------------------- RoutingSteps
+
+def _naive_step_rows(steps: RoutingSteps) -> list[np.ndarray]:
+    return [steps.topk_ids[steps.token_offsets[s]:steps.token_offsets[s + 1]] for s in range(steps.num_steps)]
+
+
+def _naive_step_counts(steps: RoutingSteps) -> dict[int, np.ndarray]:
+    return {int(s): steps.counts[i] for i, s in enumerate(steps.count_steps)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_take_and_select_keep_rows_and_counts_with_their_steps(seed):
+    rng = np.random.default_rng(seed)
+    model = ModelSpec("m", 4, (1, 3), 8, 2)
+    steps = _mixed_steps(model, rng, 12, 6)
+    rows, counts = _naive_step_rows(steps), _naive_step_counts(steps)
+    for idx in (np.arange(steps.num_steps), np.sort(rng.choice(steps.num_steps, 7, replace=False)),
+                np.array([0]), np.array([steps.num_steps - 1]), np.zeros(0, np.int64)):
+        sub = steps.take(idx)
+        sub.validate()
+        assert sub.num_steps == idx.size
+        np.testing.assert_array_equal(sub.modes, steps.modes[idx])
+        np.testing.assert_array_equal(sub.ranks, steps.ranks[idx])
+        np.testing.assert_array_equal(sub.num_tokens, steps.num_tokens[idx])
+        for j, s in enumerate(idx):
+            np.testing.assert_array_equal(_naive_step_rows(sub)[j], rows[s])
+        sub_counts = _naive_step_counts(sub)
+        assert sorted(sub_counts) == [j for j, s in enumerate(idx) if s in counts]
+        for j, c in sub_counts.items():
+            np.testing.assert_array_equal(c, counts[int(idx[j])])
+        mask = np.zeros(steps.num_steps, bool)
+        mask[idx] = True
+        _assert_same_steps(steps.select(mask), sub)
+
+
+def test_concat_is_the_inverse_of_splitting():
+    rng = np.random.default_rng(7)
+    model = ModelSpec("m", 4, (1, 3), 8, 2)
+    steps = _mixed_steps(model, rng, 15, 5)
+    cuts = [0, 3, 3, 11, steps.num_steps]  # an empty part too
+    parts = [steps.take(np.arange(a, b)) for a, b in zip(cuts[:-1], cuts[1:])]
+    _assert_same_steps(concat_steps(parts), steps)
+    with pytest.raises(MoeplaceError, match="no steps"):
+        concat_steps([])
+
+
+def test_layer_and_expert_token_counts():
+    model = ModelSpec("m", 3, (0, 2), 4, 2)
+    ids = np.array([[[0, 1], [2, 3]],
+                    [[1, -1], [3, 2]],
+                    [[0, 3], [-1, -1]]])
+    steps = concat_steps([RoutingSteps.from_topk(model, ids, [2, 0, 1], M.DECODE),
+                          RoutingSteps.from_counts(model, [[[5, 0, 0, 1], [0, 2, 0, 0]]], M.EXTEND)])
+    step_of_row, row_in_step, layer_ids = steps.layer(1)
+    assert step_of_row.tolist() == [0, 0, 2] and row_in_step.tolist() == [0, 1, 0]
+    np.testing.assert_array_equal(layer_ids, ids[:, 1, :])
+    np.testing.assert_array_equal(steps.expert_token_counts(), [[2 + 5, 2, 0, 1 + 1], [0, 2, 2, 2]])
+    assert steps.count_steps.tolist() == [3] and steps.num_tokens.tolist() == [2, 0, 1, 3]  # 6 / top-2
+
+
+def test_validate_names_each_inconsistency():
+    model = ModelSpec("m", 2, (0, 1), 4, 2)
+    good = lambda: _mixed_steps(model, np.random.default_rng(1), 4, 2)  # noqa: E731
+    cases = [
+        (lambda s: setattr(s, "ranks", s.ranks[:-1]), "disagree in length"),
+        (lambda s: setattr(s, "topk_ids", s.topk_ids[:, :1]), "top-k ids have shape"),
+        (lambda s: setattr(s, "token_offsets", s.token_offsets + 1), "token offsets"),
+        (lambda s: s.topk_ids.__setitem__((0, 0, 0), 4), "out of range"),
+        (lambda s: s.topk_ids.__setitem__((0, 0, 0), -2), "out of range"),
+        (lambda s: setattr(s, "counts", s.counts[:, :, :3]), "counts have shape"),
+        (lambda s: s.counts.__setitem__((0, 0, 0), np.nan), "NaN"),
+        (lambda s: s.counts.__setitem__((0, 0, 0), -1), "negative"),
+        (lambda s: s.count_steps.__setitem__(0, 99), "count step index"),
+    ]
+    for change, message in cases:
+        steps = good()
+        assert steps.topk_ids.shape[0] > 0 and steps.count_steps.size > 0
+        steps.validate()
+        change(steps)
+        with pytest.raises(MoeplaceError, match=message):
+            steps.validate()
+    with pytest.raises(MoeplaceError, match="out of range"):
+        RoutingSteps.from_topk(model, np.full((1, 2, 2), 4), [1], M.DECODE)

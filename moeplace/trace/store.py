@@ -78,7 +78,12 @@ class TraceHeader:
         if header.id_space not in ("logical", "physical"):
             raise FormatError(path, f"id_space must be 'logical' or 'physical', got {header.id_space!r}")
         if header.id_space == "physical":
-            p2l = np.asarray(header.physical_to_logical_map if header.physical_to_logical_map is not None else [])
+            try:
+                p2l = np.asarray(header.physical_to_logical_map if header.physical_to_logical_map is not None else [])
+            except (TypeError, ValueError):  # ragged rows
+                raise FormatError(path, "physical_to_logical_map is not a rectangular array") from None
+            if p2l.size and not np.issubdtype(p2l.dtype, np.integer):
+                raise FormatError(path, "physical_to_logical_map must hold integer expert ids")
             if p2l.ndim != 2 or p2l.shape[0] != model.num_moe_layers:
                 raise FormatError(path, f"physical ids need a physical_to_logical_map of shape "
                                         f"[{model.num_moe_layers}, P], got {list(p2l.shape)}")
@@ -288,8 +293,8 @@ class TraceReader:
 def _physical_to_logical_ids(ids: np.ndarray, p2l: np.ndarray) -> np.ndarray:
     """ids: [T, L, K] physical slot ids (-1 = none) -> logical ids."""
     L, P = p2l.shape
-    if ids.size and ids.max() >= P:
-        raise ValueError(f"physical id {ids.max()} outside the map's {P} slots")
+    if ids.size and (ids.max() >= P or ids.min() < -1):
+        raise ValueError(f"physical ids {ids.min()}..{ids.max()} outside the map's {P} slots (or -1 for none)")
     layer = np.arange(L)[None, :, None]
     out = p2l[layer, np.maximum(ids, 0)]
     return np.where(ids >= 0, out, -1)
