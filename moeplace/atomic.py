@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
+from moeplace.errors import MoeplaceError
+
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
@@ -16,10 +18,17 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     Readers never see a half-written file: either the old one or the complete new one.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as e:   # a bad output path is the user's to fix: one line, not a traceback
+        raise MoeplaceError(f"{path}: cannot write here ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, mode) as f:
+            # mkstemp makes the file private (0600); give it the mode a plain open() would.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.fchmod(f.fileno(), 0o666 & ~umask)
             yield f
             f.flush()
             os.fsync(f.fileno())

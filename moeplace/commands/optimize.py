@@ -57,9 +57,9 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: 
                            file=click.get_text_stream("stderr")) as bar:
         result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                               seed, max_steps, effort, progress=bar.update)
-    save_placement(output, result.placement)
-    if sglang_out:
+    if sglang_out:   # first, so that a failure here leaves no placement file behind
         save_sglang(sglang_out, result.placement)
+    save_placement(output, result.placement)
     rows = comparison_rows(result.evaluations, "deepseek")
     plots = write_plots(result.evaluations, plot_dir) if plot_dir else []
     if as_json:
