@@ -103,7 +103,8 @@ def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, i
         if best is not None and effort < start_cost + 2 * round_cost:
             break
         effort -= start_cost
-        start = greedy_place(active, item_tokens, item_expert, R, P // R, floor, order)
+        start = order_replicas(greedy_place(active, item_tokens, item_expert, R, P // R, floor, order),
+                               item_expert)
         rank, used = swap_search(search, item_tokens, item_expert, start, R, floor,
                                  max(1, int(effort // round_cost)))
         effort -= used * round_cost
@@ -111,6 +112,17 @@ def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, i
         if value < best_value:
             best, best_value = rank, value
     return best
+
+
+def order_replicas(rank: np.ndarray, item_expert: np.ndarray) -> np.ndarray:
+    """Give an expert's replica items increasing ranks: [P] -> [P].
+
+    Item k of an expert stands for the token rows ``r % n == k``; SGLang's dynamic rule sends those
+    rows to the k-th replica by physical id, which is the k-th by rank. Keeping ranks increasing
+    along each expert's items makes the search's columns the rows each replica really gets.
+    item_expert must be non-decreasing (items grouped by expert).
+    """
+    return rank[np.lexsort((rank, item_expert))]
 
 
 def _ranks_of(phy2log: np.ndarray, spr: int) -> np.ndarray:
@@ -304,6 +316,14 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
     holds[rank, item_expert] = True
     delta[holds[rank[None, :], item_expert[:, None]]] = np.inf      # i's expert already on j's rank
     delta[holds[rank[:, None], item_expert[None, :]]] = np.inf      # j's expert already on i's rank
+    # Replicas keep increasing ranks along their items (see order_replicas): item i may only move
+    # to a rank strictly between its expert's neighbouring replicas.
+    same_prev = np.r_[False, item_expert[1:] == item_expert[:-1]]
+    same_next = np.r_[item_expert[:-1] == item_expert[1:], False]
+    lo = np.where(same_prev, np.r_[-1, rank[:-1]], -1)
+    hi = np.where(same_next, np.r_[rank[1:], R], R)
+    fits = (lo[:, None] < rank[None, :]) & (rank[None, :] < hi[:, None])     # i onto j's rank
+    delta[~(fits & fits.T)] = np.inf
     return delta
 
 
