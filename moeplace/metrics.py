@@ -146,6 +146,7 @@ class LayerSums:
     rank_tokens: np.ndarray = field(default=None)       # [L, R] tokens per rank
     rank_distinct: np.ndarray = field(default=None)     # [L, R] sum of distinct per rank
     step_max_hist: np.ndarray = field(default=None)     # [L, 65] histogram of per-step max distinct (last bin: 64+)
+    expert_tokens: np.ndarray | None = None             # [L, E] tokens per logical expert (set on first chunk)
     step_cost: list = field(default_factory=list)       # per-step MoE cost over all layers, if kept
 
     def __post_init__(self) -> None:
@@ -178,6 +179,8 @@ def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_
         sums.step_max_hist[layer] += np.bincount(np.minimum(step_max, 64), minlength=65)
         step_total += cost.max(axis=1)
     sums.steps += steps.num_steps
+    tokens = steps.expert_token_counts()
+    sums.expert_tokens = tokens if sums.expert_tokens is None else sums.expert_tokens + tokens
     if keep_step_cost:
         sums.step_cost.append(step_total)
 

@@ -8,7 +8,6 @@ exactly as a model's forward does. The test then checks the converter returns th
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -165,7 +165,7 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
     ``static``: a step's source rank picks replica ``rank % n`` (the placement decides which replica
     is local, so this is the even split the search can see).
     """
-    S, E = steps.num_steps, replicas.shape[0]
+    S = steps.num_steps
     P = int(replicas.sum())
     first = np.concatenate([[0], np.cumsum(replicas)[:-1]])
     tokens = np.zeros((S, P), np.float32)

@@ -7,6 +7,7 @@ import sys
 from typing import Any, Iterator
 
 import click
+import numpy as np
 
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
@@ -23,16 +24,26 @@ def cost_model_from(path: str | None) -> CostModel:
     return load_cost_model(path) if path else CostModel()
 
 
-def mode_chunks(trace: Trace, mode: str, label: str = "reading") -> Iterator[RoutingSteps]:
-    """The trace's chunks restricted to ``mode``, with a progress line on stderr for long traces."""
+def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, label: str = "reading"
+                ) -> Iterator[RoutingSteps]:
+    """The trace's chunks restricted to ``mode`` (the first ``max_steps`` such steps at most), with
+    a progress line on stderr for long traces."""
     seen = 0
+    progress = False
     for i, chunk in enumerate(trace.chunks()):
-        mask = M.mode_mask(chunk.modes, mode)
-        seen += int(mask.sum())
+        idx = np.flatnonzero(M.mode_mask(chunk.modes, mode))
+        if max_steps is not None:
+            idx = idx[:max(max_steps - seen, 0)]
+        seen += idx.size
         if i and i % 10 == 0:
             click.echo(f"\r{label}: {seen} steps", err=True, nl=False)
-        if mask.any():
-            yield chunk.select(mask)
+            progress = True
+        if idx.size:
+            yield chunk.take(idx)
+        if max_steps is not None and seen >= max_steps:
+            break
+    if progress:
+        click.echo(f"\r{label}: {seen} steps", err=True)
     if seen == 0:
         damage = "".join(f"; {path}: {why}" for path, why in trace.damaged)
         raise MoeplaceError(f"{trace.path}: no steps of mode {mode!r} (empty trace or other modes only){damage}")

@@ -99,7 +99,7 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: s
         if path in loaded:
             raise MoeplaceError(f"{path} is given twice")
         loaded[path] = p
-    evals = evaluate(loaded, mode_chunks(src, mode), cost_model_from(cost_model_path), dispatch)
+    evals = evaluate(loaded, mode_chunks(src, mode, max_steps), cost_model_from(cost_model_path), dispatch)
     rows = comparison_rows(evals, placements[0])
     plots = write_plots(evals, plot_dir) if plot_dir else []
     if as_json:

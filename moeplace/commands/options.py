@@ -30,7 +30,8 @@ def trace_options(f: Callable) -> Callable:
         click.option("--top-k", type=click.IntRange(min=1), default=None,
                      help="For logical_count JSON files, which do not record it (default 8)."),
         click.option("--max-steps", type=click.IntRange(min=1), default=200_000, show_default=True,
-                     help="Use at most this many steps (evenly spaced) to bound memory and time."),
+                     help="Use at most this many steps: optimize takes them evenly spaced over the trace; "
+                          "report and compare stream the first ones."),
     ]
     for d in reversed(decorators):
         f = d(f)

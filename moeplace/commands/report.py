@@ -10,7 +10,6 @@ from moeplace.commands.common import check_ranks, cost_model_from, echo_json, mo
 from moeplace.commands.options import trace_options
 from moeplace.placement import Placement, load_placement
 from moeplace.report import evaluate, format_table, comparison_rows, hottest_experts, write_plots
-from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps
 
 
@@ -44,10 +43,9 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
         empty = PlacementProblem(model, RoutingSteps.empty(model), ranks)
         placement = Placement(model, ranks, contiguous(empty), algorithm="contiguous")
         name = "contiguous"
-    ev = evaluate({name: placement}, mode_chunks(src, mode), cost_model, dispatch)[0]
+    ev = evaluate({name: placement}, mode_chunks(src, mode, max_steps), cost_model, dispatch)[0]
     s = ev.summary
-    counts = ev.sums.rank_tokens  # [L, R]
-    hot = hottest_experts(_expert_tokens(src, mode), model.moe_layers)
+    hot = hottest_experts(ev.sums.expert_tokens, model.moe_layers)
     result = {"trace": trace, "source": src.header.source, "model": model.to_json(), "mode": mode,
               "ranks": ranks, "dispatch": dispatch, "placement": name, "aggregate_only": src.header.aggregate_only,
               "cost_model": cost_model.to_json(), "metrics": s, "hottest_experts": hot}
@@ -78,10 +76,3 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
     if plot_dir:
         click.echo(f"plots: {', '.join(result['plots'])}")
 
-
-def _expert_tokens(src, mode: str):
-    total = None
-    for chunk in src.chunks():  # second pass: mode_chunks already warned and showed progress
-        c = chunk.select(M.mode_mask(chunk.modes, mode)).expert_token_counts()
-        total = c if total is None else total + c
-    return total

@@ -36,7 +36,7 @@ import numpy as np
 from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
 from moeplace.trace import modes as M
-from moeplace.trace.steps import RoutingSteps, concat_steps
+from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.store import TraceHeader
 
 DUMP_PREFIX = "expert_distribution_recorder_"
