@@ -179,7 +179,7 @@ def _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
             M: tl.constexpr, D_MAX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
             MASK_MODE: tl.constexpr, HAS_MASK_INDPTR: tl.constexpr, DN: tl.constexpr,
             DP: tl.constexpr, DVB: tl.constexpr, SEPARATE_V: tl.constexpr,
-            UPCAST: tl.constexpr):
+            UPCAST: tl.constexpr, IDX_PREFETCH: tl.constexpr):
     """One row tile (M rows) against one split's chunk (+ the drafts in split 0); stores it."""
     n_rows = D * H
     qn, qp = _load_rows(Q, q_row0, rows, H, n_rows, stride_qt, stride_qh, DN, DP)
@@ -190,20 +190,46 @@ def _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
     offs_dp = tl.arange(0, DP)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        slot = tl.load(kv_indices + kv_start + offs_n, mask=valid, other=0).to(tl.int64)
-        row_ptr = KV + slot * stride_kvs
-        kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
-        kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None], other=0.0)
-        if SEPARATE_V:
-            vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
-                         mask=valid[:, None], other=0.0)
-        else:
-            vn = kn
-        m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
-                                       qk_scale, UPCAST)
+    if IDX_PREFETCH:
+        # The slot ids of step n + 1 are loaded during step n and carried in a loop variable,
+        # so a KV gather's address never waits on a load of the same iteration and Triton's
+        # pipeliner can issue the gathers num_stages - 1 steps ahead (with 32-token steps and
+        # 4 stages: 2 gathers in flight). Opt-in: on the H200 it was not faster (BENCHMARKS.md).
+        offs_b = tl.arange(0, BLOCK_N)
+        slot = tl.load(kv_indices + kv_start + lo + offs_b, mask=lo + offs_b < hi, other=0)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + offs_b
+            valid = offs_n < hi
+            nxt = offs_n + BLOCK_N
+            slot_next = tl.load(kv_indices + kv_start + nxt, mask=nxt < hi, other=0)
+            row_ptr = KV + slot.to(tl.int64) * stride_kvs
+            kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
+            kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None],
+                         other=0.0)
+            if SEPARATE_V:
+                vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
+                             mask=valid[:, None], other=0.0)
+            else:
+                vn = kn
+            m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
+                                           qk_scale, UPCAST)
+            slot = slot_next
+    else:
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            valid = offs_n < hi
+            slot = tl.load(kv_indices + kv_start + offs_n, mask=valid, other=0).to(tl.int64)
+            row_ptr = KV + slot * stride_kvs
+            kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
+            kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None],
+                         other=0.0)
+            if SEPARATE_V:
+                vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
+                             mask=valid[:, None], other=0.0)
+            else:
+                vn = kn
+            m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
+                                           qk_scale, UPCAST)
     if split == 0:
         offs_j = tl.arange(0, BLOCK_D)
         ext = K_ext + (q_row0 + offs_j).to(tl.int64) * stride_ket
@@ -229,6 +255,7 @@ def _verify_split_kernel(
     BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, MASK_MODE: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr,
     DV_SPLIT: tl.constexpr, TAIL_MODE: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
+    IDX_PREFETCH: tl.constexpr = False,
 ):
     """Partial attention of one (split, request, row block).
 
@@ -267,7 +294,7 @@ def _verify_split_kernel(
                     row0 + tl.arange(0, BLOCK_M), col0, part_row0, R_PAD, qk_scale,
                     stride_qt, stride_qh, stride_kvs, stride_ket, stride_vet, BLOCK_M, D_MAX,
                     BLOCK_N, BLOCK_D, MASK_MODE, HAS_MASK_INDPTR, DN, DP, DVB, DV_SPLIT > 1,
-                    UPCAST)
+                    UPCAST, IDX_PREFETCH)
         if TAIL_M > 0:
             if (part == 1) & (row0 + BLOCK_M < n_rows):
                 _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
@@ -275,7 +302,7 @@ def _verify_split_kernel(
                         row0 + BLOCK_M + tl.arange(0, TAIL_M), col0, part_row0, R_PAD,
                         qk_scale, stride_qt, stride_qh, stride_kvs, stride_ket, stride_vet,
                         TAIL_M, D_MAX, TAIL_BLOCK_N, BLOCK_D, MASK_MODE, HAS_MASK_INDPTR, DN, DP,
-                        DVB, DV_SPLIT > 1, UPCAST)
+                        DVB, DV_SPLIT > 1, UPCAST, IDX_PREFETCH)
         return
 
     rows = row0 + tl.arange(0, BLOCK_M)

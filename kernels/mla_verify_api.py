@@ -12,8 +12,9 @@ Usage (CUDA-graph safe: allocate once, then call ``forward`` inside capture and 
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 import torch
@@ -44,10 +45,12 @@ class TileConfig:
     """Launch shape of the split kernel.
 
     block_m + tail_m rows per row block (tail_m = 0 for none); row_blocks blocks cover one
-    request's R = D_max * H rows. Shared memory ~ block_m * 576 * 2 (queries) + 2 * block_n
-    * 576 * 2 (KV tiles; Triton double-buffers the gathered KV loads whatever num_stages
-    says): 221 KB for the Hopper default, one program per SM; the sm_120 preset stays under
-    its ~99 KB.
+    request's R = D_max * H rows. Shared memory ~ block_m * 576 * 2 (queries) + buffers *
+    block_n * 576 * 2 (KV tiles): Triton 3.6 gives the gathered KV loads 2 buffers up to
+    num_stages 4 with block_n 32 (no overlap: slot ids are a plain load), and from num_stages
+    5 pipelines the slot-id loads too (3 buffers at 5-6, 4 at 7); block_n 64 with 2 stages
+    (the Hopper default) takes 216 KB: one program per SM. The sm_120 preset stays under its
+    ~99 KB.
     """
 
     block_m: int
@@ -59,8 +62,15 @@ class TileConfig:
     min_chunk: int = 256
     dv_split: int = 1
     tail_mode: int = 2  # 1: tail fused in the program (transposed tile), 2: its own program
-    programs_per_sm: int = 2  # splits per request ~ programs_per_sm * SMs / row_blocks
+    programs_per_sm: float = 2  # splits per request ~ programs_per_sm * SMs / row_blocks
     tail_block_n: int = 0  # KV tokens per step of a tail program (tail_mode 2); 0: block_n
+    idx_prefetch: bool = False  # carry step n+1's slot ids in a loop variable (_attend)
+
+    def tag(self) -> str:
+        """Short label used by the benchmark sweep."""
+        return (f"m{self.block_m}+{self.tail_m}x{self.row_blocks} n{self.block_n} "
+                f"w{self.num_warps} s{self.num_stages} mc{self.min_chunk} tm{self.tail_mode} "
+                f"pps{self.programs_per_sm:g} tn{self.tail_block_n} pf{int(self.idx_prefetch)}")
 
 
 def choose_rows(rows: int, max_m: int = 64) -> tuple[int, int, int]:
@@ -89,8 +99,34 @@ def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileC
         block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft, max_m=32)
         return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
     block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
-    # Hopper: 64-token KV steps, one split per SM and request (sweep in scripts/bench_verify.py).
+    # Hopper: 64-token KV steps, 2 stages, one split per SM and request. The sweep of
+    # HOPPER_CANDIDATES (BENCHMARKS.md, H200) found deeper KV pipelines (32/16-token steps with
+    # 3-7 stages, slot ids prefetched or loaded asynchronously) slower at 16k+ contexts.
     return TileConfig(block_m, tail_m, row_blocks, block_n=64, programs_per_sm=1)
+
+
+# Hopper variants swept by scripts/bench_verify.py (overrides of the default config) and
+# checked against the reference by tests/test_mla_verify.py.
+HOPPER_CANDIDATES: list[dict] = [
+    dict(),  # the default itself
+    dict(block_n=64, num_stages=2, tail_block_n=0, idx_prefetch=True),
+    dict(block_n=32, num_stages=4, tail_block_n=32, idx_prefetch=True),
+    dict(block_n=32, num_stages=3, tail_block_n=32, idx_prefetch=True),
+    dict(block_n=32, num_stages=7, tail_block_n=32),
+    dict(block_n=32, num_stages=5, tail_block_n=32),
+    dict(block_n=16, num_stages=10, tail_block_n=16),
+    dict(block_n=16, num_stages=8, tail_block_n=16, idx_prefetch=True),
+    dict(block_n=32, num_stages=7, tail_block_n=32, min_chunk=128),
+    dict(block_n=32, num_stages=7, tail_block_n=32, min_chunk=64, programs_per_sm=0.5),
+    dict(block_n=32, num_stages=4, tail_block_n=32, idx_prefetch=True, min_chunk=64,
+         programs_per_sm=0.5),
+]
+
+
+def hopper_candidates(num_heads: int = 8, max_draft: int = 9) -> list[TileConfig]:
+    """The default Hopper config with each of ``HOPPER_CANDIDATES`` applied."""
+    base = default_config(num_heads, max_draft, arch_major=9)
+    return [replace(base, **c) for c in HOPPER_CANDIDATES]
 
 
 class MlaVerify:
@@ -169,7 +205,7 @@ class MlaVerify:
             out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=q.dtype, device=q.device)
         cfg = self.config
         max_splits = self.max_splits(bs)
-        target = max(1, triton.cdiv(cfg.programs_per_sm * self.num_sms, cfg.row_blocks))
+        target = max(1, math.ceil(cfg.programs_per_sm * self.num_sms / cfg.row_blocks))
         tail_mode = cfg.tail_mode if cfg.tail_m > 0 else 0
         tiles = cfg.row_blocks * (2 if tail_mode == 2 else 1) * cfg.dv_split
         mode = _MASK_MODES[mask_layout]
@@ -186,7 +222,7 @@ class MlaVerify:
             BLOCK_D=max(16, triton.next_power_of_2(self.max_draft)), MIN_CHUNK=cfg.min_chunk,
             MASK_MODE=mode, HAS_MASK_INDPTR=mask_indptr is not None, DN=V_DIM, DP=ROPE_DIM,
             UPCAST=_INTERPRET, DV_SPLIT=cfg.dv_split, TAIL_MODE=tail_mode,
-            TAIL_BLOCK_N=cfg.tail_block_n or cfg.block_n,
+            TAIL_BLOCK_N=cfg.tail_block_n or cfg.block_n, IDX_PREFETCH=cfg.idx_prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         block_dv = 128

@@ -207,6 +207,28 @@ def test_cuda_graph_replay_with_new_lengths():
         assert not out.isnan().any() and err < 1e-2, (ctx, err)
 
 
+def _candidate_tags() -> list[str]:
+    from moeplace_kernels.mla_verify_api import hopper_candidates
+    return [c.tag().replace(" ", "_") for c in hopper_candidates()]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("idx", range(len(_candidate_tags())),
+                         ids=lambda i: _candidate_tags()[i])
+def test_hopper_candidates(idx):
+    """Every config the benchmark sweeps (any may become the default): ragged batch + long."""
+    from moeplace_kernels.mla_verify_api import MlaVerify, hopper_candidates
+
+    cfg = hopper_candidates()[idx]
+    op = MlaVerify(8, 9, 8, device="cuda", config=cfg)
+    check(make_case(8, [9, 9, 4, 1, 9, 9, 2, 9], 8, [1, 63, 64, 4097, 70001, 300, 31, 20000],
+                    seed=idx), 9, op=op)
+    check(make_case(1, [9], 8, [185000], tree="binary", seed=100 + idx), 9, op=op)
+    check(make_case(2, [9, 9], 8, [33, 9000], tree="chain", layout="causal", seed=200 + idx), 9,
+          op=op)
+
+
 @pytest.mark.gpu
 @gpu
 def test_bad_inputs_raise():
@@ -237,6 +259,12 @@ _INTERP_SCRIPT = textwrap.dedent("""
         op = MlaVerify(8, 3, 2, device="cpu", split_slots=8,
                        config=TileConfig(16, 16, 1, block_n=16, min_chunk=16,
                                          tail_mode=tail_mode, tail_block_n=32))
+        check(case, 3, op=op)
+    for tail_m in (0, 16):  # slot ids carried across steps: 2 steps per split, ragged end
+        case = make_case(2, [3, 2], 8, [5, 75], tree="random", device="cpu", seed=7 + tail_m)
+        op = MlaVerify(8, 3, 2, device="cpu", split_slots=8,
+                       config=TileConfig(16, tail_m, 2 if tail_m == 0 else 1, block_n=16,
+                                         min_chunk=32, idx_prefetch=True, tail_block_n=16))
         check(case, 3, op=op)
     print("ok")
 """)
@@ -281,7 +309,7 @@ def test_sm120_config_compiles_within_shared_memory():
                  BLOCK_D=16, MIN_CHUNK=cfg.min_chunk, MASK_MODE=1, HAS_MASK_INDPTR=True,
                  DN=512, DP=64, UPCAST=False, DV_SPLIT=cfg.dv_split,
                  TAIL_MODE=cfg.tail_mode if cfg.tail_m else 0,
-                 TAIL_BLOCK_N=cfg.tail_block_n or cfg.block_n)
+                 TAIL_BLOCK_N=cfg.tail_block_n or cfg.block_n, IDX_PREFETCH=cfg.idx_prefetch)
     sig = dict(zip(names, types)) | {k: "constexpr" for k in const}
     try:
         kernel = triton.compile(ASTSource(_verify_split_kernel, sig, constexprs=const),
