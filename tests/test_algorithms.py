@@ -441,10 +441,10 @@ def test_property_replica_counts(problem):
 def test_property_greedy_place_fills_every_rank_exactly(problem, floor):
     E, R, P = problem.model.num_experts, problem.ranks, problem.num_physical
     replicas = replica_counts(problem.steps, 0, E, problem.redundant, R, problem.dispatch)
-    active, tokens = item_activity(problem.steps, 0, replicas, problem.dispatch)
-    assert active.shape == tokens.shape == (problem.steps.num_steps, P)
+    active, item_tokens = item_activity(problem.steps, 0, replicas, problem.dispatch)
+    assert active.shape == (problem.steps.num_steps, P) and item_tokens.shape == (P,)
     item_expert = np.repeat(np.arange(E), replicas)
-    rank = greedy_place(active, tokens.sum(axis=0), item_expert, R, P // R, floor)
+    rank = greedy_place(active, item_tokens, item_expert, R, P // R, floor)
     assert np.bincount(rank, minlength=R).tolist() == [P // R] * R
     for r in range(R):
         assert np.unique(item_expert[rank == r]).size == P // R

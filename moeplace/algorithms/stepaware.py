@@ -53,8 +53,7 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     spr = P // R
     replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
-    active, tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
-    item_tokens = tokens.sum(axis=0)
+    active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
     floor = min(BALANCE_FLOOR * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
@@ -159,7 +158,7 @@ def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant:
 
 def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatch: str
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Which slots each step reads and how many tokens it sends them: (active [S, P] f32, tokens [S, P]).
+    """Which slots each step reads and the tokens each slot gets: (active [S, P] f32, item_tokens [P]).
 
     Items are replicas in expert order. ``dynamic``: token row r goes to replica ``r % n``;
     ``static``: a step's source rank picks replica ``rank % n`` (the placement decides which replica
@@ -168,22 +167,26 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
     S = steps.num_steps
     P = int(replicas.sum())
     first = np.concatenate([[0], np.cumsum(replicas)[:-1]])
-    tokens = np.zeros((S, P), np.float32)
+    active = np.zeros(S * P, np.float32)
+    item_tokens = np.zeros(P)
     step_of_row, row_in_step, ids = steps.layer(layer)
     if ids.size:
         valid = ids >= 0
-        e = np.where(valid, ids, 0).astype(np.int64)
-        pick = row_in_step[:, None] if dispatch == "dynamic" else steps.ranks[step_of_row][:, None].astype(np.int64)
+        e = ids[valid].astype(np.int64)
+        rows = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)[valid]
+        pick = row_in_step[rows] if dispatch == "dynamic" else steps.ranks[step_of_row[rows]].astype(np.int64)
         item = first[e] + pick % replicas[e]
-        step_k = np.broadcast_to(step_of_row[:, None], ids.shape)
-        tokens += np.bincount((step_k * P + item)[valid], minlength=S * P).reshape(S, P)
+        active[step_of_row[rows] * P + item] = 1
+        item_tokens += np.bincount(item, minlength=P)
+    active = active.reshape(S, P)
     if steps.count_steps.size:
         c = steps.counts[:, layer, :]
         for j in range(int(replicas.max())):
             has = replicas > j
             share = np.floor(c[:, has] / replicas[has]) + (j < np.mod(c[:, has], replicas[has]))
-            tokens[steps.count_steps[:, None], first[has] + j] += share
-    return (tokens > 0).astype(np.float32), tokens
+            active[steps.count_steps[:, None], first[has] + j] += share > 0
+            item_tokens[first[has] + j] += share.sum(axis=0)
+    return np.minimum(active, 1), item_tokens
 
 
 def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, R: int, spr: int,
