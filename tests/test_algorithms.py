@@ -481,11 +481,10 @@ def test_property_stepaware_not_worse_than_contiguous_on_fitted_steps(problem, h
             assert measured(stepaware)[0] <= trivial + 1e-9, layer
 
 
-@pytest.mark.xfail(strict=True, reason="known, not fixed: item_activity models static dispatch as replica "
-                   "``source rank % n``, but SGLang (and metrics.static_dispatch_table) sends a step to the "
-                   "replica on its own rank first, so with replicas the search optimises another rule and can "
-                   "end worse than contiguous on its own fitted steps (about 1 in 3 random tiny cases)")
 def test_stepaware_static_with_replicas_not_worse_than_contiguous_on_fitted_steps():
+    """Regression: under the static rule replicas of hot experts pulled each step's load onto its
+    source rank (this case ended worse than contiguous); spare slots now go to the coldest experts
+    and the search re-derives each slot's steps from SGLang's static table."""
     model = tiny_model(6, top_k=1, num_moe_layers=1)
     steps = tiny_steps(model, 4, 3, 250)
     problem = PlacementProblem(model, steps, 3, redundant=6, dispatch="static", seed=250)

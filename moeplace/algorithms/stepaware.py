@@ -24,7 +24,7 @@ import numpy as np
 
 from moeplace.algorithms import PlacementProblem
 from moeplace.algorithms.deepseek import rebalance_experts
-from moeplace.metrics import balancedness
+from moeplace.metrics import balancedness, static_dispatch_table
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
@@ -57,13 +57,25 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
     floor = min(BALANCE_FLOOR * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
-    search = active
+    rows = np.arange(active.shape[0])
     search_steps = max(SEARCH_CELLS // P, 1)
     if active.shape[0] > search_steps:
-        search = active[np.sort(rng.choice(active.shape[0], search_steps, replace=False))]
+        rows = np.sort(rng.choice(active.shape[0], search_steps, replace=False))
+    search = active[rows]
     nodes = problem.nodes
     if nodes == 1:
-        rank = partition(active, search, item_tokens, item_expert, R, floor, effort)
+        refine = problem.dispatch == "static" and replicas.max() > 1
+        rank = partition(active, search, item_tokens, item_expert, R, floor, effort / 2 if refine else effort)
+        if refine:
+            # Under the static rule the replica that serves a step is the one nearest its source
+            # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
+            # placement found (SGLang's own table) and search again from there.
+            rounds = max(1, int(effort / 4 / (rows.size * P * R + 50 * P * P)))
+            for _ in range(2):
+                order = np.lexsort((item_expert, rank))
+                static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
+                active, item_tokens = item_activity(problem.steps, layer, replicas, "static", static_item)
+                rank, _ = swap_search(active[rows], item_tokens, item_expert, rank, R, floor, rounds)
     else:
         # Hierarchical: slots to nodes first (a node may hold up to ranks-per-node replicas of an
         # expert, one per rank), then each node's slots to its ranks. Replicas sharing a key go to
@@ -143,26 +155,33 @@ def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant:
     replicas reads that expert's weights twice. Spare slots go, one at a time, to the expert whose
     second replica adds the fewest reads over the steps (ties: the hotter expert), and an expert
     with n replicas is charged n times that, so slots spread before they pile up.
+
+    Under the ``static`` rule a step sends all its tokens for an expert to the replica nearest its
+    source rank: a replica adds no read but pulls the step's load onto that rank, which is what
+    per-step balance must avoid, so spare slots go to the experts present in the fewest steps.
     """
     counts = np.ones(num_experts, np.int64)
     if redundant == 0:
         return counts
     single_reads = item_activity(steps, layer, counts, dispatch)[0].sum(axis=0)
-    paired, _ = item_activity(steps, layer, np.full(num_experts, 2), dispatch)
-    extra_reads = paired.reshape(paired.shape[0], num_experts, 2).sum(axis=(0, 2)) - single_reads
+    if dispatch == "static":
+        extra_reads = single_reads
+    else:
+        paired, _ = item_activity(steps, layer, np.full(num_experts, 2), dispatch)
+        extra_reads = paired.reshape(paired.shape[0], num_experts, 2).sum(axis=(0, 2)) - single_reads
     for _ in range(redundant):
         score = np.where(counts < ranks, extra_reads * counts - 1e-9 * single_reads, np.inf)
         counts[int(np.argmin(score))] += 1
     return counts
 
 
-def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatch: str
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatch: str,
+                  static_item: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Which slots each step reads and the tokens each slot gets: (active [S, P] f32, item_tokens [P]).
 
     Items are replicas in expert order. ``dynamic``: token row r goes to replica ``r % n``;
-    ``static``: a step's source rank picks replica ``rank % n`` (the placement decides which replica
-    is local, so this is the even split the search can see).
+    ``static``: the step's source rank s sends expert e to item ``static_item[s % R, e]`` when a
+    placement is known (SGLang's table), else to replica ``s % n`` (an even split).
     """
     S = steps.num_steps
     P = int(replicas.sum())
@@ -175,11 +194,20 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
         e = ids[valid].astype(np.int64)
         rows = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)[valid]
         pick = row_in_step[rows] if dispatch == "dynamic" else steps.ranks[step_of_row[rows]].astype(np.int64)
-        item = first[e] + pick % replicas[e]
+        if dispatch == "static" and static_item is not None:
+            item = static_item[pick % static_item.shape[0], e]
+        else:
+            item = first[e] + pick % replicas[e]
         active[step_of_row[rows] * P + item] = 1
         item_tokens += np.bincount(item, minlength=P)
     active = active.reshape(S, P)
-    if steps.count_steps.size:
+    if steps.count_steps.size and dispatch == "static" and static_item is not None:
+        c = steps.counts[:, layer, :]
+        src = steps.ranks[steps.count_steps].astype(np.int64) % static_item.shape[0]
+        target = static_item[src]                                          # [S_c, E] item per expert
+        np.maximum.at(active, (steps.count_steps[:, None], target), (c > 0).astype(np.float32))
+        item_tokens += np.bincount(target.ravel(), weights=c.ravel(), minlength=P)
+    elif steps.count_steps.size:
         c = steps.counts[:, layer, :]
         for j in range(int(replicas.max())):
             has = replicas > j
