@@ -8,14 +8,17 @@ counts the slots on rank r that step s activates. Experts that fire together mus
 (anti-affinity). Phases, per layer:
 
 1. replicate: give spare slots to the experts whose extra replica adds the fewest reads (under
-   the dispatch rule a replica only sees the token rows sent to it; two replicas hit in one step
-   are two reads).
+   the dynamic rule a replica only sees the token rows sent to it; two replicas hit in one step
+   are two reads), or under the static rule to the coldest experts.
 2. place greedily: slots by decreasing tokens, each to the rank where it raises the per-step
    maximum least (the share of its steps in which that rank is already a maximum), among the ranks
    light enough to keep token balancedness.
 3. improve by swaps: the exact change of the objective for every pair swap at once, in matrix form,
-   best swap first, until none helps or the time budget ends. A small quadratic term breaks ties
+   best swap first, until none helps or the work budget ends. A small quadratic term breaks ties
    on the plateaus of the max, and a floor on token balancedness keeps prefill from regressing.
+
+The objective counts distinct experts; the cost model's token term (b, under 2% of a in the
+calibrated files) enters only through that balance floor and the tie-breaks.
 """
 
 from __future__ import annotations
