@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> None:
         click.echo("aborted", err=True)
         sys.exit(1)
     except click.ClickException as e:
-        e.show()
+        # One line, as for every other user error; the command's --help teaches the usage.
+        ctx = getattr(e, "ctx", None)
+        where = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        click.echo(f"error: {e.format_message()}{where}", err=True)
         sys.exit(e.exit_code)
     except MoeplaceError as e:
         click.echo(f"error: {e}", err=True)

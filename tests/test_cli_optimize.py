@@ -283,6 +283,17 @@ def test_entry_point_subprocess_one_line_exit_2(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("args", [["--ranks", "7"], ["--redundant", "3"], ["--holdout", "2"]])
+def test_bad_option_is_one_line_through_main(tmp_path, capsys, args):
+    """Click's own option errors also come out as one line (no usage block) with exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["optimize", str(SAMPLE), "-o", str(tmp_path / "p.json"), *args])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "optimize --help" in lines[0], lines
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_help_has_examples():
     for command in ("optimize", "compare"):
         result = invoke(command, "--help")
