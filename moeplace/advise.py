@@ -21,7 +21,7 @@ import numpy as np
 
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.metrics import layer_distinct_total, layer_rank_loads, static_dispatch_table
+from moeplace.metrics import layer_distinct_total, layer_rank_loads, static_dispatch_table, token_slots
 from moeplace.model import ModelSpec
 from moeplace.placement import replica_table
 from moeplace.trace.steps import RoutingSteps
@@ -50,18 +50,9 @@ def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, rank
         raise MoeplaceError("per-slot work needs token rows; this trace has count-only steps")
     E, P, S = steps.model.num_experts, phy2log.shape[0], steps.num_steps
     log2phy, nrep = replica_table(phy2log[None, :], E)
-    log2phy, nrep = log2phy[0], nrep[0]
-    step_of_row, row_in_step, ids = steps.layer(layer)
-    valid = ids >= 0
-    e = np.where(valid, ids, 0).astype(np.int64)
-    if dispatch == "dynamic":
-        phys = log2phy[e, row_in_step[:, None] % nrep[e]]
-    else:
-        table = static_dispatch_table(phy2log, E, ranks, 1)
-        src = steps.ranks.astype(np.int64)[step_of_row] % ranks
-        phys = table[src[:, None], e]
-    step_k = np.broadcast_to(step_of_row[:, None], ids.shape)[valid]
-    return np.bincount(step_k * P + phys[valid], minlength=S * P).reshape(S, P)
+    table = static_dispatch_table(phy2log, E, ranks, 1) if dispatch == "static" else None
+    step_k, phys = token_slots(steps, layer, log2phy[0], nrep[0], dispatch, table, ranks)
+    return np.bincount(step_k * P + phys, minlength=S * P).reshape(S, P)
 
 
 def rank_work(slot_counts: np.ndarray, ranks: int) -> np.ndarray:
@@ -86,8 +77,7 @@ def ep_layer_cost(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: i
 def tp_layer_cost(steps: RoutingSteps, layer: int, tp_cost: CostModel) -> np.ndarray:
     """[S] µs of one layer under TP-MoE: every rank runs all activated experts on all pairs."""
     distinct = layer_distinct_total(steps, layer)
-    _, _, ids = steps.layer(layer)
-    step_of_row = np.repeat(np.arange(steps.num_steps), np.diff(steps.token_offsets))
+    step_of_row, _, ids = steps.layer(layer)
     pairs = np.bincount(step_of_row, weights=(ids >= 0).sum(axis=1), minlength=steps.num_steps)
     return tp_cost.cost(distinct, pairs)
 

@@ -39,12 +39,6 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
         raise
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically."""
-    with atomic_open(path, "wb") as f:
-        f.write(data)
-
-
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically."""
     with atomic_open(path, "w") as f:

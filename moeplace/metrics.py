@@ -52,6 +52,26 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
     return table
 
 
+def token_slots(steps: RoutingSteps, layer: int, log2phy: np.ndarray, num_replicas: np.ndarray,
+                dispatch: str, static_table: np.ndarray | None, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """The physical slot SGLang sends each (token row, top-k) pair of one layer to.
+
+    log2phy: [E, X] replicas by physical id, num_replicas: [E] (``replica_table``); static_table:
+    [R, E] for ``static``. Returns (step [N], slot [N]) for the N valid pairs of the token-row steps.
+    ``dynamic``: token row r picks replica ``r % num_replicas``; ``static``: the step's source rank
+    picks its fixed replica.
+    """
+    step_of_row, row_in_step, ids = steps.layer(layer)
+    valid = ids >= 0
+    e = np.where(valid, ids, 0).astype(np.int64)
+    if dispatch == "dynamic":
+        phys = log2phy[e, row_in_step[:, None] % num_replicas[e]]
+    else:
+        src_rank = steps.ranks.astype(np.int64)[step_of_row] % ranks
+        phys = static_table[src_rank[:, None], e]
+    return np.broadcast_to(step_of_row[:, None], ids.shape)[valid], phys[valid]
+
+
 def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
                      dispatch: str = "dynamic", static_table: np.ndarray | None = None,
                      ) -> tuple[np.ndarray, np.ndarray]:
@@ -77,17 +97,8 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
     tokens = np.zeros((S, ranks), np.int64)
 
     # Steps with token rows.
-    step_of_row, row_in_step, ids = steps.layer(layer)
-    if ids.size:
-        K = ids.shape[1]
-        valid = ids >= 0
-        e = np.where(valid, ids, 0).astype(np.int64)
-        if dispatch == "dynamic":
-            phys = log2phy[e, row_in_step[:, None] % nrep[e]]
-        else:
-            phys = static_table[src_rank[step_of_row][:, None], e]
-        step_k = np.broadcast_to(step_of_row[:, None], (ids.shape[0], K))[valid]
-        phys = phys[valid]
+    if steps.topk_ids.size:
+        step_k, phys = token_slots(steps, layer, log2phy, nrep, dispatch, static_table, ranks)
         tokens += np.bincount(step_k * ranks + phys // spr, minlength=S * ranks).reshape(S, ranks)
         hit = np.zeros(S * P, bool)
         hit[step_k * P + phys] = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from moeplace.errors import MoeplaceError
@@ -58,12 +58,3 @@ class ModelSpec:
         """A model whose every layer is MoE (GPT-OSS, Mixtral)."""
         return cls(name, num_layers, tuple(range(num_layers)), num_experts, top_k)
 
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """How the experts were spread when a trace was captured (or will be when a placement is used)."""
-
-    ep_size: int = 1
-    tp_size: int = 1
-    nodes: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
