@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib
-import statistics
 import sys
 import types
 import zipfile
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from moeplace_kernels.mla_verify_api import MlaVerify, TileConfig, hopper_candidates
+from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
+from moeplace_kernels.mla_verify_api import MlaVerify, hopper_candidates
 
 KV_BYTES = 576 * 2
 
@@ -59,26 +59,6 @@ def load_sglang_kernels(wheel: str | None):
     ext = importlib.import_module("sglang.kernels.ops.attention.extend_attention")
     ver = importlib.import_module("sglang.kernels.ops.attention.verify_mla")
     return ext, ver
-
-
-def graph_time_us(fn, reps: int = 50) -> float:
-    """Median µs of one call, replayed from a CUDA graph (compile/warm-up outside)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times)
 
 
 def copy_bandwidth() -> float:

@@ -23,7 +23,6 @@ import datetime
 import glob
 import importlib
 import json
-import statistics
 import sys
 import time
 import types
@@ -255,24 +254,9 @@ class RankMoe:
 
 def graph_time_us(fn, reps: int) -> float:
     """Median µs of one replay of ``fn`` captured in a CUDA graph, divided by COPIES."""
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(2):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times) / COPIES
+    from cuda_timing import graph_time_us as replay_us  # scripts/ is on sys.path
+
+    return replay_us(fn, reps, warmup_replays=2) / COPIES
 
 
 def even_counts(distinct: int, tokens: int) -> list[int]:

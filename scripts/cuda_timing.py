@@ -1,0 +1,28 @@
+"""CUDA-graph timing shared by the GPU benchmark scripts (run on the device, not in tests)."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def graph_time_us(fn, reps: int = 50, warmup_replays: int = 1) -> float:
+    """Median µs of one replay of ``fn`` captured in a CUDA graph (compile and warm-up outside)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(warmup_replays):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000)
+    return statistics.median(times)
