@@ -21,7 +21,7 @@ def _bare_backend(**attrs):
     """
     backend = object.__new__(triton_backend.TritonAttnBackend)
     base = dict(use_mla=True, is_draft_runner=False, num_draft_tokens=3, page_size=1,
-                device="cpu", num_head=2, use_verify_shared_kv=False)
+                device="cpu", num_head=2, use_verify_shared_kv=False, _verify_mask=None)
     for k, v in {**base, **attrs}.items():
         setattr(backend, k, v)
     return backend
@@ -72,17 +72,79 @@ def test_attach_fills_the_verify_seam_for_mla_only():
 
 def test_mask_layout_follows_sglang_verify_mask():
     import torch
-    from sglang.srt.layers.attention.verify_mask import VerifyMask
-    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+    from sglang.srt.layers.attention.verify_mask import maybe_create_verify_mask
     from moeplace.sglang.verify_backend import attach
 
     backend = _bare_backend()
     attach(backend)
     state = backend._moeplace_verify
-    assert state.mask_layout() == "full"
-    backend._verify_mask = VerifyMask(buffer=torch.zeros(4, dtype=torch.uint8),
-                                      mode=TreeMaskMode.QLEN_ONLY, max_bs=1)
     assert state.mask_layout() == "qlen_only"
+    backend._verify_mask = maybe_create_verify_mask(  # what SGLang allocates on its own
+        is_draft_runner=False, skip_prefill=False, max_bs=2, max_context_len=16,
+        num_draft_tokens=3, device="cpu", is_read=True, dtype=torch.uint8)
+    expected = {"QLEN_ONLY": "qlen_only", "FULL_MASK": "full"}[backend._verify_mask.mode.name]
+    assert state.mask_layout() == expected
+    backend._verify_mask = None
+    assert state.mask_layout() == "full"
+
+
+def test_attach_offers_qlen_only_to_sglang_eager_path():
+    """SGLang's verify_mask property names QLEN_ONLY; its buffer never fits, so SGLang allocates."""
+    from moeplace.sglang.verify_backend import attach
+
+    backend = _bare_backend()
+    attach(backend)
+    vm = backend.verify_mask  # SGLang's own property
+    assert vm.mode.name == "QLEN_ONLY" and vm.is_read and not vm.fits(1)
+
+
+def test_no_qlen_only_for_an_fp8_kv_pool():
+    import types
+
+    import torch
+    from moeplace.sglang.verify_backend import attach
+
+    backend = _bare_backend(token_to_kv_pool=types.SimpleNamespace(dtype=torch.float8_e4m3fn))
+    attach(backend)
+    assert backend.verify_mask is None
+
+
+def _graph_ready_backend(**attrs):
+    """A bare backend with what SGLang's own ``init_cuda_graph_state`` reads (tiny sizes)."""
+    import torch
+
+    base = dict(dllm_attention=None, max_kv_splits=2, v_head_dim=512, swa_v_head_dim=None,
+                lean_total_programs=2, lean_block_m=16, max_context_len=1000,
+                sliding_window_size=None, use_sliding_window_kv_pool=False, skip_prefill=False,
+                device=torch.device("cpu"))
+    return _bare_backend(**{**base, **attrs})
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_graph_state_gets_a_qlen_only_mask_sized_d_by_d(monkeypatch, hooked):
+    """SGLang's real init_cuda_graph_state: FULL_MASK of max_bs x D x (context + D) cells
+    unless the hook is on, then QLEN_ONLY of max_bs x D x D."""
+    from moeplace.sglang import verify_backend
+
+    cls = triton_backend.TritonAttnBackend
+    monkeypatch.setattr(cls, "__init__", cls.__init__)
+    monkeypatch.setattr(cls, "init_cuda_graph_state", cls.init_cuda_graph_state)
+    monkeypatch.delattr(cls, verify_backend._INSTALLED_ATTR, raising=False)
+    monkeypatch.setattr("sglang.srt.speculative.eagle_utils._is_cpu", False)  # a GPU server
+    backend = _graph_ready_backend()
+    if hooked:
+        monkeypatch.setenv(verify_backend.ENV_FLAG, "1")
+        verify_backend.install()
+        verify_backend.attach(backend)
+    backend.init_cuda_graph_state(4, 4 * 3)
+    vm = backend.verify_mask
+    if hooked:
+        assert vm.mode.name == "QLEN_ONLY" and vm.buffer.numel() == 4 * 3 * 3
+        assert backend._moeplace_verify.max_bs == 4
+    else:
+        assert vm.mode.name == "FULL_MASK" and vm.buffer.numel() == 4 * 3 * (1000 + 3)
+    assert vm.fits(4) and not vm.fits(5)
+    monkeypatch.delattr(cls, verify_backend._INSTALLED_ATTR, raising=False)
 
 
 def test_seam_refuses_what_it_cannot_serve():
@@ -102,6 +164,11 @@ def test_seam_refuses_what_it_cannot_serve():
     assert fwd(*args, logit_cap=30.0) is False
     assert fwd(*args, sliding_window_size=128) is False
     assert fwd(*(a.float() if i == 0 else a for i, a in enumerate(args))) is False
+    # With a tree mask in the QLEN_ONLY layout SGLang's kernel cannot take over: say so.
+    masked = list(args)
+    masked[9] = torch.ones(9, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match="QLEN_ONLY"):
+        fwd(*masked, logit_cap=30.0)
 
 
 _SEAM_SCRIPT = textwrap.dedent("""
@@ -113,7 +180,9 @@ _SEAM_SCRIPT = textwrap.dedent("""
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
     backend = _bare_backend()
     attach(backend)
-    c = make_case(2, [3, 3], 2, [5, 40], tree="binary", layout="full", device="cpu")
+    if {layout!r} == "full":
+        backend._verify_mask = None  # as SGLang leaves it when nothing was offered
+    c = make_case(2, [3, 3], 2, [5, 40], tree="binary", layout={layout!r}, device="cpu")
     o = torch.full((6, 2, 512), float("nan"), dtype=torch.bfloat16)
     ran = backend.verify_shared_kv_fwd(
         c["q"], c["k_ext"], c["v_ext"], o, c["kv_pool"], c["kv_pool"][..., :512],
@@ -126,10 +195,11 @@ _SEAM_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_seam_matches_reference_in_interpreter():
-    """SGLang's verify_shared_kv_fwd argument order, FULL_MASK, through Triton's interpreter."""
+@pytest.mark.parametrize("layout", ["qlen_only", "full"])
+def test_seam_matches_reference_in_interpreter(layout):
+    """SGLang's verify_shared_kv_fwd argument order, both mask layouts, Triton's interpreter."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = _SEAM_SCRIPT.format(tests=os.path.dirname(__file__))
+    script = _SEAM_SCRIPT.format(tests=os.path.dirname(__file__), layout=layout)
     res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

@@ -9,6 +9,12 @@ has a verify seam: when ``use_verify_shared_kv`` is set it calls ``verify_shared
 ``extend_attention_fwd`` when that returns False. We fill the seam with
 ``moeplace_verify_fwd`` for MLA models; everything else stays SGLang's Triton backend.
 
+The verify mask: SGLang's tree builder writes the layout that the target backend's
+``verify_mask`` names, and the Triton backend names FULL_MASK, ``draft x (context + draft)``
+cells per request, allocated for the captured max batch and filled every verify step. Once
+the kernel serves every verify call we hand SGLang a QLEN_ONLY mask instead (``draft x draft``
+per request): the kernel reads only the tree part anyway.
+
 Enabled only when ``MOEPLACE_VERIFY_KERNEL=1`` (checked by ``install``). torch, triton and
 SGLang are imported inside the functions: ``import moeplace`` never imports them.
 """
@@ -48,9 +54,11 @@ def install() -> None:
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int, *args: Any,
                               **kwargs: Any) -> None:
         orig_graph_state(self, max_bs, max_num_tokens, *args, **kwargs)
-        if getattr(self, "_moeplace_verify", None) is not None:
+        state = getattr(self, "_moeplace_verify", None)
+        if state is not None:
             # Workspace for the largest captured batch, before any capture starts.
-            self._moeplace_verify.reserve(max_bs)
+            state.reserve(max_bs)
+            state.offer_qlen_only(max_bs)
 
     TritonAttnBackend.__init__ = __init__
     TritonAttnBackend.init_cuda_graph_state = init_cuda_graph_state
@@ -67,6 +75,7 @@ def attach(backend: Any) -> bool:
     backend._moeplace_verify = state
     backend.use_verify_shared_kv = True
     backend.verify_shared_kv_fwd = state.forward
+    state.offer_qlen_only(0)  # eager verify: SGLang allocates a QLEN_ONLY mask per step
     return True
 
 
@@ -94,6 +103,26 @@ class VerifyState:
             self.ops[num_heads] = op
         return op
 
+    def offer_qlen_only(self, max_bs: int) -> bool:
+        """Give the backend a QLEN_ONLY ``VerifyMask`` preallocated for ``max_bs`` requests.
+
+        Only for a bf16 KV pool: an fp8 one goes to SGLang's kernel, which reads FULL_MASK.
+        With ``max_bs`` 0 the buffer never fits and SGLang allocates ``bs x D x D`` per step.
+        """
+        import torch
+        from sglang.srt.layers.attention.verify_mask import VerifyMask, tree_mask_numel
+        from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+        pool = getattr(self.backend, "token_to_kv_pool", None)
+        if getattr(pool, "dtype", torch.bfloat16) != torch.bfloat16:
+            return False
+        mode = TreeMaskMode.QLEN_ONLY
+        numel = tree_mask_numel(mode, max_bs, self.max_draft, 0)
+        self.backend._verify_mask = VerifyMask(
+            buffer=torch.zeros(numel, dtype=torch.uint8, device=self.backend.device),
+            mode=mode, max_bs=max_bs)
+        return True
+
     def mask_layout(self) -> str:
         """'qlen_only' when the backend's verify buffer is laid out D x D, else 'full'."""
         vm = getattr(self.backend, "_verify_mask", None)
@@ -112,25 +141,29 @@ class VerifyState:
         """
         import torch
 
+        layout = "causal" if custom_mask is None else self.mask_layout()
+        bs = qo_indptr.shape[0] - 1
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        refusal = None
         if not self.supports(q, k, v, k_buffer, custom_mask, is_causal, k_scale, v_scale,
                              logit_cap, sliding_window_size, sinks, xai_temperature_len):
-            return False
-        bs = qo_indptr.shape[0] - 1
-        if q.shape[0] > bs * self.max_draft:
+            refusal = "unsupported dtype, scale, cap, window or sinks"
+        elif q.shape[0] > bs * self.max_draft:
+            refusal = f"{q.shape[0]} draft rows for {bs} requests exceed {self.max_draft} each"
+        elif bs > self.max_bs and capturing:
+            refusal = f"batch {bs} above the reserved {self.max_bs} inside a graph capture"
+        if refusal is not None:
+            if layout == "qlen_only":  # SGLang's kernel would misread the D x D mask
+                raise RuntimeError(f"moeplace verify kernel cannot serve this call ({refusal}) "
+                                   f"and the verify mask is QLEN_ONLY; unset {ENV_FLAG}")
             return False
         if bs > self.max_bs:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return False  # never allocate inside a capture; SGLang's kernel serves it
             self.reserve(bs)
         op = self._op(q.shape[1])
         if sm_scale is not None:
             op.sm_scale = float(sm_scale)
-        if custom_mask is None:
-            layout, mask_indptr = "causal", None
-        else:
-            layout = self.mask_layout()
-            if layout == "qlen_only":
-                mask_indptr = None  # D x D per request at b * D^2
+        if layout != "full":
+            mask_indptr = None  # none, or D x D per request at b * D^2
         op.forward(q, k, v, k_buffer, qo_indptr, kv_indptr, kv_indices, mask=custom_mask,
                    mask_layout=layout, mask_indptr=mask_indptr, out=o)
         return True
