@@ -158,7 +158,6 @@ class LayerSums:
     rank_distinct: np.ndarray = field(default=None)     # [L, R] sum of distinct per rank
     step_max_hist: np.ndarray = field(default=None)     # [L, 65] histogram of per-step max distinct (last bin: 64+)
     expert_tokens: np.ndarray | None = None             # [L, E] tokens per logical expert (set on first chunk)
-    step_cost: list = field(default_factory=list)       # per-step MoE cost over all layers, if kept
 
     def __post_init__(self) -> None:
         L, R = self.num_layers, self.ranks
@@ -170,11 +169,10 @@ class LayerSums:
 
 
 def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_model: CostModel,
-               dispatch: str = "dynamic", keep_step_cost: bool = False,
+               dispatch: str = "dynamic",
                static_tables: list[np.ndarray] | None = None) -> None:
     """Add one chunk of steps to ``sums`` under ``placement``."""
     R = placement.ranks
-    step_total = np.zeros(steps.num_steps)
     for layer in range(steps.model.num_moe_layers):
         table = static_tables[layer] if static_tables is not None else None
         distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, dispatch, table)
@@ -188,12 +186,9 @@ def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_
         sums.rank_tokens[layer] += tokens.sum(axis=0)
         sums.rank_distinct[layer] += distinct.sum(axis=0)
         sums.step_max_hist[layer] += np.bincount(np.minimum(step_max, 64), minlength=65)
-        step_total += cost.max(axis=1)
     sums.steps += steps.num_steps
     tokens = steps.expert_token_counts()
     sums.expert_tokens = tokens if sums.expert_tokens is None else sums.expert_tokens + tokens
-    if keep_step_cost:
-        sums.step_cost.append(step_total)
 
 
 def balancedness(rank_load: np.ndarray) -> np.ndarray:
