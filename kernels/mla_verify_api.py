@@ -192,7 +192,7 @@ class MlaVerify:
         q [T, H, 576] bf16; k_ext [T, 1|H_kv, 576]; v_ext [T, 1, >=512] (first 512 read);
         kv_pool [slots, 1, 576] bf16 (V = first 512); qo_indptr [B+1] int32 (draft rows of
         request b are qo_indptr[b]:qo_indptr[b+1], at most max_draft); kv_indptr [B+1],
-        kv_indices [>= kv_indptr[B]] slot ids (page size 1); mask uint8/bool laid out as
+        kv_indices [>= kv_indptr[B]] one slot id per token (any page size); mask uint8/bool laid out as
         ``mask_layout`` ("qlen_only": D x D per request at b * D_max^2 or mask_indptr[b];
         "full": SGLang FULL_MASK, D x (N + D) at mask_indptr[b], prefix columns ignored);
         out [T, H, 512]; lse [T, H] fp32 natural-log log-sum-exp, optional.

@@ -67,7 +67,21 @@ def test_attach_fills_the_verify_seam_for_mla_only():
     assert mla.use_verify_shared_kv and mla.verify_shared_kv_fwd == mla._moeplace_verify.forward
     assert not attach(_bare_backend(use_mla=False))
     assert not attach(_bare_backend(is_draft_runner=True))
-    assert not attach(_bare_backend(page_size=16))
+    assert not attach(_bare_backend(dcp_size=2))
+    assert attach(_bare_backend(page_size=16))  # slot ids stay per token: see the next test
+
+
+def test_sglang_paged_kv_addresses_are_per_token_slots():
+    """Why page size > 1 needs no page table: SGLang's paged address of token slot s,
+    (s // P) * page_stride + (s % P) * tok_stride, is s * slot_stride for its KV buffers."""
+    import torch
+    from sglang.kernels.ops.attention.decode_attention import _extract_kv_strides
+
+    buf = torch.zeros(64, 1, 576, dtype=torch.bfloat16)
+    for page in (1, 16, 64):
+        slot, _, page_stride, tok_stride = _extract_kv_strides(buf, page)
+        s = torch.arange(64)
+        assert torch.equal((s // page) * page_stride + (s % page) * tok_stride, s * slot)
 
 
 def test_mask_layout_follows_sglang_verify_mask():

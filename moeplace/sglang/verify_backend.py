@@ -69,7 +69,10 @@ def attach(backend: Any) -> bool:
     """Point ``backend``'s verify seam at the moeplace kernel if it is an MLA target backend."""
     if not getattr(backend, "use_mla", False) or getattr(backend, "is_draft_runner", False):
         return False
-    if not getattr(backend, "num_draft_tokens", None) or getattr(backend, "page_size", 1) != 1:
+    # Any page size: SGLang's Triton backend lists one slot id per token (kv_indptr is the
+    # cumulative sequence length; its kernels' paged address math reduces to slot * stride).
+    # Decode-context parallelism shards the prefix across ranks: not ours.
+    if not getattr(backend, "num_draft_tokens", None) or getattr(backend, "dcp_size", 1) != 1:
         return False
     state = VerifyState(backend)
     backend._moeplace_verify = state
