@@ -46,7 +46,7 @@ def split_steps(steps: RoutingSteps, holdout: float) -> tuple[RoutingSteps, Rout
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
              dispatch: str = "dynamic", cost_model: CostModel | None = None, holdout: float = 0.3,
              seed: int = 0, max_steps: int | None = None, effort: float | None = None,
-             progress: Callable[[int], None] = lambda n: None) -> OptimizeResult:
+             balance_floor: float | None = None, progress: Callable[[int], None] = lambda n: None) -> OptimizeResult:
     """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest."""
     cost_model = cost_model or CostModel()
     model = trace.model
@@ -66,6 +66,8 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
                              cost_model=cost_model, seed=seed, progress=report)
         if effort is not None:
             p.effort = effort
+        if balance_floor is not None:
+            p.balance_floor = balance_floor
         return p
 
     problem(fit, progress).check()

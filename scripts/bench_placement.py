@@ -12,6 +12,7 @@
    SGLang's own deepseek rebalance_experts on the same input when SGLang is installed.
 4. Determinism: the same seed twice gives the same placement.
 5. An in-sample ceiling: stepaware fitted on the held-out steps themselves (not a valid result).
+6. The --balance-floor trade-off on each trace: E[max distinct] against held-out token balancedness.
 Every figure is measured in this process; nothing is hard-coded.
 """
 
@@ -55,6 +56,24 @@ def compare(model: ModelSpec, steps, ranks: int, redundant: int, label: str) -> 
     return rows
 
 
+def floor_tradeoff(model: ModelSpec, steps, label: str, floors=(0.98, 0.9, 0.0)) -> list[dict]:
+    """stepaware at several balance floors, fitted and measured as in ``compare`` (no redundancy)."""
+    fit, held = split_steps(steps, 0.3)
+    placements = {"deepseek": Placement(model, 8, solve("deepseek", PlacementProblem(model, fit, 8)))}
+    for floor in floors:
+        placements[f"stepaware floor {floor:g}"] = Placement(
+            model, 8, solve("stepaware", PlacementProblem(model, fit, 8, balance_floor=floor)))
+    rows = comparison_rows(evaluate(placements, [held], CostModel()), "deepseek")
+    print(f"\n{label}: --balance-floor trade-off (held-out)")
+    ds = next(r for r in rows if r["placement"] == "deepseek")
+    for r in rows:
+        r.update(case=label, balance_vs_deepseek=r["token_balancedness"] / ds["token_balancedness"])
+        print(f"  {r['placement']:22s} E[max] {r['e_max_distinct']:.3f} "
+              f"({100 * (r['e_max_distinct'] / ds['e_max_distinct'] - 1):+.1f}%)  token balancedness "
+              f"{r['token_balancedness']:.3f} ({r['balance_vs_deepseek']:.3f}x DeepSeek's)")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gptoss", type=Path,
@@ -86,10 +105,12 @@ def main() -> None:
         "in_sample_ceiling_vs_deepseek_pct": 100 * (oracle_e_max / ds["e_max_distinct"] - 1),
     }
 
+    out["floor_rows"] = floor_tradeoff(trace.model, steps, "gpt-oss-20b real")
     for E, K in ((128, 8), (64, 6)):
         model = ModelSpec(f"SYNTHETIC {E}x top-{K}", 24, tuple(range(24)), E, K)
         _, syn = synthetic_steps(3000, 9, model, seed=E)
         out["rows"] += compare(model, syn, 8, 0, f"SYNTHETIC {E} experts top-{K}")
+        out["floor_rows"] += floor_tradeoff(model, syn, f"SYNTHETIC {E} experts top-{K}")
 
     _, kimi = synthetic_steps(args.kimi_steps, 9, KIMI_K2, seed=1)
     problem = PlacementProblem(KIMI_K2, kimi, 8)

@@ -8,6 +8,7 @@ The DeepSeek EPLB port itself is checked against SGLang in ``test_deepseek_eplb.
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from moeplace.algorithms import ALGORITHMS, PlacementProblem, get_algorithm, solve
 from moeplace.algorithms.baselines import separate_replicas
-from moeplace.algorithms.stepaware import (BALANCE_FLOOR, TIE_BREAK, _loads, _objective, greedy_place, item_activity,
+from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, greedy_place, item_activity,
                                            order_replicas, replica_counts, swap_deltas)
 from moeplace.errors import MoeplaceError
 from moeplace.metrics import balancedness, layer_rank_loads
@@ -130,6 +131,35 @@ def test_problem_check_rejects_impossible_problems(E, R, redundant, nodes, messa
         problem.check()
     with pytest.raises(MoeplaceError, match=message):   # solve checks before any algorithm runs
         solve("stepaware", problem)
+
+
+SAMPLE = Path(__file__).resolve().parent.parent / "traces" / "gptoss20b-sample.mptrace"
+
+
+def test_balance_floor_is_kept_and_trades_against_distinct_experts():
+    """On the shipped real sample (fitted steps): every layer's token balancedness is at least
+    balance_floor x DeepSeek EPLB's, and a looser floor never gives a worse E[max distinct]."""
+    from moeplace.trace.load import open_trace
+
+    trace = open_trace(SAMPLE)
+    steps = trace.load("verify").take(np.arange(1500))
+    reference = solve("deepseek", PlacementProblem(trace.model, steps, 8))
+
+    def measured(phy2log):
+        per_layer = [layer_rank_loads(steps, layer, phy2log[layer], 8, "dynamic")
+                     for layer in range(trace.model.num_moe_layers)]
+        return (np.mean([d.max(axis=1).mean() for d, _ in per_layer]),
+                np.array([balancedness(t.sum(axis=0)[None])[0] for _, t in per_layer]))
+
+    _, ref_balance = measured(reference)
+    e_max = {}
+    for floor in (0.0, 0.9, 0.98):
+        e_max[floor], balance = measured(solve("stepaware", PlacementProblem(trace.model, steps, 8,
+                                                                             balance_floor=floor)))
+        assert (balance >= floor * ref_balance - 1e-9).all(), floor
+    assert e_max[0.0] <= e_max[0.9] <= e_max[0.98]
+    with pytest.raises(MoeplaceError, match="balance-floor"):
+        PlacementProblem(trace.model, steps, 8, balance_floor=1.5).check()
 
 
 def test_problem_check_accepts_edge_cases():
@@ -455,7 +485,7 @@ def test_property_greedy_place_fills_every_rank_exactly(problem, floor):
 def test_property_stepaware_not_worse_than_contiguous_on_fitted_steps(problem, holdout):
     """On the steps it was fitted to, stepaware is never worse than SGLang's trivial layout, layer by
     layer, wherever the trivial layout is an answer stepaware may give: its token balancedness is at
-    least BALANCE_FLOOR times DeepSeek EPLB's (below that stepaware trades distinct experts for token
+    least balance_floor times DeepSeek EPLB's (below that stepaware trades distinct experts for token
     balance by design).
 
     Without spare slots the search's objective is exactly the measured one under either dispatch rule;
@@ -477,7 +507,7 @@ def test_property_stepaware_not_worse_than_contiguous_on_fitted_steps(problem, h
             return distinct.max(axis=1).mean(), balancedness(tokens.sum(axis=0)[None])[0]
 
         trivial, trivial_balance = measured(contiguous)
-        if trivial_balance >= BALANCE_FLOOR * measured(reference)[1]:
+        if trivial_balance >= problem.balance_floor * measured(reference)[1]:
             assert measured(stepaware)[0] <= trivial + 1e-9, layer
 
 

@@ -193,6 +193,7 @@ def test_compare_placement_for_other_rank_count(optimized, capsys):
     (["--ranks", "2", "--redundant", "34"], ["slots per rank exceed the 32 experts"]),
     (["--holdout", "1"], ["--holdout"]),
     (["--algorithm", "nope"], ["--algorithm"]),
+    (["--balance-floor", "1.5"], ["--balance-floor"]),
 ])
 def test_optimize_bad_options(tmp_path, capsys, args, fragments):
     out = tmp_path / "out"

@@ -33,6 +33,7 @@ class PlacementProblem:
     cost_model: CostModel = field(default_factory=CostModel)
     seed: int = 0
     effort: float = 2.4e9  # swap-search work over all layers (steps x slots x ranks per round)
+    balance_floor: float = 0.98  # stepaware keeps token balancedness >= this share of DeepSeek EPLB's
     progress: Callable[[int], None] = lambda n: None  # called with the number of layers just finished
 
     @property
@@ -49,6 +50,8 @@ class PlacementProblem:
         if P % R:
             raise MoeplaceError(f"{E} experts + {self.redundant} redundant = {P} slots do not split evenly "
                                 f"over {R} ranks")
+        if not 0.0 <= self.balance_floor <= 1.0:
+            raise MoeplaceError(f"--balance-floor must be in [0, 1], got {self.balance_floor}")
         if P // R > E:
             raise MoeplaceError(f"{P // R} slots per rank exceed the {E} experts: some rank would hold two "
                                 f"replicas of one expert")

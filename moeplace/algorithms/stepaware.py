@@ -31,7 +31,6 @@ from moeplace.metrics import balancedness, static_dispatch_table
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
-BALANCE_FLOOR = 0.98        # token balancedness kept at >= this share of DeepSeek EPLB's
 MAX_REPAIRS = 64           # swaps allowed to lift token balancedness to the floor
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
 
@@ -59,7 +58,7 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
-    floor = min(BALANCE_FLOOR * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
+    floor = min(problem.balance_floor * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
     rows = np.arange(active.shape[0])
     search_steps = max(SEARCH_CELLS // P, 1)
     if active.shape[0] > search_steps:

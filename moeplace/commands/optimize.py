@@ -28,6 +28,10 @@ from moeplace.report import comparison_rows, evaluate, format_table, write_plots
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same placement.")
 @click.option("--effort", type=click.FloatRange(min=1), default=None,
               help="stepaware's swap-search work budget (default 2.4e9, ~10 s for a Kimi-K2-sized trace).")
+@click.option("--balance-floor", type=click.FloatRange(0, 1), default=None,
+              help="stepaware aims to keep each layer's token balancedness on the fitted steps at least this share "
+                   "of DeepSeek EPLB's (default 0.98). Lower it for decode/verify-only traffic: fewer distinct "
+                   "experts on the busiest rank, less even token counts (BENCHMARKS.md has the trade-off).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
               help="Where to write the placement (moeplace JSON).")
 @click.option("--sglang-out", type=click.Path(dir_okay=False),
@@ -36,7 +40,7 @@ from moeplace.report import comparison_rows, evaluate, format_table, write_plots
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
              top_k: int | None, max_steps: int, nodes: int, redundant: int, algorithm: str, holdout: float,
-             seed: int, effort: float | None, output: str, sglang_out: str | None, as_json: bool,
+             seed: int, effort: float | None, balance_floor: float | None, output: str, sglang_out: str | None, as_json: bool,
              plot_dir: str | None) -> None:
     """Compute an expert placement for TRACE that minimises per-step imbalance.
 
@@ -56,7 +60,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: 
     with click.progressbar(length=src.model.num_moe_layers, label=f"{algorithm}: placing layers",
                            file=click.get_text_stream("stderr")) as bar:
         result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
-                              seed, max_steps, effort, progress=bar.update)
+                              seed, max_steps, effort, balance_floor, progress=bar.update)
     if sglang_out:   # first, so that a failure here leaves no placement file behind
         save_sglang(sglang_out, result.placement)
     save_placement(output, result.placement)
