@@ -16,9 +16,9 @@ Two launches:
      tensor cores as an [M, C] x [C, BLOCK_N] product) and writes a normalised partial output
      plus its log2-sum-exp. Split 0 also attends to the draft tokens themselves under the
      tree mask. A row block is a 64-row main tile plus an optional small tail tile (72 rows =
-     64 + 16); by default (TAIL_MODE 2) the tail runs as its own program next to the main
-     one, which reads the same chunk: sharing one program made the 16-row mma.sync operands
-     and the 64 x 512 fp32 accumulator spill (255 registers).
+     64 + 16); the tail runs as its own program next to the main one, which reads the same
+     chunk, mostly from L2 (BENCHMARKS.md: fusing it as a transposed tile spilled and was
+     slower; launching it apart was slower still).
   2. ``_verify_merge_kernel``, grid (B * D_max, H, 512 / BLOCK_DV): log-sum-exp merge of the
      partials into the output.
 
@@ -80,46 +80,6 @@ def _online_update(qn, qp, kn, kp, vn, keep, m_i, l_i, acc, qk_scale, UPCAST: tl
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(vn.dtype), vn, acc * alpha[:, None])
     return m_new, l_i, acc
-
-
-@triton.jit
-def _online_update_t(qn_s, qp_s, kn, kp, vn, keep, m_i, l_i, acc_t, qk_scale, UPCAST: tl.constexpr):
-    """Transposed step for a small row tile (the tail): scores as [N, M], output as [DV, M].
-
-    qn_s [M, 512] qp_s [M, 64] kn [N, 512] kp [N, 64] vn [N, DV] keep [N, M] bool.
-    With the KV tile as the product's M side every product stays a wgmma on Hopper (a
-    16-row tile as M would fall back to mma.sync with its operands in registers, which
-    spilled). Returns (m_i [M], l_i [M], acc_t [DV, M]).
-    """
-    if UPCAST:
-        qn_s = qn_s.to(tl.float32)
-        qp_s = qp_s.to(tl.float32)
-        kn = kn.to(tl.float32)
-        kp = kp.to(tl.float32)
-        vn = vn.to(tl.float32)
-    s = tl.dot(kn, tl.trans(qn_s))
-    s = tl.dot(kp, tl.trans(qp_s), s)
-    s = tl.where(keep, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 0))
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[None, :])
-    l_i = l_i * alpha + tl.sum(p, 0)
-    acc_t = tl.dot(tl.trans(vn), p.to(vn.dtype), acc_t * alpha[None, :])
-    return m_new, l_i, acc_t
-
-
-@triton.jit
-def _store_partial_t(O_part, L_part, part_row0, rows, m_i, l_i, acc_t, R_PAD, col0,
-                     DN: tl.constexpr, DVB: tl.constexpr):
-    """_store_partial for a transposed accumulator acc_t [DVB, M]."""
-    safe_l = tl.where(l_i > 0, l_i, 1.0)
-    out = acc_t / safe_l[None, :]
-    lse = tl.where(l_i > 0, m_i + tl.math.log2(safe_l), float("-inf"))
-    ok = rows < R_PAD
-    prow = part_row0 + rows.to(tl.int64)
-    tl.store(O_part + prow[None, :] * DN + col0 + tl.arange(0, DVB)[:, None],
-             out.to(O_part.dtype.element_ty), mask=ok[None, :])
-    tl.store(L_part + prow, lse, mask=ok)
 
 
 @triton.jit
@@ -254,7 +214,7 @@ def _verify_split_kernel(
     D_MAX: tl.constexpr, BLOCK_M: tl.constexpr, TAIL_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, MASK_MODE: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr, UPCAST: tl.constexpr,
-    DV_SPLIT: tl.constexpr, TAIL_MODE: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
+    DV_SPLIT: tl.constexpr, TAIL_BLOCK_N: tl.constexpr,
     IDX_PREFETCH: tl.constexpr = False,
 ):
     """Partial attention of one (split, request, row block).
@@ -263,16 +223,15 @@ def _verify_split_kernel(
     O_part [B * MAX_SPLITS, R_PAD, DN] bf16; L_part [B * MAX_SPLITS, R_PAD] fp32.
     A row block holds BLOCK_M + TAIL_M rows: the tail is a second, small tile (for example
     the 9th draft token's 8 heads), so 72 rows cost 80 rows of tensor-core work rather than
-    128. TAIL_MODE 1 runs it in the same program as a transposed tile sharing every KV load
-    (slow: it spills); TAIL_MODE 2 gives it its own program (grid axis 0 = row block x part x
-    V slice), stepping TAIL_BLOCK_N KV tokens at a time. DV_SPLIT > 1 gives each program a
-    slice of the 512 output columns: fewer accumulator registers, the QK product repeated.
+    128. It runs in its own program (grid axis 0 = row block x part x V slice), stepping
+    TAIL_BLOCK_N KV tokens at a time. DV_SPLIT > 1 gives each program a slice of the 512
+    output columns: fewer accumulator registers, the QK product repeated.
     """
     split = tl.program_id(1)
     batch = tl.program_id(2)
     DVB: tl.constexpr = DN // DV_SPLIT
     col0 = (tl.program_id(0) % DV_SPLIT) * DVB
-    PARTS: tl.constexpr = 2 if TAIL_MODE == 2 else 1
+    PARTS: tl.constexpr = 2 if TAIL_M > 0 else 1
     tile = tl.program_id(0) // DV_SPLIT
     rblock = tile // PARTS
     part = tile % PARTS
@@ -286,83 +245,22 @@ def _verify_split_kernel(
     row0 = rblock * (BLOCK_M + TAIL_M)
     if row0 >= n_rows:
         return
-    if TAIL_MODE != 1:
-        part_row0 = (batch * MAX_SPLITS + split).to(tl.int64) * R_PAD
-        if part == 0:
+    part_row0 = (batch * MAX_SPLITS + split).to(tl.int64) * R_PAD
+    if part == 0:
+        _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
+                batch, split, kv_start, seq_len, chunk, q_row0, D, H,
+                row0 + tl.arange(0, BLOCK_M), col0, part_row0, R_PAD, qk_scale,
+                stride_qt, stride_qh, stride_kvs, stride_ket, stride_vet, BLOCK_M, D_MAX,
+                BLOCK_N, BLOCK_D, MASK_MODE, HAS_MASK_INDPTR, DN, DP, DVB, DV_SPLIT > 1,
+                UPCAST, IDX_PREFETCH)
+    if TAIL_M > 0:
+        if (part == 1) & (row0 + BLOCK_M < n_rows):
             _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
                     batch, split, kv_start, seq_len, chunk, q_row0, D, H,
-                    row0 + tl.arange(0, BLOCK_M), col0, part_row0, R_PAD, qk_scale,
-                    stride_qt, stride_qh, stride_kvs, stride_ket, stride_vet, BLOCK_M, D_MAX,
-                    BLOCK_N, BLOCK_D, MASK_MODE, HAS_MASK_INDPTR, DN, DP, DVB, DV_SPLIT > 1,
-                    UPCAST, IDX_PREFETCH)
-        if TAIL_M > 0:
-            if (part == 1) & (row0 + BLOCK_M < n_rows):
-                _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
-                        batch, split, kv_start, seq_len, chunk, q_row0, D, H,
-                        row0 + BLOCK_M + tl.arange(0, TAIL_M), col0, part_row0, R_PAD,
-                        qk_scale, stride_qt, stride_qh, stride_kvs, stride_ket, stride_vet,
-                        TAIL_M, D_MAX, TAIL_BLOCK_N, BLOCK_D, MASK_MODE, HAS_MASK_INDPTR, DN, DP,
-                        DVB, DV_SPLIT > 1, UPCAST, IDX_PREFETCH)
-        return
-
-    rows = row0 + tl.arange(0, BLOCK_M)
-    qn, qp = _load_rows(Q, q_row0, rows, H, n_rows, stride_qt, stride_qh, DN, DP)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, DVB], tl.float32)
-    if TAIL_M > 0:
-        rows_t = row0 + BLOCK_M + tl.arange(0, TAIL_M)
-        qn_t, qp_t = _load_rows(Q, q_row0, rows_t, H, n_rows, stride_qt, stride_qh, DN, DP)
-        m_t = tl.full([TAIL_M], -1.0e30, tl.float32)
-        l_t = tl.zeros([TAIL_M], tl.float32)
-        acc_t = tl.zeros([DVB, TAIL_M], tl.float32)  # transposed: see _online_update_t
-
-    offs_dn = tl.arange(0, DN)
-    offs_dp = tl.arange(0, DP)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seq_len)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        valid = offs_n < hi
-        slot = tl.load(kv_indices + kv_start + offs_n, mask=valid, other=0).to(tl.int64)
-        row_ptr = KV + slot * stride_kvs
-        kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
-        kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None], other=0.0)
-        if DV_SPLIT == 1:
-            vn = kn
-        else:
-            vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
-                         mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
-                                       qk_scale, UPCAST)
-        if TAIL_M > 0:
-            m_t, l_t, acc_t = _online_update_t(qn_t, qp_t, kn, kp, vn, valid[:, None], m_t,
-                                               l_t, acc_t, qk_scale, UPCAST)
-
-    if split == 0:
-        # The draft tokens' own K/V, under the tree mask: one BLOCK_D tile.
-        offs_j = tl.arange(0, BLOCK_D)
-        ext = K_ext + (q_row0 + offs_j).to(tl.int64) * stride_ket
-        jm = offs_j < D
-        kn = tl.load(ext[:, None] + offs_dn[None, :], mask=jm[:, None], other=0.0)
-        kp = tl.load(ext[:, None] + DN + offs_dp[None, :], mask=jm[:, None], other=0.0)
-        vext = V_ext + (q_row0 + offs_j).to(tl.int64) * stride_vet
-        vn = tl.load(vext[:, None] + col0 + tl.arange(0, DVB)[None, :], mask=jm[:, None],
-                     other=0.0)
-        keep = _tree_keep(Mask, mask_indptr, batch, rows, offs_j, H, D, seq_len, D_MAX,
-                          MASK_MODE, HAS_MASK_INDPTR)
-        m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, keep, m_i, l_i, acc, qk_scale, UPCAST)
-        if TAIL_M > 0:
-            keep_t = _tree_keep(Mask, mask_indptr, batch, rows_t, offs_j, H, D, seq_len,
-                                D_MAX, MASK_MODE, HAS_MASK_INDPTR)
-            m_t, l_t, acc_t = _online_update_t(qn_t, qp_t, kn, kp, vn, tl.trans(keep_t), m_t,
-                                               l_t, acc_t, qk_scale, UPCAST)
-
-    part_row0 = (batch * MAX_SPLITS + split).to(tl.int64) * R_PAD
-    _store_partial(O_part, L_part, part_row0, rows, m_i, l_i, acc, R_PAD, col0, DN, DVB)
-    if TAIL_M > 0:
-        _store_partial_t(O_part, L_part, part_row0, rows_t, m_t, l_t, acc_t, R_PAD, col0, DN,
-                         DVB)
+                    row0 + BLOCK_M + tl.arange(0, TAIL_M), col0, part_row0, R_PAD,
+                    qk_scale, stride_qt, stride_qh, stride_kvs, stride_ket, stride_vet,
+                    TAIL_M, D_MAX, TAIL_BLOCK_N, BLOCK_D, MASK_MODE, HAS_MASK_INDPTR, DN, DP,
+                    DVB, DV_SPLIT > 1, UPCAST, IDX_PREFETCH)
 
 
 @triton.jit

@@ -61,15 +61,14 @@ class TileConfig:
     num_stages: int = 2
     min_chunk: int = 256
     dv_split: int = 1
-    tail_mode: int = 2  # 1: tail fused in the program (transposed tile), 2: its own program
     programs_per_sm: float = 2  # splits per request ~ programs_per_sm * SMs / row_blocks
-    tail_block_n: int = 0  # KV tokens per step of a tail program (tail_mode 2); 0: block_n
+    tail_block_n: int = 0  # KV tokens per step of a tail program; 0: block_n
     idx_prefetch: bool = False  # carry step n+1's slot ids in a loop variable (_attend)
 
     def tag(self) -> str:
         """Short label used by the benchmark sweep."""
         return (f"m{self.block_m}+{self.tail_m}x{self.row_blocks} n{self.block_n} "
-                f"w{self.num_warps} s{self.num_stages} mc{self.min_chunk} tm{self.tail_mode} "
+                f"w{self.num_warps} s{self.num_stages} mc{self.min_chunk} "
                 f"pps{self.programs_per_sm:g} tn{self.tail_block_n} pf{int(self.idx_prefetch)}")
 
 
@@ -206,8 +205,7 @@ class MlaVerify:
         cfg = self.config
         max_splits = self.max_splits(bs)
         target = max(1, math.ceil(cfg.programs_per_sm * self.num_sms / cfg.row_blocks))
-        tail_mode = cfg.tail_mode if cfg.tail_m > 0 else 0
-        tiles = cfg.row_blocks * (2 if tail_mode == 2 else 1) * cfg.dv_split
+        tiles = cfg.row_blocks * (2 if cfg.tail_m > 0 else 1) * cfg.dv_split
         mode = _MASK_MODES[mask_layout]
         # Dummies for absent optional tensors: never read (the constexpr flags say so).
         mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
@@ -221,7 +219,7 @@ class MlaVerify:
             D_MAX=self.max_draft, BLOCK_M=cfg.block_m, TAIL_M=cfg.tail_m, BLOCK_N=cfg.block_n,
             BLOCK_D=max(16, triton.next_power_of_2(self.max_draft)), MIN_CHUNK=cfg.min_chunk,
             MASK_MODE=mode, HAS_MASK_INDPTR=mask_indptr is not None, DN=V_DIM, DP=ROPE_DIM,
-            UPCAST=_INTERPRET, DV_SPLIT=cfg.dv_split, TAIL_MODE=tail_mode,
+            UPCAST=_INTERPRET, DV_SPLIT=cfg.dv_split,
             TAIL_BLOCK_N=cfg.tail_block_n or cfg.block_n, IDX_PREFETCH=cfg.idx_prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
