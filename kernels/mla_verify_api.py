@@ -101,7 +101,10 @@ def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileC
     # Hopper: 64-token KV steps, 2 stages, one split per SM and request. The sweep of
     # HOPPER_CANDIDATES (BENCHMARKS.md, H200) found deeper KV pipelines (32/16-token steps with
     # 3-7 stages, slot ids prefetched or loaded asynchronously) slower at 16k+ contexts.
-    return TileConfig(block_m, tail_m, row_blocks, block_n=64, programs_per_sm=1)
+    # Without a tail tile, carrying the next step's slot ids is 1.1-1.7x faster (the loop waits
+    # on that load otherwise); with one, the tail's registers make it slower (BENCHMARKS.md).
+    return TileConfig(block_m, tail_m, row_blocks, block_n=64, programs_per_sm=1,
+                      idx_prefetch=tail_m == 0)
 
 
 # Hopper variants swept by scripts/bench_verify.py (overrides of the default config) and

@@ -168,6 +168,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs at 64k")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--heads", type=int, default=8, help="query heads per rank (8: Kimi K2 at TP8)")
+    ap.add_argument("--drafts", type=int, default=9, help="draft tokens verified per request")
     ap.add_argument("--precompile", type=int, default=0,
                     help="compile the sweep configs first in this many processes")
     args = ap.parse_args()
@@ -188,7 +190,7 @@ def main() -> None:
         print(f"{kernel:34s} {case:22s} {ctx_label:>10s} {us:10.1f} us {gbs:8.0f} GB/s "
               f"{100 * gbs / copy_gbs:5.1f}%", flush=True)
 
-    H, D = 8, 9
+    H, D = args.heads, args.drafts
     if args.sweep:
         from moeplace_kernels.mla_verify_ref import mla_verify_ref
 

@@ -269,6 +269,16 @@ _INTERP_SCRIPT = textwrap.dedent("""
 """)
 
 
+def test_default_config_prefetches_slot_ids_only_without_a_tail():
+    from moeplace_kernels.mla_verify_api import default_config
+
+    for heads, drafts in ((8, 8), (16, 4), (8, 1)):
+        cfg = default_config(heads, drafts)
+        assert cfg.tail_m == 0 and cfg.idx_prefetch, (heads, drafts)
+    cfg = default_config(8, 9)
+    assert (cfg.block_m, cfg.tail_m) == (64, 16) and not cfg.idx_prefetch
+
+
 def test_interpreter_small_case():
     """The kernel itself, in Triton's CPU interpreter: 2 requests, 4 splits, all 3 layouts."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
