@@ -42,15 +42,16 @@ def _split_plan(kv_indptr, batch, B, MAX_SPLITS, TARGET_PROGRAMS, MIN_CHUNK: tl.
                 BLOCK_N: tl.constexpr):
     """(kv_start, N, chunk, S) of one request; shared by both launches so they agree.
 
-    The chunk is sized from the batch's total prefix so that the whole batch yields about
-    TARGET_PROGRAMS programs (long requests get more splits than short ones), then capped by
-    the grid's MAX_SPLITS. Floor at MIN_CHUNK tokens: tiny splits cost more in partial
-    writes than they save.
+    The chunk is sized from the batch's total prefix so that the whole batch yields at most
+    TARGET_PROGRAMS splits (long requests get more than short ones; each request rounds up by
+    less than one chunk, hence the B held back), then capped by the grid's MAX_SPLITS: one
+    wave of programs, never a nearly empty second one. Floor at MIN_CHUNK tokens: tiny splits
+    cost more in partial writes than they save.
     """
     kv_start = tl.load(kv_indptr + batch)
     seq_len = tl.load(kv_indptr + batch + 1) - kv_start
     total = tl.load(kv_indptr + B) - tl.load(kv_indptr)
-    chunk = tl.maximum(tl.cdiv(total, TARGET_PROGRAMS), MIN_CHUNK)
+    chunk = tl.maximum(tl.cdiv(total, tl.maximum(TARGET_PROGRAMS - B, 1)), MIN_CHUNK)
     chunk = tl.maximum(chunk, tl.cdiv(seq_len, MAX_SPLITS))
     chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
     n_splits = tl.maximum(tl.cdiv(seq_len, chunk), 1)

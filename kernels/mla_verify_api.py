@@ -61,7 +61,7 @@ class TileConfig:
     num_stages: int = 2
     min_chunk: int = 256
     dv_split: int = 1
-    programs_per_sm: float = 2  # splits per request ~ programs_per_sm * SMs / row_blocks
+    programs_per_sm: float = 2  # the batch's splits <= programs_per_sm * SMs / row_blocks
     tail_block_n: int = 0  # KV tokens per step of a tail program; 0: block_n
     idx_prefetch: bool = False  # carry step n+1's slot ids in a loop variable (_attend)
 
@@ -208,6 +208,10 @@ class MlaVerify:
         cfg = self.config
         max_splits = self.max_splits(bs)
         target = max(1, math.ceil(cfg.programs_per_sm * self.num_sms / cfg.row_blocks))
+        if cfg.tail_m and bs == 1:
+            # One request: half as many splits puts each split's main and tail programs in the
+            # same wave, sharing its KV through L2 (faster at 64k+); batches gain from more.
+            target = max(1, target // 2)
         tiles = cfg.row_blocks * (2 if cfg.tail_m > 0 else 1) * cfg.dv_split
         mode = _MASK_MODES[mask_layout]
         # Dummies for absent optional tensors: never read (the constexpr flags say so).
