@@ -98,7 +98,7 @@ def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileC
         block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft, max_m=32)
         return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
     block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
-    # Hopper: 64-token KV steps, 2 stages, one split per SM and request. The sweep of
+    # Hopper: 64-token KV steps, 2 stages, one wave of programs (see _split_plan). The sweep of
     # HOPPER_CANDIDATES (BENCHMARKS.md, H200) found deeper KV pipelines (32/16-token steps with
     # 3-7 stages, slot ids prefetched or loaded asynchronously) slower at 16k+ contexts.
     # Without a tail tile, carrying the next step's slot ids is 1.1-1.7x faster (the loop waits
@@ -194,8 +194,8 @@ class MlaVerify:
         q [T, H, 576] bf16; k_ext [T, 1|H_kv, 576]; v_ext [T, 1, >=512] (first 512 read);
         kv_pool [slots, 1, 576] bf16 (V = first 512); qo_indptr [B+1] int32 (draft rows of
         request b are qo_indptr[b]:qo_indptr[b+1], at most max_draft); kv_indptr [B+1],
-        kv_indices [>= kv_indptr[B]] one slot id per token (any page size); mask uint8/bool laid out as
-        ``mask_layout`` ("qlen_only": D x D per request at b * D_max^2 or mask_indptr[b];
+        kv_indices [>= kv_indptr[B]] one slot id per token (any page size); mask uint8/bool
+        laid out as ``mask_layout`` ("qlen_only": D x D per request at b * D_max^2 or mask_indptr[b];
         "full": SGLang FULL_MASK, D x (N + D) at mask_indptr[b], prefix columns ignored);
         out [T, H, 512]; lse [T, H] fp32 natural-log log-sum-exp, optional.
         Returns out. No host sync and no allocation when ``out`` is given.

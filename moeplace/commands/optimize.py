@@ -40,8 +40,8 @@ from moeplace.report import comparison_rows, evaluate, format_table, write_plots
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
              top_k: int | None, max_steps: int, nodes: int, redundant: int, algorithm: str, holdout: float,
-             seed: int, effort: float | None, balance_floor: float | None, output: str, sglang_out: str | None, as_json: bool,
-             plot_dir: str | None) -> None:
+             seed: int, effort: float | None, balance_floor: float | None, output: str, sglang_out: str | None,
+             as_json: bool, plot_dir: str | None) -> None:
     """Compute an expert placement for TRACE that minimises per-step imbalance.
 
     Fits on the first part of the trace, then prints contiguous, DeepSeek EPLB and the chosen
