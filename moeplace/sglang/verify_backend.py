@@ -106,7 +106,7 @@ class VerifyState:
             self.ops[num_heads] = op
         return op
 
-    def offer_qlen_only(self, max_bs: int) -> bool:
+    def offer_qlen_only(self, max_bs: int) -> None:
         """Give the backend a QLEN_ONLY ``VerifyMask`` preallocated for ``max_bs`` requests.
 
         Only for a bf16 KV pool: an fp8 one goes to SGLang's kernel, which reads FULL_MASK.
@@ -118,13 +118,12 @@ class VerifyState:
 
         pool = getattr(self.backend, "token_to_kv_pool", None)
         if getattr(pool, "dtype", torch.bfloat16) != torch.bfloat16:
-            return False
+            return
         mode = TreeMaskMode.QLEN_ONLY
         numel = tree_mask_numel(mode, max_bs, self.max_draft, 0)
         self.backend._verify_mask = VerifyMask(
             buffer=torch.zeros(numel, dtype=torch.uint8, device=self.backend.device),
             mode=mode, max_bs=max_bs)
-        return True
 
     def mask_layout(self) -> str:
         """'qlen_only' when the backend's verify buffer is laid out D x D, else 'full'."""
