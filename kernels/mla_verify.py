@@ -84,6 +84,23 @@ def _online_update(qn, qp, kn, kp, vn, keep, m_i, l_i, acc, qk_scale, UPCAST: tl
 
 
 @triton.jit
+def _kv_step(KV, slot, valid, stride_kvs, col0, qn, qp, m_i, l_i, acc, qk_scale,
+             DN: tl.constexpr, DP: tl.constexpr, DVB: tl.constexpr, SEPARATE_V: tl.constexpr,
+             UPCAST: tl.constexpr):
+    """Gather the KV rows of ``slot`` [N] (``valid`` [N]) and fold them into the row tile."""
+    row_ptr = KV + slot.to(tl.int64) * stride_kvs
+    kn = tl.load(row_ptr[:, None] + tl.arange(0, DN)[None, :], mask=valid[:, None], other=0.0)
+    kp = tl.load(row_ptr[:, None] + DN + tl.arange(0, DP)[None, :], mask=valid[:, None],
+                 other=0.0)
+    if SEPARATE_V:
+        vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :], mask=valid[:, None],
+                     other=0.0)
+    else:
+        vn = kn
+    return _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc, qk_scale, UPCAST)
+
+
+@triton.jit
 def _load_rows(Q, q_row0, rows, H, n_rows, stride_qt, stride_qh, DN: tl.constexpr,
                DP: tl.constexpr):
     """Query tile of one request: rows [M] -> (q_nope [M, DN], q_rope [M, DP])."""
@@ -153,44 +170,25 @@ def _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
     hi = tl.minimum(lo + chunk, seq_len)
     if IDX_PREFETCH:
         # The slot ids of step n + 1 are loaded during step n and carried in a loop variable,
-        # so a KV gather's address never waits on a load of the same iteration and Triton's
-        # pipeliner can issue the gathers num_stages - 1 steps ahead (with 32-token steps and
-        # 4 stages: 2 gathers in flight). Opt-in: on the H200 it was not faster (BENCHMARKS.md).
+        # so a KV gather's address never waits on a load of the same iteration (that wait is
+        # the loop's main stall). The default wherever there is no tail tile: with one, the
+        # tail's registers make it slower (BENCHMARKS.md).
         offs_b = tl.arange(0, BLOCK_N)
         slot = tl.load(kv_indices + kv_start + lo + offs_b, mask=lo + offs_b < hi, other=0)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + offs_b
-            valid = offs_n < hi
             nxt = offs_n + BLOCK_N
             slot_next = tl.load(kv_indices + kv_start + nxt, mask=nxt < hi, other=0)
-            row_ptr = KV + slot.to(tl.int64) * stride_kvs
-            kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
-            kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None],
-                         other=0.0)
-            if SEPARATE_V:
-                vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
-                             mask=valid[:, None], other=0.0)
-            else:
-                vn = kn
-            m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
-                                           qk_scale, UPCAST)
+            m_i, l_i, acc = _kv_step(KV, slot, offs_n < hi, stride_kvs, col0, qn, qp, m_i, l_i,
+                                     acc, qk_scale, DN, DP, DVB, SEPARATE_V, UPCAST)
             slot = slot_next
     else:
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             valid = offs_n < hi
-            slot = tl.load(kv_indices + kv_start + offs_n, mask=valid, other=0).to(tl.int64)
-            row_ptr = KV + slot * stride_kvs
-            kn = tl.load(row_ptr[:, None] + offs_dn[None, :], mask=valid[:, None], other=0.0)
-            kp = tl.load(row_ptr[:, None] + DN + offs_dp[None, :], mask=valid[:, None],
-                         other=0.0)
-            if SEPARATE_V:
-                vn = tl.load(row_ptr[:, None] + col0 + tl.arange(0, DVB)[None, :],
-                             mask=valid[:, None], other=0.0)
-            else:
-                vn = kn
-            m_i, l_i, acc = _online_update(qn, qp, kn, kp, vn, valid[None, :], m_i, l_i, acc,
-                                           qk_scale, UPCAST)
+            slot = tl.load(kv_indices + kv_start + offs_n, mask=valid, other=0)
+            m_i, l_i, acc = _kv_step(KV, slot, valid, stride_kvs, col0, qn, qp, m_i, l_i, acc,
+                                     qk_scale, DN, DP, DVB, SEPARATE_V, UPCAST)
     if split == 0:
         offs_j = tl.arange(0, BLOCK_D)
         ext = K_ext + (q_row0 + offs_j).to(tl.int64) * stride_ket
