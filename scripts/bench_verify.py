@@ -10,16 +10,13 @@ Times are CUDA-graph replays of one call, median of many (torch.cuda.Event).
 from __future__ import annotations
 
 import argparse
-import glob
 import importlib
-import sys
-import types
-import zipfile
 from pathlib import Path
 
 import torch
 
 from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
+from sglang_wheel import register_packages, stub, unpack
 from moeplace_kernels.mla_verify_api import MlaVerify, hopper_candidates
 
 KV_BYTES = 576 * 2
@@ -28,34 +25,20 @@ KV_BYTES = 576 * 2
 def load_sglang_kernels(wheel: str | None):
     """(extend_attention module, verify_mla module) from the installed sglang or its wheel.
 
-    The wheel's package ``__init__`` files import the whole server; the kernel modules need
-    only ``sglang.srt.environ`` (stdlib) and four platform predicates of ``sglang.srt.utils``,
-    so when the full import fails we extract the wheel, register the packages without running
-    their ``__init__`` and give ``sglang.srt.utils`` just those predicates.
+    The kernel modules need only ``sglang.srt.environ`` (stdlib) and four platform predicates of
+    ``sglang.srt.utils`` (``sglang_wheel`` says how the rest of the package is kept out).
     """
     try:
         from sglang.kernels.ops.attention import extend_attention, verify_mla
         return extend_attention, verify_mla
     except Exception:
         pass
-    if not wheel:
-        raise SystemExit("sglang is not importable; pass --sglang-wheel")
-    root = Path("/tmp/sglang_wheel")
-    if not (root / "sglang").exists():
-        zipfile.ZipFile(glob.glob(wheel)[0]).extractall(root)
-    for pkg in ("sglang", "sglang.kernels", "sglang.kernels.ops",
-                "sglang.kernels.ops.attention", "sglang.srt"):
-        mod = types.ModuleType(pkg)
-        mod.__path__ = [str(root / pkg.replace(".", "/"))]
-        sys.modules[pkg] = mod
-    utils = types.ModuleType("sglang.srt.utils")
-    utils.is_cuda = lambda: True
-    utils.is_hip = lambda: False
-    utils.is_gfx95_supported = lambda: False
-    utils.is_gfx1250_supported = lambda: False
-    utils.get_device_core_count = (
-        lambda device_id=0: torch.cuda.get_device_properties(device_id).multi_processor_count)
-    sys.modules["sglang.srt.utils"] = utils
+    root, _ = unpack(wheel)
+    register_packages(root, ["sglang", "sglang.kernels", "sglang.kernels.ops",
+                             "sglang.kernels.ops.attention", "sglang.srt"])
+    stub("sglang.srt.utils", is_cuda=lambda: True, is_hip=lambda: False, is_gfx95_supported=lambda: False,
+         is_gfx1250_supported=lambda: False,
+         get_device_core_count=lambda device_id=0: torch.cuda.get_device_properties(device_id).multi_processor_count)
     ext = importlib.import_module("sglang.kernels.ops.attention.extend_attention")
     ver = importlib.import_module("sglang.kernels.ops.attention.verify_mla")
     return ext, ver

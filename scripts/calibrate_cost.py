@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
 import importlib
 import json
-import sys
 import time
 import types
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -52,33 +49,20 @@ SHAPES = {
 def load_sglang_moe(wheel: str | None):
     """(fused_moe_triton_kernels module, fused_moe_triton_config module, sglang version).
 
-    The wheel's package ``__init__`` files import the whole server and its CUDA extensions. The kernel
-    module needs only small pieces: platform predicates of ``sglang.srt.utils``, ``envs``, a padding
-    size, the batch-invariant flag, and fp8/int8 activation-quant helpers (unused here: activations
-    are passed pre-quantized). We register the packages without running their ``__init__`` and give
-    those modules minimal stand-ins; the kernel and config code themselves are SGLang's, unmodified.
+    The kernel module needs only small pieces of the package: platform predicates of
+    ``sglang.srt.utils``, ``envs``, a padding size, the batch-invariant flag, and fp8/int8
+    activation-quant helpers (unused here: activations are passed pre-quantized); ``sglang_wheel``
+    says how the rest is kept out.
     """
     import torch
 
-    root = Path("/tmp/sglang_wheel")
-    if not (root / "sglang").exists():
-        paths = glob.glob(wheel or "")
-        if not paths:
-            raise SystemExit("pass --sglang-wheel PATH (glob ok)")
-        zipfile.ZipFile(paths[0]).extractall(root)
-    version = next(iter(root.glob("sglang-*.dist-info"))).name[len("sglang-"):-len(".dist-info")]
-    for pkg in ("sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.moe",
-                "sglang.kernels.ops.quantization", "sglang.kernels.jit", "sglang.srt", "sglang.srt.layers",
-                "sglang.srt.layers.moe", "sglang.srt.layers.moe.moe_runner",
-                "sglang.srt.layers.moe.moe_runner.triton_utils"):
-        mod = types.ModuleType(pkg)
-        mod.__path__ = [str(root / pkg.replace(".", "/"))]
-        sys.modules[pkg] = mod
+    from sglang_wheel import register_packages, stub, unpack
 
-    def stub(name: str, **attrs):
-        mod = types.ModuleType(name)
-        mod.__dict__.update(attrs)
-        sys.modules[name] = mod
+    root, version = unpack(wheel)
+    register_packages(root, [
+        "sglang", "sglang.kernels", "sglang.kernels.ops", "sglang.kernels.ops.moe",
+        "sglang.kernels.ops.quantization", "sglang.kernels.jit", "sglang.srt", "sglang.srt.layers",
+        "sglang.srt.layers.moe", "sglang.srt.layers.moe.moe_runner", "sglang.srt.layers.moe.moe_runner.triton_utils"])
 
     def unused(*a, **k):
         raise NotImplementedError("activation quant helper: pass pre-quantized activations")
