@@ -18,6 +18,9 @@ from moeplace.trace.synthetic import steps_from_counts
 
 BASELINES = ("contiguous", "deepseek")
 AGGREGATE_SAMPLE_STEPS = 4000
+# Steps optimize uses unless told otherwise, evenly spaced over the trace. On Kimi-K2-shaped routing
+# 10,000 steps place as well as 200,000, which take 20x the time and memory (BENCHMARKS.md).
+DEFAULT_SAMPLE_STEPS = 20_000
 
 
 @dataclass
@@ -47,18 +50,28 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
              dispatch: str = "dynamic", cost_model: CostModel | None = None, holdout: float = 0.3,
              seed: int = 0, max_steps: int | None = None, effort: float | None = None,
              balance_floor: float | None = None, progress: Callable[[int], None] = lambda n: None) -> OptimizeResult:
-    """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest."""
+    """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest.
+
+    max_steps: use at most this many steps of ``mode``, evenly spaced over the trace (None:
+    DEFAULT_SAMPLE_STEPS); memory holds only those steps, never the whole trace.
+    """
     cost_model = cost_model or CostModel()
     model = trace.model
-    steps = trace.load(mode, max_steps)
-    note = ""
+    limit = max_steps or DEFAULT_SAMPLE_STEPS
+    total = trace.count(mode)
+    if total == 0:
+        raise trace.no_steps_error(mode)
+    steps = trace.load(mode, limit, total=total)
+    notes = []
+    if steps.num_steps < total:
+        notes.append(f"used {steps.num_steps:,} of the trace's {total:,} {mode} steps, evenly spaced "
+                     f"(--max-steps to change; default {DEFAULT_SAMPLE_STEPS:,})")
     if trace.header.aggregate_only:
         counts = steps.expert_token_counts()
         steps = steps_from_counts(model, counts, AGGREGATE_SAMPLE_STEPS, seed=seed)
-        note = (f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
-                f"independent tokens (no co-activation); metrics are for those sampled steps")
-    if steps.num_steps == 0:
-        raise MoeplaceError(f"{trace.path}: no steps of mode {mode!r}")
+        notes.append(f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
+                     f"independent tokens (no co-activation); metrics are for those sampled steps")
+    note = "; ".join(notes)
     fit, held_out = split_steps(steps, holdout)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:

@@ -115,7 +115,8 @@ def test_optimize_json(tmp_path):
     data = json.loads(result.stdout)
     assert [r["placement"] for r in data["rows"]] == ["contiguous", "deepseek"]
     assert data["placement"] == str(tmp_path / "p.json") and data["sglang_out"] is None
-    assert data["fit_steps"] + data["eval_steps"] > 0 and data["note"] == ""
+    used = data["fit_steps"] + data["eval_steps"]
+    assert used > 0 and data["note"].startswith(f"used {used} of the trace's 3,007 all steps, evenly spaced")
     for row in data["rows"]:
         assert row["e_max_distinct"] >= row["lower_bound"] > 0
     p = load_placement(tmp_path / "p.json")

@@ -12,6 +12,7 @@ from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.options import trace_options
 from moeplace.costmodel import load_cost_model
 from moeplace.errors import MoeplaceError
+from moeplace.optimize import DEFAULT_SAMPLE_STEPS
 
 FIT_STEPS = 2000      # steps the placements are fit on
 EVAL_STEPS = 256      # steps (or resampled batches) each cost is averaged over
@@ -45,7 +46,7 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
     model_check(src.model, ranks, redundant)
     ep_cost = load_cost_model(cost_model_path) if cost_model_path else packaged_cost_model(DEFAULT_EP_COST)
     tp_cost = load_cost_model(tp_cost_path) if tp_cost_path else packaged_cost_model(DEFAULT_TP_COST)
-    steps = src.load(mode, max_steps)
+    steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
         raise MoeplaceError(f"{trace}: no steps of mode {mode!r}")
     if steps.count_steps.size:

@@ -4,20 +4,27 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any, Iterator
 
 import click
 import numpy as np
 
 from moeplace.costmodel import CostModel, load_cost_model
-from moeplace.errors import MoeplaceError
 from moeplace.trace import modes as M
 from moeplace.trace.load import Trace, open_trace
 from moeplace.trace.steps import RoutingSteps
 
 
 def open_source(trace: str, window: int, top_k: int | None) -> Trace:
-    return open_trace(trace, window=window, top_k=top_k)
+    """Open TRACE for a command: every cut shard tail a read meets is a warning on stderr."""
+    src = open_trace(trace, window=window, top_k=top_k)
+    src.on_damage = warn_damage
+    return src
+
+
+def warn_damage(shard: Path, why: str) -> None:
+    click.echo(f"warning: {shard}: {why}; the rest of that shard was skipped", err=True)
 
 
 def cost_model_from(path: str | None) -> CostModel:
@@ -45,10 +52,7 @@ def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, label: st
     if progress:
         click.echo(f"\r{label}: {seen} steps", err=True)
     if seen == 0:
-        damage = "".join(f"; {path}: {why}" for path, why in trace.damaged)
-        raise MoeplaceError(f"{trace.path}: no steps of mode {mode!r} (empty trace or other modes only){damage}")
-    for path, why in trace.damaged:
-        click.echo(f"warning: {path}: {why}; the rest of that shard was skipped", err=True)
+        raise trace.no_steps_error(mode)
 
 
 def check_ranks(trace: Trace, ranks: int, redundant: int = 0) -> None:

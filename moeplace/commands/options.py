@@ -29,9 +29,10 @@ def trace_options(f: Callable) -> Callable:
                      help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
         click.option("--top-k", type=click.IntRange(min=1), default=None,
                      help="For logical_count JSON files, which do not record it (default 8)."),
-        click.option("--max-steps", type=click.IntRange(min=1), default=200_000, show_default=True,
-                     help="Use at most this many steps: optimize takes them evenly spaced over the trace; "
-                          "report and compare stream the first ones."),
+        click.option("--max-steps", type=click.IntRange(min=1), default=None,
+                     help="Use at most this many steps: optimize and advise take them evenly spaced over the "
+                          "trace (default 20,000: more rarely changes the placement); report and compare "
+                          "stream the first ones (default: all)."),
     ]
     for d in reversed(decorators):
         f = d(f)

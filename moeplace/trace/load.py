@@ -14,7 +14,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -29,13 +29,18 @@ DEFAULT_WINDOW = 9
 
 @dataclass
 class Trace:
-    """A trace opened for reading: its header and a way to stream its steps in chunks."""
+    """A trace opened for reading: its header and a way to stream its steps in chunks.
+
+    damaged: (shard, why) of every cut or corrupt shard tail met so far; each is also handed once to
+    ``on_damage`` (the CLI prints it as a warning) when a read reaches it.
+    """
 
     path: Path
     header: TraceHeader
     _reader: TraceReader | None = None
     _steps: RoutingSteps | None = None
     damaged: list = field(default_factory=list)
+    on_damage: Callable[[Path, str], None] | None = None
 
     @property
     def model(self) -> ModelSpec:
@@ -46,12 +51,33 @@ class Trace:
         if self._steps is not None:
             yield self._steps
             return
-        yield from self._reader
-        self.damaged = self._reader.damaged
+        read_any = False
+        for chunk in self._reader:
+            self._note_damage(warn=True)   # a shard cut before this chunk's shard
+            yield chunk
+            read_any = True
+        # Nothing read at all: no warning, the caller's no_steps_error names the cut in its one line.
+        self._note_damage(warn=read_any)
 
-    def load(self, mode: str = "all", max_steps: int | None = None) -> RoutingSteps:
-        """All steps of ``mode`` in order; if more than ``max_steps``, an evenly spaced subset."""
-        total = sum(int(M.mode_mask(c.modes, mode).sum()) for c in self.chunks()) if max_steps else None
+    def _note_damage(self, warn: bool) -> None:
+        for found in self._reader.damaged:
+            if found not in self.damaged:
+                self.damaged.append(found)
+                if warn and self.on_damage is not None:
+                    self.on_damage(*found)
+
+    def count(self, mode: str = "all") -> int:
+        """Steps of ``mode`` in the trace (one streaming pass)."""
+        return sum(int(M.mode_mask(c.modes, mode).sum()) for c in self.chunks())
+
+    def load(self, mode: str = "all", max_steps: int | None = None, total: int | None = None) -> RoutingSteps:
+        """All steps of ``mode`` in order; if more than ``max_steps``, an evenly spaced subset.
+
+        total: ``count(mode)`` if the caller has it (saves a pass). Memory holds the kept steps and
+        one chunk, never the whole trace.
+        """
+        if max_steps and total is None:
+            total = self.count(mode)
         stride = max(1, -(-total // max_steps)) if max_steps and total else 1
         parts, seen = [], 0
         for chunk in self.chunks():
@@ -63,6 +89,13 @@ class Trace:
         if not parts:
             return RoutingSteps.empty(self.model)
         return concat_steps(parts)
+
+    def no_steps_error(self, mode: str) -> MoeplaceError:
+        """The error for a read that found no step of ``mode``: a cut shard first, as the likely cause."""
+        if self.damaged:
+            cuts = "; ".join(f"{path}: {why}" for path, why in self.damaged)
+            return MoeplaceError(f"{cuts}; no step of mode {mode!r} in the complete chunks before it")
+        return MoeplaceError(f"{self.path}: no steps of mode {mode!r} (empty trace or other modes only)")
 
 
 def open_trace(path: str | os.PathLike, window: int = DEFAULT_WINDOW, top_k: int | None = None) -> Trace:
