@@ -18,7 +18,7 @@ from moeplace.errors import FormatError
 from moeplace.model import ModelSpec
 from moeplace.placement import Placement, save_placement, save_sglang
 from moeplace.sglang.launch import parse_sglang_args
-from moeplace.sglang.model_config import model_spec_from_folder, model_spec_from_hf_config
+from moeplace.model_config import model_spec_from_folder, model_spec_from_hf_config
 
 # A DeepSeek-V3-shaped toy: 4 layers, layer 0 dense, 16 routed experts, top-4.
 DSV3_CONFIG = {

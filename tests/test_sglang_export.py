@@ -19,7 +19,7 @@ import pytest
 from moeplace.model import ModelSpec
 from moeplace.placement import Placement, load_placement, replica_table, save_sglang, sglang_physical_to_logical
 from moeplace.sglang.launch import _VALUE_OPTIONS, parse_sglang_args
-from moeplace.sglang.model_config import model_spec_from_folder
+from moeplace.model_config import model_spec_from_folder
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.eplb.expert_location")

@@ -30,7 +30,7 @@ from typing import Sequence
 from moeplace.errors import MoeplaceError, PlacementError
 from moeplace.model import ModelSpec
 from moeplace.placement import Placement, check_placement, load_placement, save_sglang
-from moeplace.sglang.model_config import model_spec_from_folder
+from moeplace.model_config import model_spec_from_folder
 
 # srt/arg_groups/overrides.py _A2A_EP_SPANNING_BACKENDS: these force ep_size = tp_size.
 EP_SPANNING_A2A_BACKENDS = frozenset({
