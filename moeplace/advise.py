@@ -7,36 +7,25 @@ EP: rank r runs the distinct experts of its slots that the step activates; the s
 slowest rank, so a layer costs ``max_r cost(distinct[r], tokens[r])`` (``moeplace.costmodel``).
 TP-MoE: every rank holds 1/R of every expert, so every rank runs every expert the step activates, on
 all of the step's (token, expert) pairs: perfectly balanced, but each activated expert is read by
-every rank. A layer costs ``tp.cost(distinct_total, pairs_total)`` with a cost model calibrated at
-intermediate size / R (``moeplace/data/cost_h200_bf16_tp8.json``). Communication (EP dispatch and
-combine, TP all-reduce) is not in either cost.
+every rank. A layer costs ``tp.cost(distinct_total, pairs_total)`` with a cost model for experts of
+intermediate size / R (``moeplace.cost_derive``). Communication (EP dispatch and combine, TP
+all-reduce) is not in either cost.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib import resources
 
 import numpy as np
 
-from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.metrics import layer_distinct_total, layer_rank_loads, static_dispatch_table, token_slots
 from moeplace.model import ModelSpec
 from moeplace.placement import replica_table
 from moeplace.trace.steps import RoutingSteps
 
-DEFAULT_EP_COST = "cost_h200_bf16.json"
-DEFAULT_TP_COST = "cost_h200_bf16_tp8.json"
 BATCH_GRID = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024)
-
-
-def packaged_cost_model(name: str) -> CostModel:
-    """A cost model shipped in ``moeplace/data`` (e.g. ``cost_h200_bf16.json``)."""
-    path = resources.files("moeplace") / "data" / name
-    if not path.is_file():
-        raise MoeplaceError(f"packaged cost model {name} is missing from moeplace/data")
-    return load_cost_model(str(path))
 
 
 def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,

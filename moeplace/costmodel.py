@@ -1,10 +1,10 @@
 """The MoE cost of one rank in one step: ``a * distinct_experts + b * tokens + c`` (microseconds).
 
 At low batch a rank's grouped-GEMM time is set by how many distinct experts' weights it reads,
-not by how many tokens it runs, so ``a`` dominates. The defaults are a least-squares fit to one
-EP rank of bf16 Kimi-K2-shaped experts on an H200 (41, 142, 274, 406, 539 µs for 1, 4, 8, 12, 16
-distinct experts, nearly the same for 1 or 9 tokens); ``b`` is a small placeholder until a
-calibrated file (``--cost-model``) says otherwise.
+not by how many tokens it runs, so ``a`` dominates. The commands derive a, b, c for the model's
+experts (``moeplace.cost_derive``) or read them from a file (``--cost-model``). The defaults here
+are an early rough fit (H200, bf16 Kimi-K2-shaped experts: 41, 142, 274, 406, 539 µs for 1, 4, 8,
+12, 16 distinct experts; ``b`` assumed), kept for library callers that give no model.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class CostModel:
     b_us_per_token: float = 0.5
     c_us: float = 8.6
     provenance: dict[str, Any] = field(default_factory=lambda: {
-        "source": "fit to H200 bf16 Kimi-K2-shaped measurements quoted in issue 3 (1-16 experts); b assumed"})
+        "description": "early rough fit (H200, bf16 Kimi-K2-shaped experts, 1-16 per rank; b assumed)"})
 
     def cost(self, distinct: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Cost in µs of each rank-step; distinct, tokens: same shape, e.g. [S, R]."""
@@ -33,6 +33,12 @@ class CostModel:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    def describe(self) -> str:
+        """One line for the user: where the model comes from and its coefficients."""
+        what = self.provenance.get("description") or self.provenance.get("source") or "given coefficients"
+        return (f"{what}; per rank and layer {self.a_us_per_expert:.2f} µs/expert + "
+                f"{self.b_us_per_token:.3f} µs/token + {self.c_us:.1f} µs")
 
 
 def load_cost_model(path: str | os.PathLike) -> CostModel:
@@ -50,4 +56,5 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
         raise FormatError(path, f"cost model needs numeric a_us_per_expert, b_us_per_token, c_us ({e})") from None
     if not all(np.isfinite(v) and v >= 0 for v in values.values()):
         raise FormatError(path, "cost model coefficients must be finite and non-negative")
-    return CostModel(**values, provenance=dict(d.get("provenance") or {}))
+    provenance = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
+    return CostModel(**values, provenance={**provenance, "description": f"file {os.fspath(path)}"})

@@ -211,7 +211,7 @@ def summarize(sums: LayerSums) -> dict[str, Any]:
         "lower_bound": float(lower.mean()),
         "token_balancedness": float(per_layer_bal.mean()),
         "balancedness_p50": float(np.percentile(per_layer_bal, 50)),
-        "balancedness_p90": float(np.percentile(per_layer_bal, 10)),  # the layer 90% of layers beat
+        "balancedness_p10": float(np.percentile(per_layer_bal, 10)),  # 9 in 10 layers are more balanced
         "balancedness_worst": float(per_layer_bal.min()),
         "moe_us_per_step": float((sums.max_cost / n).sum()),
         "moe_us_per_step_if_balanced": float((sums.mean_cost / n).sum()),

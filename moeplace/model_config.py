@@ -10,6 +10,9 @@ The MoE layout is derived the way SGLang's model classes derive it, for the fami
 
 Multimodal wrappers keep the language model in ``text_config``; that is read when the top level
 has no layer count.
+
+The same file gives one expert's shape and weight format for the cost model
+(``expert_shape_from_hf_config``).
 """
 
 from __future__ import annotations
@@ -20,15 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from moeplace.errors import FormatError
+from moeplace.expert_shape import ExpertShape, served_weights
 from moeplace.model import ModelSpec
 
 # Keys naming the routed-expert count, in the order SGLang's model families use them.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "experts_per_token", "moe_topk")
+# One routed expert's intermediate size: MoE-specific key first (DeepSeek, Qwen-MoE keep the dense MLP's
+# size in intermediate_size), then the shared key (Mixtral, GPT-OSS).
+INTERMEDIATE_KEYS = ("moe_intermediate_size", "intermediate_size")
+INT4_METHODS = ("awq", "gptq", "awq_marlin", "gptq_marlin", "moe_wna16", "compressed-tensors")
 
 
-def model_spec_from_folder(folder: str | os.PathLike) -> ModelSpec:
-    """Read ``folder/config.json``; raise FormatError if it is missing, unreadable or not an MoE model."""
+def read_hf_config(folder: str | os.PathLike) -> dict[str, Any]:
+    """``folder/config.json`` as a dict; raise FormatError if it is missing, unreadable or not an object."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise FormatError(path, "no such file (--model / --model-path must be a local model folder)")
@@ -38,7 +46,13 @@ def model_spec_from_folder(folder: str | os.PathLike) -> ModelSpec:
         raise FormatError(path, f"not valid JSON ({type(e).__name__})") from None
     if not isinstance(config, dict):
         raise FormatError(path, "not a JSON object")
-    return model_spec_from_hf_config(config, name=Path(folder).resolve().name, path=path)
+    return config
+
+
+def model_spec_from_folder(folder: str | os.PathLike) -> ModelSpec:
+    """Read ``folder/config.json``; raise FormatError if it is missing, unreadable or not an MoE model."""
+    path = Path(folder) / "config.json"
+    return model_spec_from_hf_config(read_hf_config(folder), name=Path(folder).resolve().name, path=path)
 
 
 def model_spec_from_hf_config(config: dict[str, Any], name: str = "model",
@@ -69,6 +83,43 @@ def model_spec_from_hf_config(config: dict[str, Any], name: str = "model",
     if not moe_layers:
         raise FormatError(path, "the config describes no MoE layer")
     return ModelSpec(name, num_layers, tuple(moe_layers), num_experts, top_k)
+
+
+def expert_shape_from_hf_config(config: dict[str, Any], source: str,
+                               path: str | os.PathLike = "config.json") -> ExpertShape:
+    """One routed expert's hidden and intermediate sizes and the format SGLang's MoE kernel reads it in."""
+    quant = config.get("quantization_config")
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    hidden = _positive_int(config, "hidden_size", path)
+    inter_key = next((k for k in INTERMEDIATE_KEYS if config.get(k)), None)
+    if inter_key is None:
+        raise FormatError(path, f"no expert size: none of {', '.join(INTERMEDIATE_KEYS)} is set")
+    checkpoint, unmeasured = checkpoint_weights(quant)
+    weights, upcast = served_weights(checkpoint)
+    return ExpertShape(hidden, _positive_int(config, inter_key, path), weights, source, unmeasured or upcast)
+
+
+def checkpoint_weights(quant: Any) -> tuple[str, str]:
+    """(weight format, note) of a checkpoint's experts from its ``quantization_config``.
+
+    None: bf16. ``fp8``, ``mxfp4``; 4-bit ``awq``/``gptq``/``compressed-tensors``: int4. Anything
+    else is costed as bf16, and the note says so.
+    """
+    if not isinstance(quant, dict):
+        return "bf16", ""
+    method = str(quant.get("quant_method", "")).lower()
+    if method in ("fp8", "mxfp4"):
+        return method, ""
+    bits = quant.get("bits")
+    if method == "compressed-tensors":
+        groups = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values() if isinstance(g, dict)]
+        if any(w.get("num_bits") == 8 and w.get("type") == "float" for w in groups):
+            return "fp8", ""
+        bits = next((w.get("num_bits") for w in groups), None)
+    if bits == 4 and method in INT4_METHODS:
+        return "int4", ""
+    return "bf16", f"{method or 'unknown'} quantisation is not measured: costed as bf16"
 
 
 def _positive_int(config: dict[str, Any], key: str, path: str | os.PathLike) -> int:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -21,24 +22,31 @@ class Evaluation:
     placement: Placement
     sums: LayerSums
     summary: dict[str, Any]
+    cost_model: CostModel
 
 
-def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps], cost_model: CostModel,
-             dispatch: str = "dynamic") -> list[Evaluation]:
-    """Measure every placement on the same stream of step chunks (one pass over the trace)."""
+def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
+             cost_model: CostModel | Mapping[str, CostModel], dispatch: str = "dynamic") -> list[Evaluation]:
+    """Measure every placement on the same stream of step chunks (one pass over the trace).
+
+    cost_model: one for all placements, or one per placement name (placements that differ in slots
+    per rank cost differently).
+    """
     items = list(placements.items())
+    costs = [cost_model[name] if isinstance(cost_model, Mapping) else cost_model for name, _ in items]
     sums = [LayerSums(p.model.num_moe_layers, p.ranks) for _, p in items]
     tables = [[static_dispatch_table(p.phy2log[layer], p.model.num_experts, p.ranks, p.nodes)
                for layer in range(p.model.num_moe_layers)] if dispatch == "static" else None
               for _, p in items]
     for chunk in chunks:
-        for (name, p), s, t in zip(items, sums, tables):
-            accumulate(s, chunk, p, cost_model, dispatch, static_tables=t)
-    return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
+        for (name, p), s, t, c in zip(items, sums, tables, costs):
+            accumulate(s, chunk, p, c, dispatch, static_tables=t)
+    return [Evaluation(name, p, s, summarize(s), c) for (name, p), s, c in zip(items, sums, costs)]
 
 
 def comparison_rows(evals: list[Evaluation], baseline: str | None = None) -> list[dict[str, Any]]:
-    """One row per placement with the headline metrics; gap closed is measured against ``baseline``."""
+    """One row per placement with the headline metrics; "vs" and gap closed are against ``baseline``
+    (default: the first placement)."""
     base = next((e for e in evals if e.name == baseline), evals[0])
     rows = []
     for e in evals:
@@ -55,16 +63,23 @@ def comparison_rows(evals: list[Evaluation], baseline: str | None = None) -> lis
     return rows
 
 
-def format_table(rows: list[dict[str, Any]], baseline_name: str) -> str:
-    """Rows as an aligned text table."""
-    head = ["placement", "E[max distinct]", "lower bound", f"vs {baseline_name}", "gap closed",
-            "token bal.", "MoE µs/step"]
+def format_table(rows: list[dict[str, Any]], baseline: str | None) -> str:
+    """Rows as an aligned text table. With a baseline (a placement's name), "vs baseline" and
+    "gap closed" columns and a last line that names it; without one (a single placement), neither."""
+    head = ["placement", "E[max distinct]", "lower bound", "vs baseline", "gap closed", "token bal.",
+            "MoE µs/step"]
     body = [[r["placement"], f"{r['e_max_distinct']:.3f}", f"{r['lower_bound']:.3f}",
              f"{r['vs_baseline_pct']:+.1f}%", f"{r['gap_closed_pct']:.0f}%", f"{r['token_balancedness']:.3f}",
              f"{r['moe_us_per_step']:.0f}"] for r in rows]
+    keep = [i for i in range(len(head)) if baseline is not None or head[i] not in ("vs baseline", "gap closed")]
+    head, body = [head[i] for i in keep], [[b[i] for i in keep] for b in body]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+    lines = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
+    if baseline is not None:
+        lines.append(f"baseline: {baseline} (vs baseline: E[max distinct] against it; gap closed: share of its "
+                     f"distance to the lower bound removed)")
+    return "\n".join(lines)
 
 
 def hottest_experts(token_counts: np.ndarray, moe_layers: tuple[int, ...], n: int = 5) -> list[dict[str, Any]]:
@@ -76,21 +91,38 @@ def hottest_experts(token_counts: np.ndarray, moe_layers: tuple[int, ...], n: in
              "uniform_share": 1.0 / E} for i in flat]
 
 
-def write_plots(evals: list[Evaluation], plot_dir: str) -> list[str]:
-    """PNG heatmaps (layer x rank token load, layer x rank mean distinct experts) and the per-step
-    max-distinct distribution, for each placement side by side. Returns the files written."""
-    import os
+def steps_phrase(steps: int, mode: str, which: str = "") -> str:
+    """"902 held-out verify steps", "2105 steps (all modes)". which: "held-out", "fitted" or ""."""
+    kind = "steps (all modes)" if mode == "all" else f"{mode} steps"
+    return " ".join(w for w in (str(steps), which, kind) if w)
 
+
+def plot_context(trace: str, mode: str, steps: int, which: str, ranks: int) -> str:
+    """The line every plot title carries: trace, mode, how many steps of which kind, ranks."""
+    return f"{os.path.basename(os.path.normpath(trace))}: {steps_phrase(steps, mode, which)}, {ranks} ranks"
+
+
+def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[str]:
+    """Two PNGs, placements side by side; every title carries ``context`` (``plot_context``).
+
+    step_max_distribution.png: how often the busiest rank read k distinct experts, over all layer-steps.
+    step_max_by_layer.png: the same per MoE layer, one panel per placement, with each layer's mean and
+    per-step lower bound drawn over it. Returns the files written.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from moeplace.atomic import atomic_open
 
     os.makedirs(plot_dir, exist_ok=True)
     written = []
     n = len(evals)
+    hists = [e.sums.step_max_hist for e in evals]                               # [L, 65] each
+    top = max(2, max(int(np.flatnonzero(h.sum(axis=0)).max(initial=0)) for h in hists) + 1)
+    x = np.arange(top)
 
     def save(fig, name: str) -> None:
         path = os.path.join(plot_dir, name)
@@ -99,36 +131,38 @@ def write_plots(evals: list[Evaluation], plot_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
 
-    for key, title, fname in (("rank_tokens", "token load per rank / layer mean", "token_load_heatmap.png"),
-                              ("rank_distinct", "mean distinct experts per rank per step", "distinct_heatmap.png")):
-        fig, axes = plt.subplots(1, n, figsize=(3.2 * n + 1.5, 6), squeeze=False, constrained_layout=True)
-        panels = []
-        for e in evals:
-            data = getattr(e.sums, key)
-            panels.append(data / np.maximum(data.mean(axis=1, keepdims=True), 1e-12) if key == "rank_tokens"
-                          else data / e.sums.steps)
-        vmin, vmax = min(p.min() for p in panels), max(p.max() for p in panels)  # one scale for all
-        for i, (ax, e, data) in enumerate(zip(axes[0], evals, panels)):
-            im = ax.imshow(data, aspect="auto", cmap="magma", interpolation="nearest", vmin=vmin, vmax=vmax)
-            ax.set_title(e.name, fontsize=9)
-            ax.set_xlabel("rank")
-            if i == 0:
-                ax.set_ylabel("MoE layer")
-        fig.colorbar(im, ax=axes[0].tolist(), fraction=0.04)
-        fig.suptitle(title)
-        save(fig, fname)
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
     width = 0.8 / n
-    for i, e in enumerate(evals):
-        hist = e.sums.step_max_hist.sum(axis=0)
-        top = max(int(np.flatnonzero(hist).max(initial=0)) + 1, 2)
-        x = np.arange(top)
-        ax.bar(x + i * width, hist[:top] / hist.sum(), width=width,
-               label=f"{e.name} (E={e.summary['e_max_distinct']:.2f})")
-    ax.set_xlabel("max distinct experts on one rank in a step (per layer)")
+    for i, (e, h) in enumerate(zip(evals, hists)):
+        total = h.sum(axis=0)
+        ax.bar(x - 0.4 + width * (i + 0.5), total[:top] / max(total.sum(), 1), width=width,
+               label=f"{e.name} (mean {e.summary['e_max_distinct']:.2f})")
+    ax.set_xticks(x)
+    ax.set_xlabel("distinct experts on the busiest rank (one layer, one step)")
     ax.set_ylabel("share of layer-steps")
-    ax.set_title("per-step maximum rank load: lower is better")
-    ax.legend(fontsize=8)
+    ax.set_title(f"Busiest rank per step: lower is faster\n{context}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
     save(fig, "step_max_distribution.png")
+
+    L = hists[0].shape[0]
+    fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 1.8, 1.2 + 0.22 * L + 1.5), squeeze=False,
+                             sharey=True, constrained_layout=True)
+    layers = np.arange(L)
+    for i, (ax, e, h) in enumerate(zip(axes[0], evals, hists)):
+        share = h[:, :top] / np.maximum(h.sum(axis=1, keepdims=True), 1)
+        im = ax.imshow(share, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest",
+                       extent=(-0.5, top - 0.5, L - 0.5, -0.5))
+        ax.plot(e.sums.max_distinct / e.sums.steps, layers, color="tab:red", lw=1.5, label="mean")
+        ax.plot(e.sums.lower_bound / e.sums.steps, layers, color="black", lw=1, ls="--", label="lower bound")
+        ax.set_title(f"{e.name}\nmean {e.summary['e_max_distinct']:.2f}", fontsize=9)
+        ax.set_xlabel("busiest rank's\ndistinct experts")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        if i == 0:
+            ax.set_ylabel("MoE layer (index among MoE layers)")
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.colorbar(im, ax=axes[0].tolist(), fraction=0.04, label="share of the layer's steps")
+    fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(f"Busiest rank per step, per layer\n{context}", fontsize=10)
+    save(fig, "step_max_by_layer.png")
     return written

@@ -102,10 +102,14 @@ def test_optimize_sglang_out_has_only_the_map(optimized):
 def test_optimize_prints_the_three_rows(optimized):
     _, result = optimized
     lines = result.stdout.splitlines()
-    assert lines[0].startswith("fitted on ") and "held-out steps; 8 ranks, 0 redundant" in lines[0]
+    assert lines[0].startswith("fitted on the first ") and "steps (all modes); table on the last " in lines[0]
+    assert ", held out; 8 ranks, 0 redundant" in lines[0] and " all steps" not in lines[0]
     table = [line.split()[0] for line in lines if line.split() and line.split()[0] in ROWS]
     assert table == ROWS
     assert lines[-1].startswith("wrote ")
+    assert any(line.startswith("placement ") and "vs baseline" in line for line in lines)
+    assert any(line.startswith("baseline: deepseek ") for line in lines)
+    assert any(line.startswith("cost model (MoE µs/step): NVIDIA H200, known model gpt-oss-20b") for line in lines)
 
 
 def test_optimize_json(tmp_path):
@@ -156,8 +160,11 @@ def test_compare_moeplace_and_sglang_files(optimized, tmp_path):
     result = invoke("compare", SAMPLE, contiguous, out / "p.json", out / "sglang.json", "--ranks", 8,
                     "--max-steps", 600)
     assert result.exit_code == 0, result.output
-    names = [line.split()[0] for line in result.stdout.splitlines()[2:]]
+    lines = result.stdout.splitlines()
+    assert lines[0] == "600 steps (all modes); 8 ranks, dispatch dynamic" and "vs baseline" in lines[1]
+    names = [line.split()[0] for line in lines[3:6]]
     assert names == [str(contiguous), str(out / "p.json"), str(out / "sglang.json")]
+    assert lines[6].startswith(f"baseline: {contiguous} ") and lines[7].startswith("cost model (MoE µs/step): ")
     result = invoke("compare", SAMPLE, contiguous, out / "p.json", out / "sglang.json", "--ranks", 8,
                     "--max-steps", 600, "--json")
     rows = json.loads(result.stdout)["rows"]

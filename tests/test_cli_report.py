@@ -54,7 +54,7 @@ def test_report_table_and_plots(tmp_path):
     e_max, lower = (float(x) for x in row.split()[1:3])
     assert lower <= e_max <= 4  # 4 slots per rank
     pngs = sorted(plots.glob("*.png"))
-    assert [p.name for p in pngs] == ["distinct_heatmap.png", "step_max_distribution.png", "token_load_heatmap.png"]
+    assert [p.name for p in pngs] == ["step_max_by_layer.png", "step_max_distribution.png"]
     for p in pngs:
         assert p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000
     assert not [p for p in plots.iterdir() if p.suffix != ".png"]  # no temp files left
@@ -97,7 +97,7 @@ def test_report_aggregate_only_json(tmp_path):
     assert result.exit_code == 0, result.output
     assert "aggregate counts only" in result.output
     result = CliRunner().invoke(cli, ["report", str(path), "--ranks", "4", "--json"])
-    assert _strict_json(result.output)["aggregate_only"] is True
+    assert _strict_json(result.stdout)["aggregate_only"] is True
 
 
 def test_help_lists_commands():
@@ -238,8 +238,11 @@ def test_evaluate_compare_and_format():
     assert rows[1]["vs_baseline_pct"] == pytest.approx(-50.0) and rows[1]["gap_closed_pct"] == pytest.approx(100.0)
     assert rows[0]["gap_closed_pct"] == 0.0
     table = format_table(rows, "contiguous").splitlines()
-    assert len(table) == 4 and table[0].startswith("placement") and set(table[1]) <= {"-", " "}
+    assert len(table) == 5 and table[0].startswith("placement") and set(table[1]) <= {"-", " "}
+    assert "vs baseline" in table[0] and table[4].startswith("baseline: contiguous ")
     assert table[3].split()[:3] == ["split", "1.000", "1.000"] and "-50.0%" in table[3] and "100%" in table[3]
+    single = format_table(rows[:1], None).splitlines()   # one placement: nothing to compare against
+    assert len(single) == 3 and "vs baseline" not in single[0] and "gap closed" not in single[0]
 
     hot = hottest_experts(np.array([[1.0, 3, 0, 0], [5, 5, 5, 5]]), (3, 7), n=3)
     assert [(h["layer"], h["expert"]) for h in hot[:1]] == [(3, 1)]
@@ -247,16 +250,50 @@ def test_evaluate_compare_and_format():
     assert [h["share"] for h in hot[1:]] == pytest.approx([0.25, 0.25])
 
 
-def test_write_plots_side_by_side(tmp_path):
-    from moeplace.costmodel import CostModel
-    from moeplace.report import evaluate, write_plots
+def test_write_plots_side_by_side(tmp_path, monkeypatch):
+    """Both plots show per-step maxima with integer ticks, carry the trace/mode/steps/ranks line in
+    their titles, and the legend sits beside the bars, not on them."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from moeplace.costmodel import CostModel
+    from moeplace.report import evaluate, plot_context, write_plots
+
+    seen = []
+    save = Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        titles = [t.get_text() for t in fig.texts] + [ax.get_title() for ax in fig.axes]
+        overlaps = []
+        for ax in fig.axes:
+            legend = ax.get_legend()
+            if legend is not None:
+                box = legend.get_window_extent(renderer)
+                overlaps += [box.overlaps(bar.get_window_extent(renderer)) for bar in ax.patches if bar.get_height()]
+        ticks = [t for ax in fig.axes if ax.get_images() or ax.patches for t in ax.get_xticks()
+                 if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        seen.append((titles, overlaps, ticks))
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
     trace = open_trace(SAMPLE)
     steps = trace.load(max_steps=200)
     placements = {"contiguous": Placement(GPTOSS, 8, np.tile(np.arange(32), (24, 1))),
                   "shuffled": _shuffled_placement(GPTOSS, 8)}
     evals = evaluate(placements, [steps], CostModel())
-    files = write_plots(evals, str(tmp_path / "plots"))
-    assert len(files) == 3
+    context = plot_context(str(SAMPLE), "verify", 200, "held-out", 8)
+    assert context == "gptoss20b-sample.mptrace: 200 held-out verify steps, 8 ranks"
+    files = write_plots(evals, str(tmp_path / "plots"), context)
+    assert [Path(f).name for f in files] == ["step_max_distribution.png", "step_max_by_layer.png"]
     for f in files:
         assert Path(f).read_bytes()[:8] == PNG_MAGIC
+    assert len(seen) == 2
+    for titles, overlaps, ticks in seen:
+        assert any(context in t for t in titles), titles
+        assert overlaps and not any(overlaps) or not overlaps
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    assert seen[0][1] and not any(seen[0][1])        # the histogram has a legend, and it covers no bar

@@ -5,10 +5,10 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from moeplace.advise import (BATCH_GRID, DEFAULT_EP_COST, DEFAULT_TP_COST, flip_batch, model_check,
-                             packaged_cost_model, resample_batches, step_costs, verdict)
+from moeplace.advise import BATCH_GRID, flip_batch, model_check, resample_batches, step_costs, verdict
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.commands.common import echo_json, open_source
+from moeplace.commands.costing import resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.costmodel import load_cost_model
 from moeplace.errors import MoeplaceError
@@ -21,31 +21,34 @@ EVAL_STEPS = 256      # steps (or resampled batches) each cost is averaged over
 @click.command()
 @trace_options
 @click.option("--tp-cost-model", "tp_cost_path", type=click.Path(exists=True, dir_okay=False),
-              help=f"TP-MoE cost model (one rank, 1/R of every expert); default: packaged {DEFAULT_TP_COST}.")
+              help="TP-MoE cost model (one rank, 1/R of every expert) to use instead of the one derived for "
+                   "the model's experts.")
 @click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
               help="Redundant expert slots for the EP placements.")
 @click.option("--effort", type=float, default=2e8, show_default=True, help="Step-aware swap-search work.")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
-def advise(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
-           top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
+def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
+           window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
            as_json: bool) -> None:
     """Say whether EP with the best placement or TP-MoE runs TRACE's MoE layers faster.
 
     EP cost: the slowest rank per layer under DeepSeek EPLB and step-aware placements (the better one
-    counts). TP-MoE: every rank runs every activated expert at 1/R width. Costs come from calibrated
-    cost models (default: H200, bf16, Kimi-K2-shaped experts; pass the files for your model's shape).
-    Communication is not counted. Batches of other sizes are built from the trace's own steps.
+    counts). TP-MoE: every rank runs every activated expert at 1/R width. Both cost models are derived
+    for the model's experts (shape from --model or the trace's model name; H200 measurements of SGLang's
+    fused MoE kernel) unless --cost-model / --tp-cost-model give files. Communication is not counted.
+    Batches of other sizes are built from the trace's own steps.
 
     \b
     Example:
-      moeplace advise gptoss20b_routing_topk_ids.npz --ranks 8 \\
-        --cost-model moeplace/data/cost_h200_bf16_gptoss.json \\
-        --tp-cost-model moeplace/data/cost_h200_bf16_gptoss_tp8.json
+      moeplace advise traces/gptoss20b-sample.mptrace --ranks 8 --mode verify
     """
     src = open_source(trace, window, top_k)
     model_check(src.model, ranks, redundant)
-    ep_cost = load_cost_model(cost_model_path) if cost_model_path else packaged_cost_model(DEFAULT_EP_COST)
-    tp_cost = load_cost_model(tp_cost_path) if tp_cost_path else packaged_cost_model(DEFAULT_TP_COST)
+    model = src.model
+    costing = resolve_costing(model, cost_model_path, model_ref,
+                              derived_needed=not (cost_model_path and tp_cost_path))
+    ep_cost = costing.ep((model.num_experts + redundant) // ranks)
+    tp_cost = load_cost_model(tp_cost_path) if tp_cost_path else costing.tp(ranks, model.num_experts)
     steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
         raise MoeplaceError(f"{trace}: no steps of mode {mode!r}")
@@ -87,6 +90,6 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
     else:
         click.echo(f"The answer flips at about {flip:.0f} tokens per step "
                    f"({grid[0].winner.upper()} below, {grid[-1].winner.upper()} above).")
-    click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce); cost models: "
-               f"EP {ep_cost.provenance.get('dtype', '?')} {ep_cost.provenance.get('shape', '')}, "
-               f"TP {tp_cost.provenance.get('shape', '')}.")
+    click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce).")
+    click.echo(f"EP cost model: {ep_cost.describe()}")
+    click.echo(f"TP cost model: {tp_cost.describe()}")

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import sys
+
 import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from moeplace.commands.common import check_ranks, cost_model_from, echo_json, mode_chunks, open_source
+from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
+from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.errors import MoeplaceError
 from moeplace.optimize import optimize as run_optimize
 from moeplace.placement import Placement, load_placement, save_placement, save_sglang
-from moeplace.report import comparison_rows, evaluate, format_table, write_plots
+from moeplace.report import comparison_rows, evaluate, format_table, plot_context, steps_phrase, write_plots
+
+BASELINE = "deepseek"   # optimize's table compares against DeepSeek EPLB fitted on the same steps
 
 
 @click.command()
@@ -38,16 +43,17 @@ from moeplace.report import comparison_rows, evaluate, format_table, write_plots
               help="Also write SGLang's --init-expert-location JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
-def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
-             top_k: int | None, max_steps: int, nodes: int, redundant: int, algorithm: str, holdout: float,
+def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
+             window: int, top_k: int | None, max_steps: int, nodes: int, redundant: int, algorithm: str, holdout: float,
              seed: int, effort: float | None, balance_floor: float | None, output: str, sglang_out: str | None,
              as_json: bool, plot_dir: str | None) -> None:
     """Compute an expert placement for TRACE that minimises per-step imbalance.
 
     Fits on the first part of the trace, then prints contiguous, DeepSeek EPLB and the chosen
     algorithm side by side on the held-out steps: E[max distinct experts on a rank per step]
-    (what decides low-batch MoE latency), its lower bound, the share of the gap closed, token
-    balancedness, and the predicted MoE time per step.
+    (what decides low-batch MoE latency), its lower bound, the change against DeepSeek EPLB
+    (the baseline) and the share of its gap to the bound closed, token balancedness, and the
+    predicted MoE time per step (cost model derived for the model's experts; the table says which).
 
     \b
     Example:
@@ -56,26 +62,30 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: 
     """
     src = open_source(trace, window, top_k)
     check_ranks(src, ranks, redundant)
-    cost_model = cost_model_from(cost_model_path)
-    with click.progressbar(length=src.model.num_moe_layers, label=f"{algorithm}: placing layers",
-                           file=click.get_text_stream("stderr")) as bar:
+    model = src.model
+    cost_model = resolve_costing(model, cost_model_path, model_ref).ep((model.num_experts + redundant) // ranks)
+    with click.progressbar(length=model.num_moe_layers, label=f"{algorithm}: placing layers", file=sys.stderr) as bar:
         result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                               seed, max_steps, effort, balance_floor, progress=bar.update)
     if sglang_out:   # first, so that a failure here leaves no placement file behind
         save_sglang(sglang_out, result.placement)
     save_placement(output, result.placement)
-    rows = comparison_rows(result.evaluations, "deepseek")
-    plots = write_plots(result.evaluations, plot_dir) if plot_dir else []
+    rows = comparison_rows(result.evaluations, BASELINE)
+    which = "held-out" if holdout else "fitted"
+    plots = (write_plots(result.evaluations, plot_dir, plot_context(trace, mode, result.eval_steps, which, ranks))
+             if plot_dir else [])
     if as_json:
         echo_json({"placement": output, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
-                   "eval_steps": result.eval_steps, "note": result.note, "rows": rows, "plots": plots})
+                   "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
+                   "baseline": BASELINE, "rows": rows, "cost_model": cost_model.to_json(), "plots": plots})
         return
-    where = "held-out" if holdout else "fitted"
-    click.echo(f"fitted on {result.fit_steps} {mode} steps; table on {result.eval_steps} {where} steps; "
+    table_on = f"the last {result.eval_steps}, held out" if holdout else "the same steps"
+    click.echo(f"fitted on the first {steps_phrase(result.fit_steps, mode)}; table on {table_on}; "
                f"{ranks} ranks, {redundant} redundant, dispatch {dispatch}")
     if result.note:
         click.echo(f"note: {result.note}")
-    click.echo(format_table(rows, "deepseek"))
+    click.echo(format_table(rows, BASELINE))
+    click.echo(cost_model_line({algorithm: cost_model}))
     click.echo(f"wrote {output}" + (f" and {sglang_out}" if sglang_out else "")
                + (f"; plots in {plot_dir}" if plots else ""))
 
@@ -85,12 +95,12 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: 
 @click.argument("placements", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write side-by-side PNG plots here.")
-def compare(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
-            top_k: int | None, max_steps: int, placements: tuple[str, ...], as_json: bool,
+def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
+            window: int, top_k: int | None, max_steps: int, placements: tuple[str, ...], as_json: bool,
             plot_dir: str | None) -> None:
     """Compare existing PLACEMENTS on TRACE (moeplace JSON, or SGLang .json/.pt written by hand or exported).
 
-    The first placement is the baseline for "vs" and "gap closed".
+    The first placement is the baseline for the "vs baseline" and "gap closed" columns.
 
     \b
     Example:
@@ -103,10 +113,16 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: s
         if path in loaded:
             raise MoeplaceError(f"{path} is given twice")
         loaded[path] = p
-    evals = evaluate(loaded, mode_chunks(src, mode, max_steps), cost_model_from(cost_model_path), dispatch)
+    costing = resolve_costing(src.model, cost_model_path, model_ref)
+    costs = {path: costing.ep(p.phy2log.shape[1] // ranks) for path, p in loaded.items()}
+    evals = evaluate(loaded, mode_chunks(src, mode, max_steps), costs, dispatch)
     rows = comparison_rows(evals, placements[0])
-    plots = write_plots(evals, plot_dir) if plot_dir else []
+    steps = evals[0].summary["steps"]
+    plots = write_plots(evals, plot_dir, plot_context(trace, mode, steps, "", ranks)) if plot_dir else []
     if as_json:
-        echo_json({"rows": rows, "plots": plots})
+        echo_json({"steps": steps, "baseline": placements[0], "rows": rows,
+                   "cost_models": {k: c.to_json() for k, c in costs.items()}, "plots": plots})
         return
-    click.echo(format_table(rows, "first"))
+    click.echo(f"{steps_phrase(steps, mode)}; {ranks} ranks, dispatch {dispatch}")
+    click.echo(format_table(rows, placements[0]))
+    click.echo(cost_model_line(costs))

@@ -6,10 +6,12 @@ import click
 
 from moeplace.algorithms import PlacementProblem
 from moeplace.algorithms.baselines import contiguous
-from moeplace.commands.common import check_ranks, cost_model_from, echo_json, mode_chunks, open_source
+from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
+from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.placement import Placement, load_placement
-from moeplace.report import evaluate, format_table, comparison_rows, hottest_experts, write_plots
+from moeplace.report import (comparison_rows, evaluate, format_table, hottest_experts, plot_context, steps_phrase,
+                             write_plots)
 from moeplace.trace.steps import RoutingSteps
 
 
@@ -20,8 +22,8 @@ from moeplace.trace.steps import RoutingSteps
                    "default: SGLang's contiguous layout.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON instead of a table.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write PNG heatmaps and distributions here.")
-def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: str | None, window: int,
-           top_k: int | None, max_steps: int, placement_path: str | None, as_json: bool,
+def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
+           window: int, top_k: int | None, max_steps: int, placement_path: str | None, as_json: bool,
            plot_dir: str | None) -> None:
     """Measure per-step expert imbalance of TRACE under a placement.
 
@@ -34,7 +36,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
     """
     src = open_source(trace, window, top_k)
     model = src.model
-    cost_model = cost_model_from(cost_model_path)
+    costing = resolve_costing(model, cost_model_path, model_ref)
     if placement_path:
         placement = load_placement(placement_path, model=model, ranks=ranks)
         name = placement.algorithm
@@ -43,6 +45,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
         empty = PlacementProblem(model, RoutingSteps.empty(model), ranks)
         placement = Placement(model, ranks, contiguous(empty), algorithm="contiguous")
         name = "contiguous"
+    cost_model = costing.ep(placement.phy2log.shape[1] // ranks)
     ev = evaluate({name: placement}, mode_chunks(src, mode, max_steps), cost_model, dispatch)[0]
     s = ev.summary
     hot = hottest_experts(ev.sums.expert_tokens, model.moe_layers)
@@ -50,11 +53,11 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
               "ranks": ranks, "dispatch": dispatch, "placement": name, "aggregate_only": src.header.aggregate_only,
               "cost_model": cost_model.to_json(), "metrics": s, "hottest_experts": hot}
     if plot_dir:
-        result["plots"] = write_plots([ev], plot_dir)
+        result["plots"] = write_plots([ev], plot_dir, plot_context(trace, mode, s["steps"], "", ranks))
     if as_json:
         echo_json(result)
         return
-    click.echo(f"trace     {trace}  ({src.header.source}; {s['steps']} {mode} steps)")
+    click.echo(f"trace     {trace}  ({src.header.source}; {steps_phrase(s['steps'], mode)})")
     click.echo(f"model     {model.name}: {model.num_moe_layers} MoE layers, {model.num_experts} experts, "
                f"top-{model.top_k}")
     click.echo(f"placement {name} on {ranks} ranks, dispatch {dispatch}")
@@ -63,13 +66,15 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, cost_model_path: st
         click.echo("aggregate counts only (no per-step information): per-step metrics cannot be measured")
         click.echo(f"token balancedness {s['token_balancedness']:.3f}")
     else:
-        click.echo(format_table(comparison_rows([ev]), name))
+        click.echo(format_table(comparison_rows([ev]), None))
+        click.echo(cost_model_line({name: cost_model}))
         worst = sorted(range(model.num_moe_layers), key=lambda i: -s["per_layer"]["e_max_distinct"][i])[:3]
         click.echo("")
         click.echo("worst layers by E[max distinct]: " + ", ".join(
             f"{model.moe_layers[i]} ({s['per_layer']['e_max_distinct'][i]:.2f})" for i in worst))
-    click.echo(f"token balancedness across layers: p50 {s['balancedness_p50']:.3f}, "
-               f"p90 {s['balancedness_p90']:.3f}, worst {s['balancedness_worst']:.3f}")
+    click.echo(f"token balancedness across layers: median {s['balancedness_p50']:.3f}, "
+               f"10th percentile {s['balancedness_p10']:.3f} (9 in 10 layers are above), "
+               f"worst {s['balancedness_worst']:.3f}")
     click.echo("hottest experts: " + ", ".join(
         f"L{h['layer']}/E{h['expert']} {100 * h['share']:.1f}%" for h in hot)
         + f"  (uniform {100 / model.num_experts:.1f}%)")

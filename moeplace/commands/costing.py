@@ -1,0 +1,77 @@
+"""Which cost model a command uses: ``--cost-model FILE``, else one derived for the model's experts.
+
+The experts' shape comes from ``--model`` (a model folder, its config.json, or a Hugging Face id in
+the local cache), else from the trace's model name when it is a known model, else a generic default
+with a one-line warning.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from moeplace.cost_derive import derive_cost_model
+from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.errors import MoeplaceError
+from moeplace.expert_shape import GENERIC, ExpertShape, known_expert_shape
+from moeplace.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Costing:
+    """How a command costs a rank: a fixed model from a file, or one derived from ``shape``."""
+
+    shape: ExpertShape
+    fixed: CostModel | None = None
+
+    def ep(self, local_slots: int) -> CostModel:
+        """A rank holding ``local_slots`` expert slots (EP)."""
+        return self.fixed if self.fixed is not None else derive_cost_model(self.shape, local_slots)
+
+    def tp(self, ranks: int, experts: int) -> CostModel:
+        """A rank holding 1/ranks of every one of ``experts`` experts (TP-MoE)."""
+        return derive_cost_model(self.shape.tp_slice(ranks), experts)
+
+
+def expert_shape_from_model_ref(model_ref: str, model: ModelSpec) -> ExpertShape:
+    """The expert shape in ``model_ref``'s config.json; refuse a config for another expert count."""
+    from moeplace.hf_resolve import resolve_model_dir
+    from moeplace.model_config import expert_shape_from_hf_config, model_spec_from_hf_config, read_hf_config
+
+    folder = resolve_model_dir(model_ref)
+    config = read_hf_config(folder)
+    path = folder / "config.json"
+    spec = model_spec_from_hf_config(config, path=path)
+    if spec.num_experts != model.num_experts:
+        raise MoeplaceError(f"--model {model_ref}: its config has {spec.num_experts} routed experts, the trace "
+                            f"{model.num_experts}")
+    return expert_shape_from_hf_config(config, f"--model {model_ref}", path)
+
+
+def resolve_costing(model: ModelSpec, cost_model_path: str | None, model_ref: str | None,
+                    derived_needed: bool | None = None) -> Costing:
+    """The command's costing; warns once on stderr when a derived model has to use the generic shape.
+
+    derived_needed: whether the command derives any cost (default: when no --cost-model is given).
+    """
+    fixed = load_cost_model(cost_model_path) if cost_model_path else None
+    derived_needed = fixed is None if derived_needed is None else derived_needed
+    if model_ref:
+        shape = expert_shape_from_model_ref(model_ref, model)
+    else:
+        shape = known_expert_shape(model) or GENERIC
+        if shape is GENERIC and derived_needed:
+            click.echo(f"warning: the expert shape of model {model.name!r} is unknown (pass --model with its "
+                       f"config.json, or --cost-model FILE); MoE µs use a {GENERIC.describe()}", err=True)
+    return Costing(shape, fixed)
+
+
+def cost_model_line(models: dict[str, CostModel]) -> str:
+    """'cost model: ...' for a table; one line per distinct model when placements differ in slots."""
+    groups: dict[str, list[str]] = {}
+    for name, m in models.items():
+        groups.setdefault(m.describe(), []).append(name)
+    if len(groups) == 1:
+        return f"cost model (MoE µs/step): {next(iter(groups))}"
+    return "\n".join(f"cost model for {', '.join(names)}: {what}" for what, names in groups.items())
