@@ -109,6 +109,63 @@ def test_help_lists_commands():
     assert result.exit_code == 0 and "Example:" in result.output and "--plot-dir" in result.output
 
 
+def _all_helps() -> dict[str, str]:
+    """``moeplace CMD [SUB] --help`` of every command (the subcommands of a group, not the group)."""
+    import click
+
+    from moeplace.cli import COMMANDS
+
+    helps = {}
+    for name in COMMANDS:
+        command = cli.get_command(None, name)
+        paths = [[name, sub] for sub in command.commands] if isinstance(command, click.Group) else [[name]]
+        for path in paths:
+            result = CliRunner().invoke(cli, [*path, "--help"])
+            assert result.exit_code == 0, result.output
+            helps[" ".join(path)] = result.output
+    return helps
+
+
+def test_help_texts_print_what_they_mean():
+    helps = _all_helps()
+    for name, text in helps.items():
+        assert "%%" not in text, name                  # click does not %-format help any more
+        assert "Example:" in text, name
+    for name in ("report", "optimize", "compare", "advise"):
+        assert "token row % replicas" in " ".join(helps[name].split()), name
+
+
+def test_help_examples_name_shipped_inputs():
+    """Every trace an Example reads by a relative path is in the repository or written earlier in the
+    example; absolute paths name the user's own files (a server's dump folder)."""
+    for name, text in _all_helps().items():
+        words = text.split("Example:", 1)[1].split("Options:")[0].split()
+        written = {w for prev, w in zip(words, words[1:]) if prev in ("-o", "--out", "--output")}
+        for word in words:
+            if word.endswith((".mptrace", ".npz", ".pt")) and word not in written and not word.startswith(("/", "~")):
+                assert (REPO / word).exists(), f"moeplace {name} --help names {word}, which is not shipped"
+
+
+def test_report_balancedness_percentiles_are_named_honestly():
+    result = CliRunner().invoke(cli, ["report", str(SAMPLE), "--ranks", "8"])
+    line = next(x for x in result.output.splitlines() if x.startswith("token balancedness across layers"))
+    assert "p90" not in line and "10th percentile" in line
+    median = float(line.split("median ")[1].split(",")[0])
+    p10 = float(line.split("10th percentile ")[1].split()[0])
+    assert p10 <= median
+
+
+def test_no_deprecation_warnings_from_click(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = CliRunner().invoke(cli, ["optimize", str(SAMPLE), "--max-steps", "300", "--effort", "1e6",
+                                          "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 0, result.output
+    assert not [w for w in caught if "click" in str(w.filename) or "click" in str(w.message)]
+
+
 def test_ranks_that_do_not_divide_the_experts():
     result = CliRunner().invoke(cli, ["report", str(SAMPLE), "--ranks", "7"])
     assert result.exit_code == 2
