@@ -214,7 +214,9 @@ def _read_placement_data(path: Path) -> Any:
     if not path.is_file():
         raise FormatError(path, "no such file")
     if path.suffix == ".pt":
-        import torch  # only SGLang's .pt placement files need torch
+        from moeplace.sglang.recorder_dump import require_torch
+
+        torch = require_torch(f"{path}: reading an SGLang .pt placement")  # only .pt placement files need torch
 
         try:
             data = torch.load(path, weights_only=True, map_location="cpu")

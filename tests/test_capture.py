@@ -3,6 +3,7 @@ SGLang's real recorder (see test_recorder_dump.make_real_dumps)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import threading
@@ -27,10 +28,19 @@ def dumps(tmp_path_factory) -> Path:
     return make_real_dumps(tmp_path_factory.mktemp("capture_dumps"))
 
 
+SERVER_INFO = {"model_path": "openai/gpt-oss-20b", "expert_distribution_recorder_mode": "per_token"}
+
+
 def _server(dump_dir: Path, source: Path, fail: str | None = None):
     calls = []
 
     class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):   # SGLang's /server_info: the resolved server arguments as JSON
+            calls.append(self.path.strip("/"))
+            self.send_response(200 if self.path == "/server_info" else 404)
+            self.end_headers()
+            self.wfile.write(json.dumps(SERVER_INFO).encode())
+
         def do_POST(self):
             name = self.path.strip("/")
             calls.append(name)
@@ -61,12 +71,13 @@ def test_capture_writes_a_trace(tmp_path, dumps):
         path, steps = capture_trace(url, 0.3, tmp_path / "run.mptrace", tmp_path, progress=ticks.append)
     finally:
         httpd.shutdown()
-    assert calls == ["start_expert_distribution_record", "stop_expert_distribution_record",
+    assert calls == ["server_info", "start_expert_distribution_record", "stop_expert_distribution_record",
                      "dump_expert_distribution_record"]
     from moeplace.trace.store import TraceReader
 
     reader = TraceReader(path)
     assert reader.header.ranks == [0, 1] and steps == sum(c.num_steps for c in reader) > 0
+    assert reader.model.name == "openai/gpt-oss-20b"   # named as the server names it
     assert ticks  # progress was reported
 
 
@@ -89,7 +100,7 @@ def test_connection_refused_is_one_line(tmp_path, capsys):
               "--dump-dir", str(tmp_path)])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "connection refused" in err and "start_expert_distribution_record" in err
+    assert "connection refused" in err and "server_info" in err and err.startswith("error: ")
 
 
 def test_http_error_and_missing_dump(tmp_path):

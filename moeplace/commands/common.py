@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,6 +54,29 @@ def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, label: st
         click.echo(f"\r{label}: {seen} steps", err=True)
     if seen == 0:
         raise trace.no_steps_error(mode)
+
+
+class Progress:
+    """Progress of long work on stderr: a line rewritten in place on a terminal, else a line every 10%.
+
+    Call it with the amount just done (in ``unit``); nothing shows before the first call.
+    """
+
+    def __init__(self, total: float, label: str, unit: str = "steps") -> None:
+        self.total, self.label, self.unit, self.done, self.shown = total, label, unit, 0.0, -1
+        self.tty = sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def __call__(self, amount: float) -> None:
+        self.done += amount
+        share = self.done / self.total if self.total else 1.0
+        if not self.tty and int(10 * share) == self.shown:
+            return
+        self.shown = int(10 * share)
+        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
+        line = (f"{self.label}: {self.done:,.0f} of {self.total:,.0f} {self.unit} ({100 * share:.0f}%"
+                + (f", {rate:,.0f}/s)" if self.unit == "steps" else ")"))
+        click.echo(f"\r{line}" if self.tty else line, err=True, nl=not self.tty or share >= 1)
 
 
 def check_ranks(trace: Trace, ranks: int, redundant: int = 0) -> None:

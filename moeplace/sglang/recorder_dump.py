@@ -29,6 +29,7 @@ import math
 import os
 from functools import reduce
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -89,9 +90,19 @@ def _expand(path: str | os.PathLike | list) -> list[Path]:
     return paths
 
 
-def _load(path: Path) -> dict[str, Any]:
-    import torch  # lazily: `import moeplace` never imports torch
+def require_torch(needed_for: str, alternative: str = "") -> ModuleType:
+    """torch, or a one-line MoeplaceError saying how to get it (``needed_for``: what wants it)."""
+    try:
+        import torch  # lazily: `import moeplace` never imports torch
+    except ImportError:
+        raise MoeplaceError(f"{needed_for} needs torch, which is not installed here: pip install 'moeplace[sglang]' "
+                            f"(or just torch){alternative}") from None
+    return torch
 
+
+def _load(path: Path) -> dict[str, Any]:
+    torch = require_torch(f"{path}: reading an SGLang recorder dump (.pt)",
+                          "; or turn it into a .mptrace where torch is: moeplace trace convert DUMP -o TRACE.mptrace")
     try:
         # weights_only: a dump holds only dicts, lists, numbers and tensors; refuse anything else.
         data = torch.load(str(path), map_location="cpu", weights_only=True)
