@@ -71,6 +71,15 @@ def resolve_model_dir(name_or_path: str, revision: str = "main") -> Path:
     return cached_snapshot(name_or_path, revision)
 
 
+def model_name(folder: str | os.PathLike) -> str:
+    """What to call the model in ``folder``: its Hugging Face id for a snapshot folder of the cache
+    (``.../models--org--name/snapshots/<rev>``), else the folder's name."""
+    parts = Path(folder).resolve().parts
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3].removeprefix("models--").replace("--", "/")
+    return Path(folder).resolve().name
+
+
 def cached_snapshot(repo_id: str, revision: str = "main", cache: Path | None = None) -> Path:
     """The cached snapshot folder of ``repo_id`` at ``revision`` that holds ``config.json``."""
     cache = cache if cache is not None else hf_hub_cache()

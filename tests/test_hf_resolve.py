@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moeplace.errors import MoeplaceError
-from moeplace.hf_resolve import hf_hub_cache, looks_like_repo_id, resolve_model_dir
+from moeplace.hf_resolve import hf_hub_cache, looks_like_repo_id, model_name, resolve_model_dir
 
 CONFIG = {"num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2}
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
@@ -144,3 +144,9 @@ def test_agrees_with_huggingface_hub(cache: Path, ref: str | None) -> None:
     revision = "main" if ref else COMMIT_A
     theirs = hub.try_to_load_from_cache("openai/gpt-oss-20b", "config.json", cache_dir=str(cache), revision=revision)
     assert Path(theirs).parent == snap == resolve_model_dir("openai/gpt-oss-20b", revision=revision)
+
+
+def test_model_name(cache: Path, tmp_path: Path) -> None:
+    snap = cache_model(cache, "openai/gpt-oss-20b", COMMIT_A, {"config.json": "{}"})
+    assert model_name(resolve_model_dir("openai/gpt-oss-20b")) == model_name(snap) == "openai/gpt-oss-20b"
+    assert model_name(tmp_path / "DeepSeek-V3") == "DeepSeek-V3"

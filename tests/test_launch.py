@@ -192,7 +192,7 @@ def test_missing_config_json(tmp_path: Path, placement_file: Path) -> None:
 
 def test_no_model_at_all(tmp_path: Path, placement_file: Path) -> None:
     code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--", "--tp", "4"])
-    assert_refused(tmp_path, code, stdout, stderr, "no model folder")
+    assert_refused(tmp_path, code, stdout, stderr, "no model: give --model")
 
 
 def test_missing_placement(tmp_path: Path, model_dir: Path) -> None:
@@ -223,3 +223,54 @@ def test_launch_imports_neither_torch_nor_sglang() -> None:
     code = ("import sys, moeplace.commands.launch, moeplace.sglang.launch; "
             "assert not {'torch', 'sglang'} & set(sys.modules), 'heavy import'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- Hugging Face ids
+
+def cache_model_id(cache: Path, repo_id: str, config: dict, commit: str = "c" * 40, ref: str | None = "main") -> Path:
+    """``repo_id`` in a Hugging Face cache laid out as huggingface_hub writes it (refs/main -> snapshot)."""
+    from test_hf_resolve import cache_model
+
+    return cache_model(cache, repo_id, commit, {"config.json": json.dumps(config)}, ref=ref)
+
+
+@pytest.fixture
+def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    return cache
+
+
+@pytest.mark.parametrize("where", ["--model-path", "--model"])
+def test_hugging_face_id_from_the_cache(tmp_path: Path, hf_cache: Path, placement_file: Path, where: str) -> None:
+    cache_model_id(hf_cache, "deepseek-ai/toy-v3", DSV3_CONFIG)
+    args = ["launch", "--placement", str(placement_file), "--dry-run"]
+    flags = ["--tp", "4", "--ep", "4", "--ep-num-redundant-experts", "4"]
+    if where == "--model":
+        args += ["--model", "deepseek-ai/toy-v3", "--", "--model-path", "/elsewhere/on/the/server", *flags]
+    else:
+        args += ["--", "--model-path", "deepseek-ai/toy-v3", *flags]
+    code, stdout, stderr = run_cli(args)
+    assert code == 0, stderr
+    assert "deepseek-ai/toy-v3" in stdout or where == "--model"   # SGLang gets the id as given
+
+
+def test_hugging_face_id_revision(tmp_path: Path, hf_cache: Path, placement_file: Path) -> None:
+    """--revision picks the snapshot SGLang will load: here one with 32 experts, which the placement misses."""
+    cache_model_id(hf_cache, "org/m", DSV3_CONFIG)
+    cache_model_id(hf_cache, "org/m", {**DSV3_CONFIG, "n_routed_experts": 32}, commit="d" * 40, ref=None)
+    base = ["launch", "--placement", str(placement_file), "--dry-run", "--", "--model-path", "org/m",
+            "--tp", "4", "--ep", "4", "--ep-num-redundant-experts", "4"]
+    assert run_cli(base)[0] == 0
+    (tmp_path / "placement.sglang.json").unlink()   # the dry run wrote it
+    code, stdout, stderr = run_cli(base + ["--revision", "d" * 40])
+    assert_refused(tmp_path, code, stdout, stderr, "'org/m' has 32 routed experts")
+
+
+def test_hugging_face_id_not_cached(tmp_path: Path, hf_cache: Path, placement_file: Path) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    "--model-path", "openai/gpt-oss-20b", "--tp", "4", "--ep", "4"])
+    assert_refused(tmp_path, code, stdout, stderr, "not in the Hugging Face cache")
+    assert "huggingface-cli download openai/gpt-oss-20b config.json" in stderr

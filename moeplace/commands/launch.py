@@ -8,8 +8,9 @@ import click
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--placement", "placement_path", required=True, metavar="FILE",
               help="moeplace placement (from `moeplace optimize`) or an SGLang .json/.pt map.")
-@click.option("--model", metavar="PATH",
-              help="Local model folder with config.json (default: --model-path from the SGLang arguments).")
+@click.option("--model", metavar="PATH|ID",
+              help="The model whose config.json the placement is checked against: a folder, the file, or a Hugging "
+                   "Face id found in the local cache, offline (default: --model-path from the SGLang arguments).")
 @click.option("--sglang-file", metavar="FILE.json",
               help="Where to write SGLang's --init-expert-location file (default: FILE.sglang.json beside --placement).")
 @click.option("--dry-run", is_flag=True, help="Check and write the SGLang file, print the command, start nothing.")
@@ -26,10 +27,12 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
     \b
     Example:
       moeplace launch --placement placement.json -- \\
+          --model-path openai/gpt-oss-20b --tp 8 --ep 8 --ep-num-redundant-experts 8
+      moeplace launch --placement placement.json --dry-run -- \\
           --model-path /models/DeepSeek-V3 --tp 8 --ep 8 --ep-num-redundant-experts 32
     """
     from moeplace.placement import save_sglang
-    from moeplace.sglang.launch import exec_sglang, plan_launch
+    from moeplace.sglang.launch import exec_sglang, plan_launch, require_sglang
 
     plan = plan_launch(placement_path, sglang_args, model=model, sglang_file=sglang_file)
     if dry_run:
@@ -38,5 +41,6 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
         click.echo(f"wrote {plan.sglang_file}", err=True)
         click.echo(plan.shell())
         return
+    require_sglang(plan.command[0])
     click.echo(plan.shell(), err=True)
     exec_sglang(plan)

@@ -20,17 +20,20 @@ No torch or SGLang import here: the check runs, and ``--dry-run`` works, without
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 from moeplace.errors import MoeplaceError, PlacementError
+from moeplace.hf_resolve import model_name, resolve_model_dir
 from moeplace.model import ModelSpec
-from moeplace.placement import Placement, check_placement, load_placement, save_sglang
 from moeplace.model_config import model_spec_from_folder
+from moeplace.placement import Placement, check_placement, load_placement, save_sglang
 
 # srt/arg_groups/overrides.py _A2A_EP_SPANNING_BACKENDS: these force ep_size = tp_size.
 EP_SPANNING_A2A_BACKENDS = frozenset({
@@ -47,6 +50,7 @@ _VALUE_OPTIONS: dict[str, str] = {
     "--nnodes": "nnodes",
     "--moe-a2a-backend": "moe_a2a_backend",
     "--init-expert-location": "init_expert_location",
+    "--revision": "revision",
 }
 _INT_FIELDS = {"tp_size", "ep_size", "ep_num_redundant_experts", "nnodes"}
 # Shortest prefix argparse would still resolve to --init-expert-location (no other option starts so).
@@ -65,6 +69,7 @@ class SglangLayout:
     moe_a2a_backend: str = "none"
     init_expert_location: str | None = None
     enable_eplb: bool = False
+    revision: str | None = None
 
     @property
     def effective_ep_size(self) -> int:
@@ -190,10 +195,12 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     if layout.init_expert_location is not None:
         raise MoeplaceError("the SGLang arguments already set --init-expert-location "
                             f"({layout.init_expert_location}); moeplace launch sets it from --placement")
-    folder = model or layout.model_path
-    if folder is None:
-        raise MoeplaceError("no model folder: give --model PATH or --model-path in the SGLang arguments")
-    spec = model_spec_from_folder(folder)
+    ref = model or layout.model_path
+    if ref is None:
+        raise MoeplaceError("no model: give --model (a folder or Hugging Face id) or --model-path in the SGLang "
+                            "arguments")
+    folder = resolve_model_dir(ref, revision=layout.revision or "main")
+    spec = dataclasses.replace(model_spec_from_folder(folder), name=model_name(folder))
     target = Path(sglang_file).resolve() if sglang_file is not None else default_sglang_file(placement_path)
     if target.suffix != ".json":
         # SGLang reads a file only for .json/.pt names; anything else it parses as inline JSON.
@@ -204,8 +211,30 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     return LaunchPlan(placement, target, command)
 
 
+def require_sglang(python: str) -> None:
+    """Raise MoeplaceError (one line) unless ``python -m sglang.launch_server`` can find SGLang.
+
+    Asks ``python`` itself (it may not be this interpreter); locating the package imports nothing.
+    """
+    probe = ("import importlib.util, sys\n"
+             "try:\n    spec = importlib.util.find_spec('sglang')\nexcept (ImportError, ValueError):\n    spec = None\n"
+             "sys.exit(0 if spec is not None else 3)")
+    try:
+        result = subprocess.run([python, "-c", probe], capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise MoeplaceError(f"cannot run {python} ({e})") from None
+    if result.returncode == 3:
+        raise MoeplaceError(f"SGLang is not installed for {python}: pip install 'moeplace[sglang]' (SGLang 0.5.23)")
+    if result.returncode:
+        said = " ".join(result.stderr.decode(errors="replace").split())
+        raise MoeplaceError(f"{python} failed to start: {said[-200:]}")
+
+
 def exec_sglang(plan: LaunchPlan) -> None:
-    """Write the SGLang file, then replace this process by SGLang; never returns."""
+    """Write the SGLang file, then replace this process by SGLang; never returns.
+
+    Call ``require_sglang(plan.command[0])`` first: once exec'd, a missing SGLang is SGLang's to report.
+    """
     save_sglang(plan.sglang_file, plan.placement)
     sys.stdout.flush()
     sys.stderr.flush()
