@@ -1,0 +1,158 @@
+"""Where spare slots go when SGLang dispatches by moeplace's balanced rule (``moeplace.balanced``).
+
+Dimension letters: S steps, E logical experts, R ranks, X subsets of ranks (2^R).
+
+Under balanced dispatch the best a step can do has a closed form (Hall's theorem for this flow): with
+``f[X]`` the number of the step's active experts whose replicas all lie in the rank set X,
+
+    optimum = max over non-empty X of ceil(f[X] / |X|).
+
+A spare slot gives expert e a replica on rank r: f[X] drops by one for the sets X that held all of
+e's replicas but not r. The step's optimum drops (by one) exactly when every *tight* set (one that
+reaches the maximum) loses one expert and was only one expert over M - 1 ("fragile"); that is, when
+e is active, e's replicas lie in the intersection of the tight sets, and r lies outside their union.
+So the gain of every (expert, rank) pair over all steps is one matrix product, exact, and the search
+adds the best replica, updates the steps where that expert is active, and repeats:
+
+1. start from a placement without spare slots (stepaware's), each rank with R_spare / R free slots;
+2. add replicas one at a time by exact gain in E[optimum] on the fitted steps; among equal gains
+   prefer the pair that takes an expert out of more tight sets (progress toward a later gain), then
+   the busier expert, then the lower expert id and rank (deterministic).
+
+The fast rule reaches the optimum on almost every step (BENCHMARKS.md), so this is what SGLang gets.
+Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeplace.errors import MoeplaceError
+
+MAX_SEARCH_RANKS = 12
+SEARCH_STEPS = 4000       # steps sampled for the search (all when fewer)
+MIN_ROUNDS, BATCH_MAX = 12, 8   # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
+PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
+
+
+def subset_sizes(ranks: int) -> np.ndarray:
+    """[X] number of ranks in each rank set (bit r of the index: rank r)."""
+    x = np.arange(1 << ranks)
+    return np.array([bin(v).count("1") for v in x], np.int16)
+
+
+def subset_counts(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    """f [S, X] int16: active experts whose replica ranks all lie in each rank set. active: [S, E] bool."""
+    S = active.shape[0]
+    X = 1 << ranks
+    s, e = np.nonzero(active)
+    f = np.bincount(s * X + masks[e], minlength=S * X).reshape(S, X).astype(np.int16)
+    for r in range(ranks):                          # sum over subsets (zeta transform), bit by bit
+        view = f.reshape(S, X >> (r + 1), 2, 1 << r)
+        view[:, :, 1, :] += view[:, :, 0, :]
+    return f
+
+
+def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """[S] the optimal max distinct experts per rank of each step, from ``subset_counts``."""
+    return ((f[:, 1:] + sizes[1:] - 1) // sizes[1:]).max(axis=1)
+
+
+def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(fragile [S] bool, inter [S], union [S]) of each step's tight rank sets (those at the optimum).
+
+    fragile: every tight set is one expert over M - 1 (one fewer expert in each lowers the optimum).
+    """
+    full = np.int16((1 << ranks) - 1)
+    size = sizes[1:]
+    need = (f[:, 1:] + size - 1) // size
+    opt = need.max(axis=1, keepdims=True)
+    tight = need == opt
+    ids = np.arange(1, 1 << ranks, dtype=np.int16)
+    over = f[:, 1:] - (opt - 1) * size
+    fragile = np.where(tight, over == 1, True).all(axis=1) & (opt[:, 0] > 0)
+    inter = np.bitwise_and.reduce(np.where(tight, ids, full), axis=1)
+    union = np.bitwise_or.reduce(np.where(tight, ids, np.int16(0)), axis=1)
+    return fragile, inter, union
+
+
+def spare_rounds_batch(spare: int) -> int:
+    """Replicas added per round: one at a time for few spare slots, up to BATCH_MAX for many."""
+    return int(min(max(spare // MIN_ROUNDS, 1), BATCH_MAX))
+
+
+def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
+                 expert_weight: np.ndarray) -> np.ndarray:
+    """New replica masks [E] after adding ``spare_per_rank`` replicas to every rank.
+
+    active: [S, E] bool, the steps to fit; masks: [E] replica ranks before (bit sets);
+    expert_weight: [E] breaks ties toward busier experts.
+    """
+    if ranks > MAX_SEARCH_RANKS:
+        raise MoeplaceError(f"balanced replica placement enumerates rank sets: at most {MAX_SEARCH_RANKS} "
+                            f"ranks, got {ranks}")
+    masks = masks.astype(np.int16)
+    S, E = active.shape
+    sizes = subset_sizes(ranks)
+    ids = np.arange(1 << ranks, dtype=np.int16)
+    rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
+    f = subset_counts(active, masks, ranks)
+    fragile, inter, union = _tight(f, sizes, ranks)
+    act = active.astype(np.float32)
+
+    def weights(rows: np.ndarray) -> np.ndarray:
+        """[n, R] what a pair (e, r) with e inside the tight core of step s gains there: a whole step
+        when s is fragile and r lies outside every tight set; PROGRESS_WEIGHT (one tight set fewer
+        to clear later) when s is not fragile."""
+        out = ((union[rows, None] & rank_bits) == 0).astype(np.float32)
+        return out * np.where(fragile[rows], np.float32(1), np.float32(PROGRESS_WEIGHT))[:, None]
+
+    def inside(rows: np.ndarray, experts: slice | np.ndarray = slice(None)) -> np.ndarray:
+        """[n, E'] the expert is active and all its replicas lie in every tight set."""
+        return act[rows][:, experts] * ((masks[None, experts] & ~inter[rows, None]) == 0)
+
+    rows = np.arange(S)
+    score = inside(rows).T @ weights(rows)                         # [E, R]
+    tie = 1e-6 * (expert_weight / max(float(expert_weight.max(initial=0)), 1e-12))
+    room = np.full(ranks, spare_per_rank)
+    batch = spare_rounds_batch(spare_per_rank * ranks)
+    while room.sum():
+        allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
+        if not allowed.any():
+            raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
+        total = np.where(allowed, score + tie[:, None], -np.inf)
+        # A round adds the best pairs of distinct experts at once (their gains were computed against
+        # the same state), then updates the steps they touch.
+        chosen, taken = [], np.zeros(ranks, np.int64)
+        for k in np.argsort(-total, axis=None, kind="stable"):
+            e, r = divmod(int(k), ranks)
+            if not np.isfinite(total[e, r]) or len(chosen) >= batch:
+                break
+            if taken[r] < room[r] and all(e != c for c, _ in chosen):
+                chosen.append((e, r))
+                taken[r] += 1
+        experts = np.array([e for e, _ in chosen])
+        hit = np.flatnonzero(active[:, experts].any(axis=1))
+        score -= inside(hit).T @ weights(hit)
+        for e, r in chosen:
+            # f[X] drops by one for the sets holding all of e's replicas but not r
+            drop = ((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0)
+            f[np.ix_(np.flatnonzero(active[:, e]), np.flatnonzero(drop))] -= 1
+            masks[e] |= rank_bits[r]
+            room[r] -= 1
+        fragile[hit], inter[hit], union[hit] = _tight(f[hit], sizes, ranks)
+        score += inside(hit).T @ weights(hit)
+        # the chosen experts' own masks changed in every step: their rows are recomputed whole
+        score[experts] = inside(rows, experts).T @ weights(rows)
+    return masks.astype(np.int64)
+
+
+def masks_to_phy2log(masks: np.ndarray, ranks: int, slots_per_rank: int) -> np.ndarray:
+    """phy2log [P]: each rank's experts in id order, from replica masks [E] (each rank holding exactly
+    ``slots_per_rank`` experts)."""
+    E = masks.shape[0]
+    on = ((masks[:, None] >> np.arange(ranks)) & 1).astype(bool)       # [E, R]
+    if np.any(on.sum(axis=0) != slots_per_rank):
+        raise MoeplaceError("replica masks do not fill every rank's slots exactly")
+    rank, expert = np.nonzero(on.T)                                     # rank-major, experts ascending
+    return np.arange(E)[expert]

@@ -1,0 +1,328 @@
+"""Balanced dispatch: per step, send each active expert's tokens to one of its replicas, chosen so that
+the busiest rank reads as few distinct experts as possible.
+
+Dimension letters: S steps, E logical experts, R ranks.
+
+**The per-step problem.** A step activates the experts with ``counts[e] > 0`` tokens; expert e has a
+replica on each rank of ``masks[e]`` (bit r set: a replica on rank r). All of the step's tokens for e go
+to one of those ranks. Minimise the largest number of distinct experts on a rank, then, as a tie-break
+(not exactly), the tokens of the busiest rank. At verify batch a rank's MoE time follows the number of
+experts whose weights it reads, and the step waits for its slowest rank. SGLang's own rules choose by
+token row (``dynamic``: one expert's tokens split over ranks that each read it) or by source rank
+(``static``: at batch 1 a replica is never used); neither counts distinct experts.
+
+It is restricted assignment of unit jobs (a semi-matching). Two solvers:
+
+* ``exact_assign``: bisection on the maximum M with a max-flow (source -> expert, capacity 1;
+  expert -> its replica ranks, 1; rank -> sink, M). An independent oracle for the tests.
+* the **fast rule** (``fast_rule_step`` states it for one step; ``fast_rule`` computes the same for
+  many steps at once; ``moeplace_kernels.balanced_dispatch`` runs it on the GPU inside SGLang):
+
+  1. an expert with one replica goes to its rank;
+  2. the others, in increasing expert id, each to the replica rank with the fewest distinct experts
+     so far (then the fewest tokens, then the lowest rank);
+  3. augmenting paths: while a rank of the maximum load M reaches a rank of load <= M - 2 by moves
+     "an expert on rank a to its replica on rank b", breadth first, move one expert along each edge of
+     a shortest such path (ties: the lowest parent rank, the least-loaded then lowest target rank, the
+     lowest expert id). The path's first rank loses an expert and its last gains one.
+
+  When step 3 stops by itself the maximum is optimal: the ranks reachable from the maximal ones all
+  have load >= M - 1, and their experts have no replica elsewhere, so in any assignment these |X|
+  ranks hold at least (M - 1)|X| + 1 experts. The GPU caps step 3 at ``MAX_AUGMENT`` paths per step for
+  a fixed worst-case time; ``max_augment=None`` runs it to the end: the exact optimum.
+
+Every choice is a fixed function of the step's expert ids and the placement (ties fall by id and
+rank), so every rank that sees the same top-k ids picks the same replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeplace.errors import MoeplaceError
+
+MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md: how often the cap is reached)
+MAX_RANKS = 64     # masks are int64 bit sets
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where one layer's replicas are, as the dispatch needs it.
+
+    masks: [E] int64, bit r set when expert e has a replica on rank r
+    slots: [E, R] int64 physical slot of e's replica on rank r (the lowest one), -1 where none
+    """
+
+    masks: np.ndarray
+    slots: np.ndarray
+
+    @property
+    def ranks(self) -> int:
+        return int(self.slots.shape[1])
+
+
+def replica_layout(phy2log: np.ndarray, num_experts: int, ranks: int) -> ReplicaLayout:
+    """The layout of one layer's map ``phy2log [P]`` (rank r owns slots [r*P/R, (r+1)*P/R))."""
+    if not 1 <= ranks <= MAX_RANKS:
+        raise MoeplaceError(f"balanced dispatch supports 1 to {MAX_RANKS} ranks, got {ranks}")
+    P = phy2log.shape[0]
+    rank_of = np.arange(P) // (P // ranks)
+    slots = np.full((num_experts, ranks), -1, np.int64)
+    for p in range(P - 1, -1, -1):   # descending, so the lowest slot of a rank wins
+        slots[phy2log[p], rank_of[p]] = p
+    if np.any((slots < 0).all(axis=1)):
+        missing = int(np.flatnonzero((slots < 0).all(axis=1))[0])
+        raise MoeplaceError(f"expert {missing} has no replica in the placement")
+    masks = ((slots >= 0).astype(np.int64) << np.arange(ranks, dtype=np.int64)).sum(axis=1)
+    return ReplicaLayout(masks, slots)
+
+
+def _bits(mask: int) -> list[int]:
+    return [r for r in range(int(mask).bit_length()) if (int(mask) >> r) & 1]
+
+
+# ----------------------------------------------------------------------------- one step (the rule)
+
+def fast_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int,
+                   max_augment: int | None = MAX_AUGMENT) -> np.ndarray:
+    """pick [E]: the rank each active expert's tokens go to (-1 where inactive), by the fast rule.
+
+    counts: [E] tokens per expert in this step; masks: [E] replica ranks (``ReplicaLayout.masks``).
+    Written for clarity: this is the statement the vectorised and GPU versions must match exactly.
+    """
+    E = counts.shape[0]
+    load, tok = [0] * ranks, [0] * ranks
+    pick = [-1] * E
+    multi = []
+    for e in range(E):
+        if counts[e] <= 0:
+            continue
+        cand = _bits(masks[e])
+        if len(cand) == 1:
+            pick[e] = cand[0]
+            load[cand[0]] += 1
+            tok[cand[0]] += counts[e]
+        else:
+            multi.append(e)
+    for e in multi:
+        r = min(_bits(masks[e]), key=lambda r: (load[r], tok[r], r))
+        pick[e] = r
+        load[r] += 1
+        tok[r] += counts[e]
+    done = 0
+    while max_augment is None or done < max_augment:
+        top = max(load)
+        if min(load) > top - 2:
+            break
+        roots = {r for r in range(ranks) if load[r] == top}
+        level, seen, parent, target = sorted(roots), set(roots), {}, None
+        while level and target is None:
+            nxt = []
+            for b in range(ranks):
+                if b in seen:
+                    continue
+                a = next((a for a in level if any(pick[e] == a and (masks[e] >> b) & 1 for e in multi)), None)
+                if a is not None:
+                    parent[b] = a
+                    nxt.append(b)
+            seen.update(nxt)
+            hits = [b for b in nxt if load[b] <= top - 2]
+            if hits:
+                target = min(hits, key=lambda b: (load[b], b))
+            level = nxt
+        if target is None:
+            break
+        b = target
+        while b not in roots:
+            a = parent[b]
+            e = next(e for e in multi if pick[e] == a and (masks[e] >> b) & 1)
+            pick[e] = b
+            tok[a] -= counts[e]
+            tok[b] += counts[e]
+            b = a
+        load[b] -= 1
+        load[target] += 1
+        done += 1
+    return np.array(pick, np.int64)
+
+
+# ----------------------------------------------------------------------------- many steps at once
+
+@dataclass
+class Dispatch:
+    """The fast rule's choice for S steps of one layer.
+
+    pick: [S, E] rank each active expert goes to, -1 where inactive
+    distinct: [S, R] distinct experts per rank; tokens: [S, R] tokens per rank
+    augments: [S] augmenting paths used
+    """
+
+    pick: np.ndarray
+    distinct: np.ndarray
+    tokens: np.ndarray
+    augments: np.ndarray
+
+
+def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
+              max_augment: int | None = MAX_AUGMENT) -> Dispatch:
+    """``fast_rule_step`` for every row of ``counts [S, E]`` at once (the same picks, vectorised over steps)."""
+    S, E = counts.shape
+    R = ranks
+    counts = np.asarray(counts)
+    act = counts > 0
+    bits = ((masks[:, None] >> np.arange(R)) & 1).astype(bool)            # [E, R]
+    nrep = bits.sum(axis=1)
+    single = np.flatnonzero(nrep == 1)
+    multi = np.flatnonzero(nrep > 1)
+    pick = np.full((S, E), -1, np.int64)
+    home = bits[single].argmax(axis=1)
+    pick[:, single] = np.where(act[:, single], home, -1)
+    onehot = bits[single].astype(counts.dtype)
+    distinct = (act[:, single].astype(np.int64) @ bits[single].astype(np.int64))
+    tokens = counts[:, single] @ onehot
+    for e in multi:                                                       # step 2, in expert order
+        s = np.flatnonzero(act[:, e])
+        if not s.size:
+            continue
+        cand = np.flatnonzero(bits[e])
+        order = np.lexsort((np.broadcast_to(cand, (s.size, cand.size)), tokens[s][:, cand], distinct[s][:, cand]))
+        r = cand[order[:, 0]]
+        pick[s, e] = r
+        distinct[s, r] += 1
+        tokens[s, r] += counts[s, e]
+    augments = np.zeros(S, np.int64)
+    if multi.size:
+        _augment(counts, masks, bits, multi, pick, distinct, tokens, augments, max_augment)
+    return Dispatch(pick, distinct, tokens, augments)
+
+
+def _augment(counts: np.ndarray, masks: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.ndarray,
+             distinct: np.ndarray, tokens: np.ndarray, augments: np.ndarray, max_augment: int | None) -> None:
+    """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``)."""
+    S, R = distinct.shape
+    live = np.arange(S)
+    mm = masks[multi]                                                     # [M] masks of multi experts
+    rounds = 0
+    while live.size and (max_augment is None or rounds < max_augment):
+        rounds += 1
+        d = distinct[live]
+        top = d.max(axis=1)
+        live = live[d.min(axis=1) <= top - 2]
+        if not live.size:
+            return
+        d, top = distinct[live], distinct[live].max(axis=1)
+        n = live.size
+        pk = pick[live][:, multi]                                         # [n, M]
+        adj = np.stack([np.bitwise_or.reduce(np.where(pk == a, mm, 0), axis=1) for a in range(R)], axis=1)
+        roots = d == top[:, None]                                         # [n, R]
+        seen, level = roots.copy(), roots.copy()
+        parent = np.full((n, R), -1, np.int64)
+        target = np.full(n, -1, np.int64)
+        searching = np.ones(n, bool)
+        while True:
+            nxt = np.zeros((n, R), bool)
+            for a in range(R - 1, -1, -1):                                # lowest parent wins
+                edge = level[:, a:a + 1] & (((adj[:, a:a + 1] >> np.arange(R)) & 1) > 0) & ~seen
+                parent = np.where(edge, a, parent)
+                nxt |= edge
+            nxt &= searching[:, None]
+            seen |= nxt
+            hit = nxt & (d <= top[:, None] - 2)
+            found = hit.any(axis=1)
+            key = np.where(hit, d * R + np.arange(R), np.iinfo(np.int64).max)
+            target[found] = key[found].argmin(axis=1)
+            searching &= ~found & nxt.any(axis=1)
+            level = nxt
+            if not searching.any():
+                break
+        ok = target >= 0
+        live, d, parent, target, roots = live[ok], d[ok], parent[ok], target[ok], roots[ok]
+        if not live.size:
+            return
+        b = target.copy()
+        rows = np.arange(live.size)
+        walking = ~roots[rows, b]
+        while walking.any():
+            w = np.flatnonzero(walking)
+            s, bb = live[w], b[w]
+            a = parent[w, bb]
+            movable = (pick[s][:, multi] == a[:, None]) & (((mm[None, :] >> bb[:, None]) & 1) > 0)
+            e = multi[movable.argmax(axis=1)]                             # lowest expert id
+            pick[s, e] = bb
+            c = counts[s, e]
+            tokens[s, a] -= c
+            tokens[s, bb] += c
+            b[w] = a
+            walking[w] = ~roots[w, a]
+        distinct[live, b] -= 1
+        distinct[live, target] += 1
+        augments[live] += 1
+
+
+# ----------------------------------------------------------------------------- exact solver (oracle)
+
+def exact_assign(counts: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    """pick [E] minimising the largest number of distinct experts on a rank (max-flow, exact).
+
+    Bisection on the maximum M: M is feasible when a flow source -> expert (1) -> replica rank (1)
+    -> sink (M) saturates every active expert. Tokens are not considered.
+    """
+    from scipy.sparse import csr_matrix
+    from scipy.sparse.csgraph import maximum_flow
+
+    active = np.flatnonzero(np.asarray(counts) > 0)
+    A = active.size
+    pick = np.full(counts.shape[0], -1, np.int64)
+    if A == 0:
+        return pick
+    src, sink = 0, A + ranks + 1
+    rows, cols = [], []
+    for i, e in enumerate(active):
+        rows.append(src)
+        cols.append(1 + i)
+        for r in _bits(masks[e]):
+            rows.append(1 + i)
+            cols.append(1 + A + r)
+    rows += [1 + A + r for r in range(ranks)]
+    cols += [sink] * ranks
+    unit = len(rows) - ranks
+
+    def flow_at(limit: int):
+        caps = np.array([1] * unit + [limit] * ranks, np.int32)
+        graph = csr_matrix((caps, (rows, cols)), shape=(sink + 1, sink + 1))
+        return maximum_flow(graph, src, sink)
+
+    lo, hi = -(-A // ranks), A
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if flow_at(mid).flow_value == A:
+            hi = mid
+        else:
+            lo = mid + 1
+    flow = flow_at(lo).flow.tocoo()
+    for u, v, f in zip(flow.row, flow.col, flow.data):
+        if f > 0 and 1 <= u <= A and 1 + A <= v < 1 + A + ranks:
+            pick[active[u - 1]] = v - 1 - A
+    return pick
+
+
+def rank_loads(pick: np.ndarray, counts: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct [R], tokens [R]) of one step's ``pick [E]``."""
+    on = pick >= 0
+    return (np.bincount(pick[on], minlength=ranks),
+            np.bincount(pick[on], weights=counts[on], minlength=ranks))
+
+
+def step_expert_counts(steps, layer: int) -> np.ndarray:
+    """[S, E] tokens each logical expert gets in each step at one layer (token rows and count steps)."""
+    S, E = steps.num_steps, steps.model.num_experts
+    out = np.zeros((S, E), np.int64)
+    step_of_row, _, ids = steps.layer(layer)
+    valid = ids >= 0
+    if valid.any():
+        np.add.at(out, (np.broadcast_to(step_of_row[:, None], ids.shape)[valid], ids[valid].astype(np.int64)), 1)
+    if steps.count_steps.size:
+        out[steps.count_steps] += np.rint(steps.counts[:, layer, :]).astype(np.int64)
+    return out
