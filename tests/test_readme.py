@@ -1,0 +1,115 @@
+"""The README and docs say what the tool does: the main command prints the table the README quotes, the
+headline figures come from it, links resolve, and no user-facing text points at this project's internals."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from moeplace.cli import cli
+
+REPO = Path(__file__).parents[1]
+README = (REPO / "README.md").read_text()
+USER_DOCS = [REPO / "README.md", REPO / "traces" / "FORMAT.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def main_command() -> list[str]:
+    """The README's main job: the ``moeplace optimize ...`` after ``pip install . &&``."""
+    line = next(x for x in README.splitlines() if "pip install . && moeplace " in x)
+    return shlex.split(line.split("&& moeplace ", 1)[1])
+
+
+def quoted_output() -> list[str]:
+    """The ```text block right after the main command: what the README says it prints."""
+    block = README.split("It prints", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    return [line.strip() for line in block.strip().splitlines()]
+
+
+def table(lines: list[str]) -> dict[str, dict[str, str]]:
+    """{placement: {column header: cell}} from an aligned table (headers are split on 2+ spaces)."""
+    start = next(i for i, x in enumerate(lines) if x.startswith("placement "))
+    heads = re.split(r"\s{2,}", lines[start].strip())
+    rows = {}
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if len(cells) != len(heads):
+            break
+        rows[cells[0]] = dict(zip(heads, cells))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def printed(tmp_path_factory) -> dict[str, list[str]]:
+    """stdout of the README's main command, and of the same with --redundant 8, run in a scratch folder."""
+    out = {}
+    for label, extra in (("main", []), ("redundant", ["--redundant", "8"])):
+        work = tmp_path_factory.mktemp(label)
+        args = [str(REPO / a) if a.startswith("traces/") else str(work / a) if a in (
+            "placement.json", "init_expert_location.json", "plots") else a for a in main_command()]
+        result = CliRunner().invoke(cli, args + extra)
+        assert result.exit_code == 0, result.output
+        out[label] = [line.strip() for line in result.stdout.splitlines()]
+    return out
+
+
+def test_readme_quotes_what_the_main_command_prints(printed):
+    quoted, actual = quoted_output(), printed["main"]
+    assert quoted[0] == actual[0]                                  # what was fitted and reported
+    assert table(quoted) and {name: row for name, row in table(quoted).items()} == {
+        name: {h: table(actual)[name][h] for h in row} for name, row in table(quoted).items()}
+    for prefix in ("baseline: ", "cost model (MoE µs/step): "):
+        assert [x for x in quoted if x.startswith(prefix)] == [x for x in actual if x.startswith(prefix)]
+
+
+def test_headline_figures_come_from_the_main_command(printed):
+    results = README.split("## Results", 1)[1]
+    sample = results.split("**The shipped sample**", 1)[1].split("\n* ", 1)[0]
+    rows, red = table(printed["main"]), table(printed["redundant"])
+    for figure in (rows["stepaware"]["E[max distinct]"], rows["deepseek"]["E[max distinct]"],
+                   rows["contiguous"]["E[max distinct]"], rows["stepaware"]["vs baseline"],
+                   red["deepseek"]["E[max distinct]"], red["stepaware"]["E[max distinct]"]):
+        assert figure.lstrip("+") in sample, figure
+    held_out = printed["main"][0].split("table on the last ")[1].split(",")[0]
+    assert f"{held_out} held-out steps" in sample
+
+
+def test_every_figure_in_results_names_its_data():
+    results = README.split("## Results", 1)[1]
+    for bullet in results.split("\n* ")[1:]:
+        if re.search(r"\d\.\d{3}|\d ms", bullet):
+            assert "shipped sample" in bullet or "BENCHMARKS.md" in bullet or "scripts/" in bullet, bullet
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: p.name)
+def test_links_resolve(doc):
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", doc.read_text()):
+        if not target.startswith(("http://", "https://")):
+            assert (doc.parent / target).exists(), f"{doc.name} links to {target}"
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: p.name)
+def test_no_internal_references(doc):
+    text = doc.read_text()
+    for pattern in (r"\bissue\s*#?\d", r"\.\./shared", r"/work/", r"shared/traces-real"):
+        assert not re.search(pattern, text, re.IGNORECASE), (doc.name, pattern)
+
+
+def test_help_and_provenance_have_no_internal_references():
+    from moeplace.cost_derive import packaged_measurements
+    from moeplace.costmodel import CostModel
+
+    texts = [CliRunner().invoke(cli, [name, "--help"]).output
+             for name in ("report", "optimize", "compare", "advise", "launch", "capture")]
+    texts += [str(m.cost.provenance) for m in packaged_measurements()] + [CostModel().describe()]
+    for text in texts:
+        assert not re.search(r"\bissue\s*#?\d|\.\./shared", text, re.IGNORECASE), text[:200]
+
+
+def test_readme_keeps_kernel_and_kv_detail_on_their_own_pages():
+    assert "docs/kv-sort.md" in README and "docs/verify-kernel.md" in README and "docs/walkthrough.md" in README
+    assert "release_pages" not in README and "need_sort" not in README    # allocator internals: docs/kv-sort.md
+    assert "TB/s" not in README                                           # kernel figures: docs/verify-kernel.md
