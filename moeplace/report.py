@@ -121,8 +121,9 @@ def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[st
     written = []
     n = len(evals)
     hists = [e.sums.step_max_hist for e in evals]                               # [L, 65] each
-    top = max(2, max(int(np.flatnonzero(h.sum(axis=0)).max(initial=0)) for h in hists) + 1)
-    x = np.arange(top)
+    seen = np.flatnonzero(sum(h.sum(axis=0) for h in hists))                    # values that occur
+    lo, top = (int(seen.min()), int(seen.max()) + 1) if seen.size else (0, 2)
+    x = np.arange(lo, top)
 
     def save(fig, name: str) -> None:
         path = os.path.join(plot_dir, name)
@@ -135,7 +136,7 @@ def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[st
     width = 0.8 / n
     for i, (e, h) in enumerate(zip(evals, hists)):
         total = h.sum(axis=0)
-        ax.bar(x - 0.4 + width * (i + 0.5), total[:top] / max(total.sum(), 1), width=width,
+        ax.bar(x - 0.4 + width * (i + 0.5), total[lo:top] / max(total.sum(), 1), width=width,
                label=f"{e.name} (mean {e.summary['e_max_distinct']:.2f})")
     ax.set_xticks(x)
     ax.set_xlabel("distinct experts on the busiest rank (one layer, one step)")
@@ -145,13 +146,14 @@ def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[st
     save(fig, "step_max_distribution.png")
 
     L = hists[0].shape[0]
-    fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 1.8, 1.2 + 0.22 * L + 1.5), squeeze=False,
+    fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 1.8, 2.7 + 0.12 * L), squeeze=False,
                              sharey=True, constrained_layout=True)
     layers = np.arange(L)
-    for i, (ax, e, h) in enumerate(zip(axes[0], evals, hists)):
-        share = h[:, :top] / np.maximum(h.sum(axis=1, keepdims=True), 1)
-        im = ax.imshow(share, aspect="auto", cmap="Blues", vmin=0, vmax=1, interpolation="nearest",
-                       extent=(-0.5, top - 0.5, L - 0.5, -0.5))
+    shares = [h[:, lo:top] / np.maximum(h.sum(axis=1, keepdims=True), 1) for h in hists]   # [L, top-lo]
+    vmax = max(float(sh.max()) for sh in shares)                                            # one scale
+    for i, (ax, e, share) in enumerate(zip(axes[0], evals, shares)):
+        im = ax.imshow(share, aspect="auto", cmap="Blues", vmin=0, vmax=vmax, interpolation="nearest",
+                       extent=(lo - 0.5, top - 0.5, L - 0.5, -0.5))
         ax.plot(e.sums.max_distinct / e.sums.steps, layers, color="tab:red", lw=1.5, label="mean")
         ax.plot(e.sums.lower_bound / e.sums.steps, layers, color="black", lw=1, ls="--", label="lower bound")
         ax.set_title(f"{e.name}\nmean {e.summary['e_max_distinct']:.2f}", fontsize=9)
