@@ -58,17 +58,10 @@ def model_spec_from_folder(folder: str | os.PathLike) -> ModelSpec:
 def model_spec_from_hf_config(config: dict[str, Any], name: str = "model",
                               path: str | os.PathLike = "config.json") -> ModelSpec:
     """A Hugging Face config dict -> ModelSpec (layer layout, routed experts, top-k)."""
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
+    config = _language_model(config)
     num_layers = _positive_int(config, "num_hidden_layers", path)
-    expert_key = next((k for k in EXPERT_COUNT_KEYS if config.get(k)), None)
-    if expert_key is None:
-        raise FormatError(path, f"not an MoE model: none of {', '.join(EXPERT_COUNT_KEYS)} is set")
-    num_experts = _positive_int(config, expert_key, path)
-    top_key = next((k for k in TOP_K_KEYS if config.get(k)), None)
-    if top_key is None:
-        raise FormatError(path, f"no top-k: none of {', '.join(TOP_K_KEYS)} is set")
-    top_k = _positive_int(config, top_key, path)
+    expert_key, num_experts = _first_set(config, EXPERT_COUNT_KEYS, "not an MoE model", path)
+    _, top_k = _first_set(config, TOP_K_KEYS, "no top-k", path)
 
     if expert_key == "n_routed_experts":
         first_dense = int(config.get("first_k_dense_replace") or 0)
@@ -88,16 +81,12 @@ def model_spec_from_hf_config(config: dict[str, Any], name: str = "model",
 def expert_shape_from_hf_config(config: dict[str, Any], source: str,
                                path: str | os.PathLike = "config.json") -> ExpertShape:
     """One routed expert's hidden and intermediate sizes and the format SGLang's MoE kernel reads it in."""
-    quant = config.get("quantization_config")
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
-    hidden = _positive_int(config, "hidden_size", path)
-    inter_key = next((k for k in INTERMEDIATE_KEYS if config.get(k)), None)
-    if inter_key is None:
-        raise FormatError(path, f"no expert size: none of {', '.join(INTERMEDIATE_KEYS)} is set")
-    checkpoint, unmeasured = checkpoint_weights(quant)
+    checkpoint, unmeasured = checkpoint_weights(config.get("quantization_config"))
     weights, upcast = served_weights(checkpoint)
-    return ExpertShape(hidden, _positive_int(config, inter_key, path), weights, source, unmeasured or upcast)
+    config = _language_model(config)
+    hidden = _positive_int(config, "hidden_size", path)
+    _, intermediate = _first_set(config, INTERMEDIATE_KEYS, "no expert size", path)
+    return ExpertShape(hidden, intermediate, weights, source, unmeasured or upcast)
 
 
 def checkpoint_weights(quant: Any) -> tuple[str, str]:
@@ -120,6 +109,23 @@ def checkpoint_weights(quant: Any) -> tuple[str, str]:
     if bits == 4 and method in INT4_METHODS:
         return "int4", ""
     return "bf16", f"{method or 'unknown'} quantisation is not measured: costed as bf16"
+
+
+def _language_model(config: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal wrappers keep the language model in ``text_config``; read it when the top level has
+    no layer count."""
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        return config["text_config"]
+    return config
+
+
+def _first_set(config: dict[str, Any], keys: tuple[str, ...], missing: str,
+               path: str | os.PathLike) -> tuple[str, int]:
+    """(key, value) of the first of ``keys`` the config sets, a positive integer; else FormatError."""
+    key = next((k for k in keys if config.get(k)), None)
+    if key is None:
+        raise FormatError(path, f"{missing}: none of {', '.join(keys)} is set")
+    return key, _positive_int(config, key, path)
 
 
 def _positive_int(config: dict[str, Any], key: str, path: str | os.PathLike) -> int:
