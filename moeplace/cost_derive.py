@@ -112,9 +112,9 @@ def calibrate(files: list[Measured]) -> Calibration:
     if len({m.cost.provenance.get("gpu") for m in files}) != 1:
         raise MoeplaceError("calibrate: the files must come from one GPU")
     large = [m for m in files if m.config == LARGE_M]
-    read_bound = [m for m in files if m.shape.weights in ("bf16", "fp8") and m not in large]
+    read_bound = [m for m in files if m.shape.weights in ("bf16", "fp8") and m.config != LARGE_M]
     bf16 = [m for m in read_bound if m.shape.weights == "bf16"]
-    if not bf16 or len(bf16) < 2:
+    if len(bf16) < 2:
         raise MoeplaceError("calibrate: needs at least two bf16 files measured with small-block configs")
     x = np.array([m.shape.bytes for m in read_bound])
     us_per_byte = float(x @ np.array([m.cost.a_us_per_expert for m in read_bound]) / (x @ x))
@@ -127,7 +127,7 @@ def calibrate(files: list[Measured]) -> Calibration:
     extra: dict[str, list[float]] = {}
     per_weight: dict[str, list[float]] = {}
     for m in files:
-        if m.shape.weights != "bf16" and m not in large:
+        if m.shape.weights != "bf16" and m.config != LARGE_M:
             extra.setdefault(m.shape.weights, []).append(m.cost.c_us - fixed(m))
         if m.shape.weights not in ("bf16", "fp8"):
             per_weight.setdefault(m.shape.weights, []).append(m.cost.a_us_per_expert / m.shape.num_weights)
