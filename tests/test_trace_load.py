@@ -191,15 +191,16 @@ def test_load_filters_by_mode(tmp_path, mode):
 
 @pytest.mark.parametrize("mode,max_steps", [("all", 7), ("all", 49), ("all", 50), ("all", 500), ("verify", 5),
                                             ("decode", 1), ("prefill", 3)])
-def test_load_max_steps_is_an_even_stride(tmp_path, mode, max_steps):
+def test_load_max_steps_is_evenly_spaced(tmp_path, mode, max_steps):
     path, steps = _moded_trace(tmp_path, 50, chunk_steps=4)
     mode_idx = np.flatnonzero(M.mode_mask(steps.modes, mode))
-    stride = -(-mode_idx.size // max_steps)
+    n = mode_idx.size
+    picks = mode_idx[np.arange(max_steps) * n // max_steps] if n > max_steps else mode_idx
     got = open_trace(path).load(mode, max_steps=max_steps)
-    assert 0 < got.num_steps <= max_steps
+    assert got.num_steps == min(max_steps, n)
     # num_tokens holds the original step number.
-    np.testing.assert_array_equal(got.num_tokens, mode_idx[::stride])
-    want = steps.take(mode_idx[::stride])
+    np.testing.assert_array_equal(got.num_tokens, picks)
+    want = steps.take(picks)
     np.testing.assert_array_equal(got.topk_ids, want.topk_ids)
     np.testing.assert_array_equal(got.counts, want.counts)
     np.testing.assert_array_equal(got.count_steps, want.count_steps)
@@ -208,8 +209,9 @@ def test_load_max_steps_is_an_even_stride(tmp_path, mode, max_steps):
 def test_load_in_memory_source_with_stride(tmp_path):
     path = tmp_path / "ids.npz"
     _row_coded_npz(path, [0, 40])
-    got = open_trace(path, window=2).load("verify", max_steps=6)  # 20 windows, stride 4 -> 5
-    np.testing.assert_array_equal(got.topk_ids[:, 0, 0], np.concatenate([[8 * i, 8 * i + 1] for i in range(5)]))
+    got = open_trace(path, window=2).load("verify", max_steps=6)  # 20 windows -> 0, 3, 6, 10, 13, 16
+    windows = np.arange(6) * 20 // 6
+    np.testing.assert_array_equal(got.topk_ids[:, 0, 0], np.concatenate([[2 * w, 2 * w + 1] for w in windows]))
     assert open_trace(path, window=2).load("prefill").num_steps == 0
 
 

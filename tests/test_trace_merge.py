@@ -71,3 +71,87 @@ def test_cli_merge_and_partial(tmp_path, capsys):
     w._file.flush()  # a rank that crashed: its shard is still .part
     main(["trace", "merge", str(tmp_path), "--include-partial", "-o", str(tmp_path / "m.mptrace")])
     assert "ranks [0, 1]" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- refusals: nothing written
+
+def _merge_cli(capsys, *args) -> tuple[int, str, str]:
+    try:
+        main(["trace", "merge", *map(str, args)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _assert_refused(code: int, err: str, out_dir, *needles: str) -> None:
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert not list(out_dir.glob("merged*")), "nothing may be written on a refusal"
+
+
+def test_shard_cut_in_half_is_refused(tmp_path, capsys):
+    """A one-chunk shard cut in the middle holds no whole step: refused, not a 0-step trace."""
+    _write(tmp_path, 0, ep=2, tp=1, seed=5)
+    shard = tmp_path / "t-r000-00000.mptrace"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2 + 40])
+    code, _, err = _merge_cli(capsys, shard, "-o", tmp_path / "merged.mptrace")
+    _assert_refused(code, err, tmp_path, "no step to merge", "t-r000-00000.mptrace", "cut inside a chunk")
+
+
+def test_empty_shards_are_refused(tmp_path, capsys):
+    ShardWriter(tmp_path / "t-r000-00000", TraceHeader(MODEL, "t", ep_size=2, ranks=[0])).close()
+    code, _, err = _merge_cli(capsys, tmp_path, "-o", tmp_path / "out" / "merged.mptrace")
+    _assert_refused(code, err, tmp_path / "out", "no step to merge", "empty")
+
+
+def test_cut_tail_after_whole_chunks_merges_them_with_a_warning(tmp_path, capsys):
+    steps = [_steps(6, 0), _steps(7, 0)]
+    with ShardWriter(tmp_path / "t-r000-00000", TraceHeader(MODEL, "t", ep_size=2, ranks=[0])) as w:
+        for s in steps:
+            w.append(s)
+    shard = tmp_path / "t-r000-00000.mptrace"
+    shard.write_bytes(shard.read_bytes()[:-5])
+    code, out, err = _merge_cli(capsys, shard, "-o", tmp_path / "m" / "merged.mptrace")
+    assert code == 0 and f"{steps[0].num_steps} steps" in out
+    assert "warning:" in err and "cut inside a chunk" in err
+
+
+def test_same_folder_twice_is_refused(tmp_path, capsys):
+    _write(tmp_path, 0, ep=2, tp=2, seed=1)
+    _write(tmp_path, 1, ep=2, tp=2, seed=2)
+    code, _, err = _merge_cli(capsys, tmp_path, tmp_path, "-o", tmp_path / "o" / "merged.mptrace")
+    _assert_refused(code, err, tmp_path / "o", "given twice", "t-r000-00000.mptrace")
+    code, _, err = _merge_cli(capsys, tmp_path, tmp_path / "t-r001-00000.mptrace", "-o", tmp_path / "o" / "merged")
+    _assert_refused(code, err, tmp_path / "o", "given twice", "t-r001-00000.mptrace")
+
+
+def test_a_copy_of_a_shard_is_refused(tmp_path, capsys):
+    _write(tmp_path, 0, ep=2, tp=2, seed=1)
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "renamed.mptrace").write_bytes((tmp_path / "t-r000-00000.mptrace").read_bytes())
+    code, _, err = _merge_cli(capsys, tmp_path, tmp_path / "copy", "-o", tmp_path / "o" / "merged.mptrace")
+    _assert_refused(code, err, tmp_path / "o", "hold the same steps", "renamed.mptrace")
+
+
+def test_a_merged_trace_with_its_own_shards_is_refused(tmp_path, capsys):
+    """merge DIR -o DIR/run.mptrace, then merge DIR again: the first output holds the shards' steps."""
+    _write(tmp_path, 0, ep=2, tp=2, seed=1)
+    _write(tmp_path, 1, ep=2, tp=2, seed=2)
+    assert _merge_cli(capsys, tmp_path, "-o", tmp_path / "run.mptrace")[0] == 0
+    code, _, err = _merge_cli(capsys, tmp_path, "-o", tmp_path / "o" / "merged.mptrace")
+    _assert_refused(code, err, tmp_path / "o", "hold the same steps", "run.mptrace")
+    code, _, err = _merge_cli(capsys, tmp_path, "-o", tmp_path / "run.mptrace")   # writing over an input
+    assert code == 2 and "is the output of this merge" in err
+    # two merged traces of different runs merge fine
+    other = tmp_path / "other"
+    other.mkdir()
+    _write(other, 0, ep=2, tp=2, seed=3)
+    assert _merge_cli(capsys, other, "-o", tmp_path / "run2.mptrace")[0] == 0
+    code, out, _ = _merge_cli(capsys, tmp_path / "run.mptrace", tmp_path / "run2.mptrace",
+                              "-o", tmp_path / "o" / "both.mptrace")
+    assert code == 0 and "from 2 shard(s)" in out

@@ -19,7 +19,7 @@ from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
-from moeplace.trace.store import CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_trace
+from moeplace.trace.store import CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_chunks, write_trace
 
 CHUNK_HEAD = 16  # b"MPCK", u32 length, u32 crc, u32 num_steps
 
@@ -477,3 +477,22 @@ def test_validate_names_each_inconsistency():
             steps.validate()
     with pytest.raises(MoeplaceError, match="out of range"):
         RoutingSteps.from_topk(model, np.full((1, 2, 2), 4), [1], M.DECODE)
+
+
+# ----------------------------------------------------------------------------- write_chunks
+
+def test_write_chunks_leaves_nothing_when_the_source_fails(tmp_path):
+    model = ModelSpec("m", 2, (0, 1), 8, 2)
+    steps = RoutingSteps.from_topk(model, np.zeros((6, 2, 2), np.int16) + [0, 1], np.full(3, 2), 5)
+
+    def chunks():
+        yield steps
+        yield steps
+        raise KeyboardInterrupt   # Ctrl-C while the third chunk is being made
+
+    with pytest.raises(KeyboardInterrupt):
+        write_chunks(tmp_path / "t.mptrace", TraceHeader(model, "synthetic"), chunks())
+    assert list(tmp_path.iterdir()) == []
+    seen = []
+    path, total = write_chunks(tmp_path / "t.mptrace", TraceHeader(model, "synthetic"), iter([steps] * 3), seen.append)
+    assert total == 9 and seen == [3, 3, 3] and sum(c.num_steps for c in TraceReader(path)) == 9

@@ -51,7 +51,7 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     tp_cost = load_cost_model(tp_cost_path) if tp_cost_path else costing.tp(ranks, model.num_experts)
     steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
-        raise MoeplaceError(f"{trace}: no steps of mode {mode!r}")
+        raise src.no_steps_error(mode)
     if steps.count_steps.size:
         raise MoeplaceError(f"{trace}: advise needs per-token routing (token rows); this trace has only counts")
     fit = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(FIT_STEPS, steps.num_steps)).astype(np.int64)))

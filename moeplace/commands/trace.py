@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import click
 
+from moeplace.commands.common import Progress, warn_damage
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.trace.store import ShardWriter, TraceHeader, TraceReader
+from moeplace.model import ModelSpec
+from moeplace.trace import modes as M
+from moeplace.trace.load import DEFAULT_WINDOW, open_trace
+from moeplace.trace.steps import RoutingSteps
+from moeplace.trace.store import (SHARD_SUFFIX, TraceHeader, TraceReader, shard_identity, split_chunks,
+                                  write_chunks)
+from moeplace.trace.synthetic import SHAPES, SyntheticRouting, synthetic_chunks
 
 
 @dataclass
@@ -23,27 +33,48 @@ class MergeResult:
     damaged: list[str] = field(default_factory=list)
 
 
-def _shard_readers(inputs: list[Path], include_partial: bool) -> list[tuple[Path, TraceReader]]:
-    """One reader per shard file, in input order (folders expanded, sorted)."""
-    out = []
+def _shard_readers(inputs: list[Path], include_partial: bool, out: Path) -> list[tuple[Path, TraceReader]]:
+    """One reader per shard file, in input order (folders expanded, sorted).
+
+    Refuses a shard given twice (by two paths, or as two copies, or inside a merged trace that is
+    also given), and the output file itself: each would count its steps twice.
+    """
+    targets = {out.resolve(), out.with_name(out.name + SHARD_SUFFIX).resolve()}
+    by_file: dict[Path, Path] = {}
+    by_content: dict[str, Path] = {}
+    readers = []
     for p in inputs:
-        folder = TraceReader(p, include_partial=include_partial)
-        for shard in folder.shards:
-            out.append((shard, TraceReader(shard)))
-    if not out:
+        for shard in TraceReader(p, include_partial=include_partial).shards:
+            real = shard.resolve()
+            if real in targets:
+                raise MoeplaceError(f"{shard}: is the output of this merge (-o); write the merged trace "
+                                    f"outside the shard folder")
+            if real in by_file:
+                raise MoeplaceError(f"{shard}: given twice (also as {by_file[real]}); merge each shard once")
+            by_file[real] = shard
+            reader = TraceReader(shard)
+            for identity in filter(None, [shard_identity(shard), *reader.headers[0].merged_from]):
+                if identity in by_content:
+                    raise MoeplaceError(f"{shard} and {by_content[identity]} hold the same steps (a copy, or a "
+                                        f"merged trace and a shard merged into it); merge each shard once")
+                by_content[identity] = shard
+            readers.append((shard, reader))
+    if not readers:
         raise MoeplaceError("no trace shards given")
-    return out
+    return readers
 
 
-def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike,
-                 include_partial: bool = False) -> MergeResult:
+def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, include_partial: bool = False,
+                 progress: Callable[[int], None] = lambda steps: None) -> MergeResult:
     """Join shards of one capture into one shard at ``out`` (written to a temp name, then renamed).
 
     Plain TP (every header says ep_size 1, tp_size > 1): every rank routed the same tokens, so only
     the lowest rank's shards are kept. With EP or DP attention ranks route different tokens: all kept.
-    Ids come out logical; steps are ordered rank by rank, each rank in its own time order.
+    Ids come out logical; steps are ordered rank by rank, each rank in its own time order. A merge
+    that would hold no step (every shard empty or cut before its first whole chunk) writes nothing.
     """
-    readers = _shard_readers([Path(p) for p in inputs], include_partial)
+    out = Path(out)
+    readers = _shard_readers([Path(p) for p in inputs], include_partial, out)
     first = readers[0][1].header
     for shard, r in readers:
         if r.model != first.model:
@@ -64,26 +95,41 @@ def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike,
         notes.append(f"plain TP: kept rank {keep_rank} only (ranks route the same tokens)")
     if len(maps) > 1:
         notes.append("the physical-to-logical map changed during capture (ids are logical)")
+    parts = [x for s, r in chosen for x in filter(None, [shard_identity(s), *r.headers[0].merged_from])]
     header = TraceHeader(model=first.model, source="moeplace trace merge", id_space="logical",
                          physical_to_logical_map=p2l, ep_size=first.ep_size, tp_size=first.tp_size,
                          nodes=first.nodes, ranks=sorted({x for _, r in chosen for x in r.header.ranks}),
-                         notes="; ".join(notes + ([first.notes] if first.notes else [])))
-    result = MergeResult(Path(out), shards_skipped=[str(s) for s in skipped], ranks_kept=header.ranks)
-    # id_space logical + a map is a record of the placement in force; ShardWriter validates nothing here.
-    with ShardWriter(out, header) as writer:
+                         notes="; ".join(notes + ([first.notes] if first.notes else [])), merged_from=parts)
+    result = MergeResult(out, shards_skipped=[str(s) for s in skipped], ranks_kept=header.ranks)
+
+    def chunks() -> Iterator[RoutingSteps]:
         for shard, reader in chosen:
             for steps in reader:
-                writer.append(steps)
                 result.steps += steps.num_steps
+                yield steps
             result.shards_used.append(str(shard))
             result.damaged += [f"{p}: {why}" for p, why in reader.damaged]
-    result.out = writer.path
+        if result.steps == 0:   # raised inside the writer: it removes its temp file
+            why = "; ".join(result.damaged) or "every shard is empty"
+            raise MoeplaceError(f"no step to merge ({why}); nothing written")
+
+    # id_space logical + a map is a record of the placement in force; the writer validates nothing here.
+    result.out = write_or_explain(out, header, chunks(), progress)
     return result
+
+
+def write_or_explain(out: Path, header: TraceHeader, chunks: Iterable[RoutingSteps],
+                     progress: Callable[[int], None]) -> Path:
+    """``write_chunks``, with a failure to write (no space, no permission) as one line."""
+    try:
+        return write_chunks(out, header, chunks, progress)[0]
+    except OSError as e:
+        raise MoeplaceError(f"{e.filename or out}: cannot write ({e.strerror or e})") from None
 
 
 @click.group()
 def trace() -> None:
-    """Work with trace files (shards written by the live tracer, merged traces)."""
+    """Work with trace files: merge the shards a live capture wrote, or make a synthetic trace."""
 
 
 @trace.command()
@@ -108,3 +154,102 @@ def merge(shards: tuple[str, ...], out: str, include_partial: bool, as_json: boo
         click.echo(f"skipped {len(res.shards_skipped)} shard(s) of other TP ranks (same tokens)")
     for d in res.damaged:
         click.echo(f"warning: damaged tail skipped: {d}", err=True)
+
+
+@trace.command()
+@click.argument("source", type=click.Path(exists=True))
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Trace file to write (.mptrace).")
+@click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
+              help="For per-token decode runs (.npz): consecutive tokens per emulated verify step.")
+@click.option("--top-k", type=click.IntRange(min=1), default=None,
+              help="For logical_count JSON files, which do not record it (default 8).")
+def convert(source: str, out: str, window: int, top_k: int | None) -> None:
+    """Turn any trace moeplace reads into one .mptrace file.
+
+    For an SGLang recorder dump (.pt), which needs torch to read: convert it on a machine that has
+    torch, then report and optimize anywhere (they need only numpy).
+
+    \b
+    Example:
+      moeplace trace convert /tmp/expert_distribution_recorder_1767000000.123.pt -o run1.mptrace
+    """
+    src = open_trace(source, window=window, top_k=top_k)
+    src.on_damage = warn_damage
+    steps = [0]
+
+    def chunks() -> Iterator[RoutingSteps]:
+        for chunk in src.chunks():
+            steps[0] += chunk.num_steps
+            yield from split_chunks(chunk)
+        if steps[0] == 0:
+            raise src.no_steps_error("all")
+
+    path = write_or_explain(Path(out), src.header, chunks(), lambda n: None)
+    click.echo(f"wrote {path}: {steps[0]:,} steps")
+
+
+SYNTH_MODES = {"verify": M.TARGET_VERIFY, "decode": M.DECODE, "prefill": M.EXTEND}
+
+
+@trace.command()
+@click.option("--shape", type=click.Choice(list(SHAPES)), default=None,
+              help="Model whose MoE layout the trace takes (default kimi-k2).")
+@click.option("--model", "model_ref", metavar="PATH|ID",
+              help="Take the layout from this model's config.json instead: a folder, the file, or a Hugging Face "
+                   "id in the local cache (offline).")
+@click.option("--steps", type=click.IntRange(min=1), required=True, help="Steps (forward passes) to make.")
+@click.option("--tokens-per-step", type=click.IntRange(min=1), default=9, show_default=True,
+              help="Tokens per step (9: a speculative verify of 9 draft tokens).")
+@click.option("--mode", type=click.Choice(list(SYNTH_MODES)), default="verify", show_default=True,
+              help="Forward mode the steps are labelled with.")
+@click.option("--skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Zipf exponent of expert popularity in each layer (0: all experts equally popular).")
+@click.option("--coactivation", type=click.FloatRange(min=0), default=0.7, show_default=True,
+              help="How strongly the tokens of one step share experts (0: independent tokens).")
+@click.option("--topics", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Latent topics per layer; a step routes by one of them.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same steps.")
+@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Trace file to write (.mptrace).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def synth(shape: str | None, model_ref: str | None, steps: int, tokens_per_step: int, mode: str, skew: float,
+          coactivation: float, topics: int, seed: int, out: str, as_json: bool) -> None:
+    """Write a SYNTHETIC routing trace: made-up steps shaped like a real model's MoE layers.
+
+    Expert popularity is skewed (Zipf) and the tokens of a step share experts through latent topics,
+    as real decode traffic does; the header says SYNTHETIC. For trying the tools and for benchmarks,
+    not for placing a real service: capture its routing instead. Streams to disk in bounded memory
+    (200,000 Kimi-K2-shaped steps take a few minutes and about 200 MB).
+
+    \b
+    Example:
+      moeplace trace synth --shape kimi-k2 --steps 20000 -o kimi-synth.mptrace
+      moeplace optimize kimi-synth.mptrace --ranks 8 -o placement.json
+    """
+    if shape and model_ref:
+        raise click.BadParameter("give --shape or --model, not both", param_hint="--model")
+    model, origin = synth_model(shape or "kimi-k2", model_ref)
+    routing = SyntheticRouting(model, tokens_per_step, skew, coactivation, topics, SYNTH_MODES[mode], seed)
+    header = routing.header(notes=f"layout of {origin}")
+    start = time.perf_counter()
+    path = write_or_explain(Path(out), header, synthetic_chunks(routing, steps), Progress(steps, "synth"))
+    seconds = time.perf_counter() - start
+    summary = {"out": str(path), "steps": steps, "model": model.to_json(), "layout_of": origin,
+               "bytes": path.stat().st_size, "seconds": round(seconds, 1)}
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+        return
+    click.echo(f"wrote {path}: {steps:,} SYNTHETIC {mode} steps of {tokens_per_step} tokens, layout of {origin} "
+               f"({model.num_moe_layers} MoE layers, {model.num_experts} experts, top-{model.top_k}); "
+               f"{summary['bytes'] / 1e6:.0f} MB in {seconds:.0f} s")
+
+
+def synth_model(shape: str, model_ref: str | None) -> tuple[ModelSpec, str]:
+    """The model layout for ``trace synth`` and what it is of (a Hugging Face id or a folder's name)."""
+    if model_ref is None:
+        return SHAPES[shape][1], SHAPES[shape][0]
+    from moeplace.hf_resolve import model_name, resolve_model_dir
+    from moeplace.model_config import model_spec_from_folder
+
+    folder = resolve_model_dir(model_ref)
+    origin = model_name(folder)
+    return dataclasses.replace(model_spec_from_folder(folder), name=f"SYNTHETIC {origin}-shaped"), origin

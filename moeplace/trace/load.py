@@ -71,18 +71,23 @@ class Trace:
         return sum(int(M.mode_mask(c.modes, mode).sum()) for c in self.chunks())
 
     def load(self, mode: str = "all", max_steps: int | None = None, total: int | None = None) -> RoutingSteps:
-        """All steps of ``mode`` in order; if more than ``max_steps``, an evenly spaced subset.
+        """All steps of ``mode`` in order; if more than ``max_steps``, exactly ``max_steps`` of them,
+        evenly spaced (step ``floor(i * total / max_steps)`` for i < max_steps, counting steps of ``mode``).
 
         total: ``count(mode)`` if the caller has it (saves a pass). Memory holds the kept steps and
         one chunk, never the whole trace.
         """
         if max_steps and total is None:
             total = self.count(mode)
-        stride = max(1, -(-total // max_steps)) if max_steps and total else 1
+        picks = np.arange(max_steps, dtype=np.int64) * total // max_steps if max_steps and total > max_steps else None
         parts, seen = [], 0
         for chunk in self.chunks():
             idx = np.flatnonzero(M.mode_mask(chunk.modes, mode))
-            keep = idx[(seen + np.arange(idx.size)) % stride == 0]
+            if picks is not None:
+                lo, hi = np.searchsorted(picks, [seen, seen + idx.size])
+                keep = idx[picks[lo:hi] - seen]
+            else:
+                keep = idx
             seen += idx.size
             if keep.size:
                 parts.append(chunk.take(keep))
