@@ -24,7 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-GPTOSS = "/work/shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
+ROOT = Path(__file__).resolve().parents[1]
+# The GPT-OSS-20B routing sits beside the checkout (as for bench_placement.py); --gptoss for elsewhere.
+GPTOSS = ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
 RANKS = 8
 ALGORITHMS = ("contiguous", "deepseek", "stepaware")
 # trace -> EP shape, TP shape (calibrate_cost.SHAPES), redundant slots, steps to fit, steps to replay
@@ -237,7 +239,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("prepare")
     a.add_argument("--out", default="out/replay")
-    a.add_argument("--gptoss", default=GPTOSS)
+    a.add_argument("--gptoss", type=Path, default=GPTOSS, help=f"GPT-OSS-20B top-k ids .npz (default: {GPTOSS})")
     a.add_argument("--effort", type=float, default=2e8)
     a.add_argument("--only", default="")
     b = sub.add_parser("measure")
