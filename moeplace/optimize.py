@@ -11,7 +11,7 @@ from moeplace.algorithms import PlacementProblem, solve
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.placement import Placement
-from moeplace.report import Evaluation, evaluate
+from moeplace.report import Evaluation, evaluate, steps_phrase
 from moeplace.trace.load import Trace
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import steps_from_counts
@@ -64,7 +64,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     steps = trace.load(mode, limit, total=total)
     notes = []
     if steps.num_steps < total:
-        notes.append(f"used {steps.num_steps:,} of the trace's {total:,} {mode} steps, evenly spaced "
+        notes.append(f"used {steps.num_steps:,} of the trace's {steps_phrase(total, mode)}, evenly spaced "
                      f"(--max-steps to change; default {DEFAULT_SAMPLE_STEPS:,})")
     if trace.header.aggregate_only:
         counts = steps.expert_token_counts()

@@ -92,9 +92,9 @@ def hottest_experts(token_counts: np.ndarray, moe_layers: tuple[int, ...], n: in
 
 
 def steps_phrase(steps: int, mode: str, which: str = "") -> str:
-    """"902 held-out verify steps", "2105 steps (all modes)". which: "held-out", "fitted" or ""."""
+    """"902 held-out verify steps", "2,105 steps (all modes)". which: "held-out", "fitted" or ""."""
     kind = "steps (all modes)" if mode == "all" else f"{mode} steps"
-    return " ".join(w for w in (str(steps), which, kind) if w)
+    return " ".join(w for w in (f"{steps:,}", which, kind) if w)
 
 
 def plot_context(trace: str, mode: str, steps: int, which: str, ranks: int) -> str:

@@ -120,7 +120,7 @@ def test_optimize_json(tmp_path):
     assert [r["placement"] for r in data["rows"]] == ["contiguous", "deepseek"]
     assert data["placement"] == str(tmp_path / "p.json") and data["sglang_out"] is None
     used = data["fit_steps"] + data["eval_steps"]
-    assert used > 0 and data["note"].startswith(f"used {used} of the trace's 3,007 all steps, evenly spaced")
+    assert used > 0 and data["note"].startswith(f"used {used} of the trace's 3,007 steps (all modes), evenly spaced")
     for row in data["rows"]:
         assert row["e_max_distinct"] >= row["lower_bound"] > 0
     p = load_placement(tmp_path / "p.json")

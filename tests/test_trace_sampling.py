@@ -37,7 +37,7 @@ def optimize(trace: Path, tmp_path: Path, *extra: str) -> dict:
 def test_optimize_samples_by_default_and_says_so(long_trace: Path, tmp_path: Path) -> None:
     data = optimize(long_trace, tmp_path)
     assert data["fit_steps"] + data["eval_steps"] == DEFAULT_SAMPLE_STEPS
-    assert data["note"].startswith(f"used {DEFAULT_SAMPLE_STEPS:,} of the trace's {STEPS:,} all steps, evenly spaced")
+    assert data["note"].startswith(f"used {DEFAULT_SAMPLE_STEPS:,} of the trace's {STEPS:,} steps (all modes), evenly spaced")
     assert "--max-steps" in data["note"]
     short = optimize(SAMPLE, tmp_path)   # 3,007 steps: all used, nothing to say
     assert short["fit_steps"] + short["eval_steps"] == 3007 and short["note"] == ""
@@ -47,7 +47,7 @@ def test_the_note_is_printed(long_trace: Path, tmp_path: Path) -> None:
     result = CliRunner().invoke(cli, ["optimize", str(long_trace), "--ranks", "8", "--effort", "2e7",
                                       "--max-steps", "3000", "-o", str(tmp_path / "p.json")])
     assert result.exit_code == 0, result.output
-    assert f"note: used 3,000 of the trace's {STEPS:,} all steps, evenly spaced" in result.stdout
+    assert f"note: used 3,000 of the trace's {STEPS:,} steps (all modes), evenly spaced" in result.stdout
 
 
 def test_a_sample_is_read_in_bounded_memory(tmp_path: Path) -> None:

@@ -79,7 +79,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                    "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
                    "baseline": BASELINE, "rows": rows, "cost_model": cost_model.to_json(), "plots": plots})
         return
-    table_on = f"the last {result.eval_steps}, held out" if holdout else "the same steps"
+    table_on = f"the last {result.eval_steps:,}, held out" if holdout else "the same steps"
     click.echo(f"fitted on the first {steps_phrase(result.fit_steps, mode)}; table on {table_on}; "
                f"{ranks} ranks, {redundant} redundant, dispatch {dispatch}")
     if result.note:
