@@ -65,6 +65,10 @@ def main(argv: list[str] | None = None) -> None:
     except MoeplaceError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except OSError as e:   # the file system said no (permissions, a full disk, a vanished file): one line too
+        where = f"{e.filename}: " if e.filename else ""
+        click.echo(f"error: {where}{e.strerror or e}", err=True)
+        sys.exit(2)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)

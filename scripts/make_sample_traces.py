@@ -3,7 +3,8 @@
     python scripts/make_sample_traces.py [--every 8] [--src ../shared/traces-real/gptoss20b-fingerprint]
 
 Takes every N-th example (each one sequence's decode run; Apache-2.0 data, see its SOURCE.md),
-cuts it into 9-token verify windows and writes traces/gptoss20b-sample.mptrace.
+cuts it into 9-token verify windows and writes traces/gptoss20b-sample.mptrace. Synthetic traces are
+not shipped: make them with ``moeplace trace synth --shape kimi-k2 --steps N -o FILE``.
 """
 
 from __future__ import annotations
