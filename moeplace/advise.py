@@ -20,9 +20,8 @@ import numpy as np
 
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
-from moeplace.metrics import layer_distinct_total, layer_rank_loads, static_dispatch_table, token_slots
+from moeplace.metrics import layer_distinct_total, layer_rank_loads, token_slots
 from moeplace.model import ModelSpec
-from moeplace.placement import replica_table
 from moeplace.trace.steps import RoutingSteps
 
 BATCH_GRID = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024)
@@ -33,14 +32,13 @@ def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, rank
     """[S, P] tokens each physical slot runs in each step at one layer, as SGLang dispatches them.
 
     phy2log: [P] this layer's map. Same rules as ``metrics.layer_rank_loads`` (dynamic: token row
-    ``row % replicas``; static: a fixed replica per source rank); token-row steps only.
+    ``row % replicas``; static: a fixed replica per source rank; balanced: moeplace's per-step
+    choice); token-row steps only.
     """
     if steps.count_steps.size:
         raise MoeplaceError("per-slot work needs token rows; this trace has count-only steps")
-    E, P, S = steps.model.num_experts, phy2log.shape[0], steps.num_steps
-    log2phy, nrep = replica_table(phy2log[None, :], E)
-    table = static_dispatch_table(phy2log, E, ranks, 1) if dispatch == "static" else None
-    step_k, phys = token_slots(steps, layer, log2phy[0], nrep[0], dispatch, table, ranks)
+    P, S = phy2log.shape[0], steps.num_steps
+    step_k, phys = token_slots(steps, layer, phy2log, ranks, dispatch)
     return np.bincount(step_k * P + phys, minlength=S * P).reshape(S, P)
 
 

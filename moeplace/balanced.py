@@ -318,11 +318,10 @@ def rank_loads(pick: np.ndarray, counts: np.ndarray, ranks: int) -> tuple[np.nda
 def step_expert_counts(steps, layer: int) -> np.ndarray:
     """[S, E] tokens each logical expert gets in each step at one layer (token rows and count steps)."""
     S, E = steps.num_steps, steps.model.num_experts
-    out = np.zeros((S, E), np.int64)
     step_of_row, _, ids = steps.layer(layer)
     valid = ids >= 0
-    if valid.any():
-        np.add.at(out, (np.broadcast_to(step_of_row[:, None], ids.shape)[valid], ids[valid].astype(np.int64)), 1)
+    flat = np.broadcast_to(step_of_row[:, None], ids.shape)[valid] * E + ids[valid]
+    out = np.bincount(flat, minlength=S * E).reshape(S, E).astype(np.int64)
     if steps.count_steps.size:
         out[steps.count_steps] += np.rint(steps.counts[:, layer, :]).astype(np.int64)
     return out

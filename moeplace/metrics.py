@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.placement import Placement, replica_table
 from moeplace.trace.steps import RoutingSteps
 
-DISPATCH_RULES = ("dynamic", "static")
+DISPATCH_RULES = ("dynamic", "static", "balanced")
 
 
 def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nodes: int,
@@ -52,21 +53,29 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
     return table
 
 
-def token_slots(steps: RoutingSteps, layer: int, log2phy: np.ndarray, num_replicas: np.ndarray,
-                dispatch: str, static_table: np.ndarray | None, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+def token_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, dispatch: str = "dynamic",
+                static_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The physical slot SGLang sends each (token row, top-k) pair of one layer to.
 
-    log2phy: [E, X] replicas by physical id, num_replicas: [E] (``replica_table``); static_table:
-    [R, E] for ``static``. Returns (step [N], slot [N]) for the N valid pairs of the token-row steps.
-    ``dynamic``: token row r picks replica ``r % num_replicas``; ``static``: the step's source rank
-    picks its fixed replica.
+    phy2log: [P] this layer's map; static_table: [R, E] for ``static`` (SGLang's table when None).
+    Returns (step [N], slot [N]) for the N valid pairs of the token-row steps. ``dynamic``: token row r
+    picks replica ``r % num_replicas`` (by physical id); ``static``: the step's source rank picks its
+    fixed replica; ``balanced``: moeplace's per-step rule (``moeplace.balanced``).
     """
+    E = steps.model.num_experts
     step_of_row, row_in_step, ids = steps.layer(layer)
     valid = ids >= 0
     e = np.where(valid, ids, 0).astype(np.int64)
-    if dispatch == "dynamic":
-        phys = log2phy[e, row_in_step[:, None] % num_replicas[e]]
+    if dispatch == "balanced":
+        pick = balanced_loads(steps, layer, phy2log, ranks)[0].pick
+        slots = replica_layout(phy2log, E, ranks).slots
+        phys = slots[e, np.maximum(pick[step_of_row[:, None], e], 0)]
+    elif dispatch == "dynamic":
+        log2phy, nrep = (t[0] for t in replica_table(phy2log[None, :], E))
+        phys = log2phy[e, row_in_step[:, None] % nrep[e]]
     else:
+        if static_table is None:
+            static_table = static_dispatch_table(phy2log, E, ranks, 1)
         src_rank = steps.ranks.astype(np.int64)[step_of_row] % ranks
         phys = static_table[src_rank[:, None], e]
     return np.broadcast_to(step_of_row[:, None], ids.shape)[valid], phys[valid]
@@ -80,9 +89,13 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
     phy2log: [P] this layer's map. Returns (distinct [S, R], tokens [S, R]).
     ``dynamic``: a token row picks replica ``row % num_replicas`` (SGLang with --moe-a2a-backend none).
     ``static``: each source rank (the step's rank) has a fixed replica (SGLang with DeepEP).
+    ``balanced``: all of a step's tokens for an expert go to the replica moeplace's rule picks.
     """
     if dispatch not in DISPATCH_RULES:
         raise MoeplaceError(f"unknown dispatch rule {dispatch!r}; choose from {', '.join(DISPATCH_RULES)}")
+    if dispatch == "balanced":
+        chosen = balanced_loads(steps, layer, phy2log, ranks)[0]
+        return chosen.distinct, chosen.tokens
     E = steps.model.num_experts
     P = phy2log.shape[0]
     S = steps.num_steps
@@ -98,7 +111,7 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
 
     # Steps with token rows.
     if steps.topk_ids.size:
-        step_k, phys = token_slots(steps, layer, log2phy, nrep, dispatch, static_table, ranks)
+        step_k, phys = token_slots(steps, layer, phy2log, ranks, dispatch, static_table)
         tokens += np.bincount(step_k * ranks + phys // spr, minlength=S * ranks).reshape(S, ranks)
         hit = np.zeros(S * P, bool)
         hit[step_k * P + phys] = True
@@ -127,6 +140,24 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
     return distinct, tokens
 
 
+def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int):
+    """(the fast rule's dispatch as the GPU runs it, the optimum [S]) of balanced dispatch at one layer.
+
+    The rule without its cap on augmenting paths is the exact optimum (``moeplace.balanced``); the
+    capped rule differs only on the steps that needed more paths, which are recomputed.
+    """
+    layout = replica_layout(phy2log, steps.model.num_experts, ranks)
+    counts = step_expert_counts(steps, layer)
+    chosen = fast_rule(counts, layout.masks, ranks, max_augment=None)
+    optimum = chosen.distinct.max(axis=1)
+    over = np.flatnonzero(chosen.augments > MAX_AUGMENT)
+    if over.size:
+        capped = fast_rule(counts[over], layout.masks, ranks)
+        for name in ("pick", "distinct", "tokens", "augments"):
+            getattr(chosen, name)[over] = getattr(capped, name)
+    return chosen, optimum
+
+
 def layer_distinct_total(steps: RoutingSteps, layer: int) -> np.ndarray:
     """[S] distinct logical experts activated per step at one layer."""
     S, E = steps.num_steps, steps.model.num_experts
@@ -152,6 +183,8 @@ class LayerSums:
     max_distinct: np.ndarray = field(default=None)      # [L] sum over steps of max_r distinct
     mean_distinct: np.ndarray = field(default=None)     # [L] sum over steps of mean_r distinct
     lower_bound: np.ndarray = field(default=None)       # [L] sum over steps of ceil(distinct / R)
+    optimum: np.ndarray = field(default=None)           # [L] sum over steps of the best max distinct the
+                                                        #     placement allows (balanced dispatch, exact)
     max_cost: np.ndarray = field(default=None)          # [L] sum over steps of max_r cost
     mean_cost: np.ndarray = field(default=None)         # [L] sum over steps of mean_r cost
     rank_tokens: np.ndarray = field(default=None)       # [L, R] tokens per rank
@@ -161,7 +194,7 @@ class LayerSums:
 
     def __post_init__(self) -> None:
         L, R = self.num_layers, self.ranks
-        for name in ("max_distinct", "mean_distinct", "lower_bound", "max_cost", "mean_cost"):
+        for name in ("max_distinct", "mean_distinct", "lower_bound", "optimum", "max_cost", "mean_cost"):
             setattr(self, name, np.zeros(L))
         self.rank_tokens = np.zeros((L, R))
         self.rank_distinct = np.zeros((L, R))
@@ -175,12 +208,17 @@ def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_
     R = placement.ranks
     for layer in range(steps.model.num_moe_layers):
         table = static_tables[layer] if static_tables is not None else None
-        distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, dispatch, table)
+        balanced, optimum = balanced_loads(steps, layer, placement.phy2log[layer], R)
+        if dispatch == "balanced":
+            distinct, tokens = balanced.distinct, balanced.tokens
+        else:
+            distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, dispatch, table)
         cost = cost_model.cost(distinct, tokens)
         step_max = distinct.max(axis=1)
         sums.max_distinct[layer] += step_max.sum()
         sums.mean_distinct[layer] += distinct.mean(axis=1).sum()
         sums.lower_bound[layer] += np.ceil(layer_distinct_total(steps, layer) / R).sum()
+        sums.optimum[layer] += optimum.sum()
         sums.max_cost[layer] += cost.max(axis=1).sum()
         sums.mean_cost[layer] += cost.mean(axis=1).sum()
         sums.rank_tokens[layer] += tokens.sum(axis=0)
@@ -204,11 +242,13 @@ def summarize(sums: LayerSums) -> dict[str, Any]:
     per_layer_bal = balancedness(sums.rank_tokens)
     e_max = sums.max_distinct / n
     lower = sums.lower_bound / n
+    optimum = sums.optimum / n
     return {
         "steps": n,
         "e_max_distinct": float(e_max.mean()),
         "e_mean_distinct": float((sums.mean_distinct / n).mean()),
         "lower_bound": float(lower.mean()),
+        "optimum": float(optimum.mean()),
         "token_balancedness": float(per_layer_bal.mean()),
         "balancedness_p50": float(np.percentile(per_layer_bal, 50)),
         "balancedness_p10": float(np.percentile(per_layer_bal, 10)),  # 9 in 10 layers are more balanced
@@ -218,6 +258,7 @@ def summarize(sums: LayerSums) -> dict[str, Any]:
         "per_layer": {
             "e_max_distinct": e_max.tolist(),
             "lower_bound": lower.tolist(),
+            "optimum": optimum.tolist(),
             "token_balancedness": per_layer_bal.tolist(),
             "moe_us": (sums.max_cost / n).tolist(),
         },

@@ -55,6 +55,9 @@ class PlacementProblem:
         if P // R > E:
             raise MoeplaceError(f"{P // R} slots per rank exceed the {E} experts: some rank would hold two "
                                 f"replicas of one expert")
+        if self.dispatch == "balanced" and self.redundant and E % R:
+            raise MoeplaceError(f"balanced dispatch with spare slots places one copy of each expert first: "
+                                f"the {E} experts must split evenly over {R} ranks")
 
 
 ALGORITHMS: dict[str, str] = {

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
+from moeplace.trace.steps import _ranges
 
 MAX_SEARCH_RANKS = 12
-SEARCH_STEPS = 4000       # steps sampled for the search (all when fewer)
-MIN_ROUNDS, BATCH_MAX = 12, 8   # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
+SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
+MIN_ROUNDS, BATCH_MAX = 16, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 
 
@@ -76,6 +78,31 @@ def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np
     return fragile, inter, union
 
 
+def _pair_scores(steps: np.ndarray, experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray,
+                 inter: np.ndarray, union: np.ndarray, ranks: int, num_experts: int, progress: float) -> np.ndarray:
+    """[E, R] score of active (step, expert) pairs (steps, experts: [N]; fragile, inter, union: [N], of
+    each pair's step). A pair whose expert has every replica inside all tight sets of its step gains
+    the whole step for each rank outside them all when the step is fragile, and ``progress`` (one
+    step nearer to a later gain) when it is not."""
+    keep = (masks[experts] & ~inter) == 0
+    w = ((union[keep, None] >> np.arange(ranks)) & 1) == 0
+    w = w * np.where(fragile[keep], 1.0, progress)[:, None]
+    index = (experts[keep, None] * ranks + np.arange(ranks)).ravel()
+    return np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks).reshape(num_experts, ranks)
+
+
+def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    """[E, R] exactly how many of the steps ``active [S, E]`` lower their optimum by one if expert e gets
+    a replica on rank r (zero where e already has one there)."""
+    f = subset_counts(active, masks, ranks)
+    fragile, inter, union = _tight(f, subset_sizes(ranks), ranks)
+    s, e = np.nonzero(active)
+    gains = _pair_scores(s, e, masks, fragile[s], inter[s], union[s], ranks, active.shape[1], 0.0)
+    return np.where(((masks[:, None] >> np.arange(ranks)) & 1) == 1, 0.0, gains)
+
+
+
+
 def spare_rounds_batch(spare: int) -> int:
     """Replicas added per round: one at a time for few spare slots, up to BATCH_MAX for many."""
     return int(min(max(spare // MIN_ROUNDS, 1), BATCH_MAX))
@@ -98,21 +125,15 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
     f = subset_counts(active, masks, ranks)
     fragile, inter, union = _tight(f, sizes, ranks)
-    act = active.astype(np.float32)
+    # The score only involves active (step, expert) pairs: keep them as lists, grouped by step.
+    pair_step, pair_expert = np.nonzero(active)
+    first_pair = np.searchsorted(pair_step, np.arange(S + 1))
 
-    def weights(rows: np.ndarray) -> np.ndarray:
-        """[n, R] what a pair (e, r) with e inside the tight core of step s gains there: a whole step
-        when s is fragile and r lies outside every tight set; PROGRESS_WEIGHT (one tight set fewer
-        to clear later) when s is not fragile."""
-        out = ((union[rows, None] & rank_bits) == 0).astype(np.float32)
-        return out * np.where(fragile[rows], np.float32(1), np.float32(PROGRESS_WEIGHT))[:, None]
+    def contribution(pairs: np.ndarray) -> np.ndarray:
+        s = pair_step[pairs]
+        return _pair_scores(s, pair_expert[pairs], masks, fragile[s], inter[s], union[s], ranks, E, PROGRESS_WEIGHT)
 
-    def inside(rows: np.ndarray, experts: slice | np.ndarray = slice(None)) -> np.ndarray:
-        """[n, E'] the expert is active and all its replicas lie in every tight set."""
-        return act[rows][:, experts] * ((masks[None, experts] & ~inter[rows, None]) == 0)
-
-    rows = np.arange(S)
-    score = inside(rows).T @ weights(rows)                         # [E, R]
+    score = contribution(np.arange(pair_step.size))
     tie = 1e-6 * (expert_weight / max(float(expert_weight.max(initial=0)), 1e-12))
     room = np.full(ranks, spare_per_rank)
     batch = spare_rounds_batch(spare_per_rank * ranks)
@@ -133,18 +154,32 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
                 taken[r] += 1
         experts = np.array([e for e, _ in chosen])
         hit = np.flatnonzero(active[:, experts].any(axis=1))
-        score -= inside(hit).T @ weights(hit)
+        hit_pairs = _ranges(first_pair[hit], first_pair[hit + 1] - first_pair[hit])
+        score -= contribution(hit_pairs)
         for e, r in chosen:
             # f[X] drops by one for the sets holding all of e's replicas but not r
             drop = ((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0)
             f[np.ix_(np.flatnonzero(active[:, e]), np.flatnonzero(drop))] -= 1
+        for e, r in chosen:
             masks[e] |= rank_bits[r]
             room[r] -= 1
         fragile[hit], inter[hit], union[hit] = _tight(f[hit], sizes, ranks)
-        score += inside(hit).T @ weights(hit)
-        # the chosen experts' own masks changed in every step: their rows are recomputed whole
-        score[experts] = inside(rows, experts).T @ weights(rows)
+        # every pair of a chosen expert lies in ``hit``, so this also covers their new masks
+        score += contribution(hit_pairs)
     return masks.astype(np.int64)
+
+
+def place(problem, layer: int, base: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """phy2log [P] of one layer: ``base [E]`` (one copy of each expert, E / R a rank) plus the problem's
+    spare slots, placed for balanced dispatch on a sample of the fitted steps."""
+    R, E = problem.ranks, problem.model.num_experts
+    counts = step_expert_counts(problem.steps, layer)
+    sample = max(SEARCH_CELLS // ((1 << R) + E), 1)
+    if counts.shape[0] > sample:
+        counts = counts[np.sort(rng.choice(counts.shape[0], sample, replace=False))]
+    masks = replica_layout(base, E, R).masks
+    masks = add_replicas(counts > 0, masks, R, problem.redundant // R, counts.sum(axis=0))
+    return masks_to_phy2log(masks, R, problem.num_physical // R)
 
 
 def masks_to_phy2log(masks: np.ndarray, ranks: int, slots_per_rank: int) -> np.ndarray:

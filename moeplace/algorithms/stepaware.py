@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplace.algorithms import PlacementProblem
+from dataclasses import replace
+
+from moeplace.algorithms import PlacementProblem, balanced_replicas
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.metrics import balancedness, static_dispatch_table
 from moeplace.trace.steps import RoutingSteps
@@ -33,17 +35,34 @@ from moeplace.trace.steps import RoutingSteps
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
 MAX_REPAIRS = 64           # swaps allowed to lift token balancedness to the floor
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
+BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
+BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
 
 
 def stepaware(problem: PlacementProblem) -> np.ndarray:
-    """phy2log [L, P] minimising E_s[max_r distinct experts] layer by layer."""
-    m = problem.model
+    """phy2log [L, P] minimising E_s[max_r distinct experts] layer by layer.
+
+    Under ``balanced`` dispatch with spare slots, each layer gets one copy of every expert first, then
+    ``balanced_replicas`` fills the spare slots. With replicas the first copies matter less, so they
+    get a share ``BALANCED_BASE_EFFORT`` of the work budget, and above ``BALANCED_BASE_MAX_EXPERTS``
+    (where a swap round costs O(E^2)) they are DeepSeek EPLB's: on Kimi-K2-shaped routing with E/4
+    spare slots the two end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
+    (BENCHMARKS.md).
+    """
+    L = problem.model.num_moe_layers
     rng = np.random.default_rng(problem.seed)
+    base = problem
+    if problem.dispatch == "balanced" and problem.redundant:
+        base = replace(problem, redundant=0, dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT)
     weight = problem.steps.expert_token_counts()
-    ref, _, _ = rebalance_experts(weight, problem.num_physical, 1, 1, problem.ranks, False)
-    out = np.zeros((m.num_moe_layers, problem.num_physical), np.int64)
-    for layer in range(m.num_moe_layers):
-        out[layer] = place_layer(problem, layer, ref[layer], rng, problem.effort / m.num_moe_layers)
+    ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
+    base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+    out = np.zeros((L, problem.num_physical), np.int64)
+    for layer in range(L):
+        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rng, base.effort / L)
+        if base is not problem:
+            phy2log = balanced_replicas.place(problem, layer, phy2log, rng)
+        out[layer] = phy2log
         problem.progress(1)
     return out
 
