@@ -1,0 +1,190 @@
+"""Balanced dispatch on the GPU: moeplace's fast rule (``moeplace.balanced``) inside SGLang's router.
+
+Dimension letters: N token rows, K top-k, E logical experts, R ranks (<= 32).
+
+Per MoE layer and forward pass, :func:`balanced_dispatch` turns the router's logical top-k ids into
+physical slot ids, replacing SGLang's ``topk_ids_logical_to_physical``: every active expert's tokens go
+to one of its replicas, chosen by ``moeplace.balanced.fast_rule_step`` (bit for bit, ties included), so
+that the busiest rank reads as few distinct experts as possible. The ids are the same on every rank and
+the rule is a fixed function of them, so every rank picks the same replicas.
+
+Two kernels compute it, both one program of one warp (the rule is sequential and small):
+
+* ``cuda`` (``balanced_dispatch.cu``, design in its opening comment): built on first use by
+  ``torch.utils.cpp_extension`` and cached; the default where it builds.
+* ``triton`` (``balanced_dispatch_triton.py``): the fallback, and what runs in Triton's CPU interpreter
+  (``TRITON_INTERPRET=1``) for the CI.
+
+``MOEPLACE_DISPATCH_BACKEND=cuda|triton`` (default ``auto``) or ``backend=`` chooses. BENCHMARKS.md
+("Balanced dispatch kernel") has the graph-replay times of both against SGLang's ``dynamic`` rule.
+
+Forward-time calls with ``out`` given allocate nothing and never synchronise with the host, so they can
+be captured in a CUDA graph and replayed with new ids in the same buffers. Call :func:`prepare` once per
+device before capture: it builds (or finds) the CUDA kernel and warms up the Triton one outside the graph.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from moeplace.balanced import MAX_AUGMENT
+from moeplace_kernels import balanced_dispatch_cuda
+
+MAX_ENTRIES = 1024   # N * K: token and rank fields of the CUDA kernel's packed key are 11 bits wide
+MAX_EXPERTS = 4096   # shared memory of the CUDA kernel: 8E + 13 min(E, N*K) bytes < 48 KB
+MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
+UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
+BACKENDS = ("auto", "cuda", "triton")
+
+
+def balanced_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor,
+                      num_rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                      max_augment: Optional[int] = MAX_AUGMENT, *, backend: str = "auto") -> torch.Tensor:
+    """Physical slot ids [N, K] of ``topk_ids`` by the balanced rule.
+
+    topk_ids: [N, K] int32 or int64 logical ids, -1 = none (stays -1; so does any id outside [0, E))
+    masks: [E] int32, bit r set when expert e has a replica on rank r
+    slots: [E, R] int32, physical slot of e's replica on rank r, -1 where none (``dispatch_tables``)
+    num_rows: device scalar (int32 or int64) or None: rows >= num_rows are padding, ignored by the
+        rule; their entries get the slot on the lowest rank holding the expert
+    out: [N, K] preallocated, dtype of ``topk_ids``; may be ``topk_ids`` itself (in place)
+    max_augment: augmenting paths per step (``moeplace.balanced.MAX_AUGMENT``); None: no cap
+    """
+    _check(topk_ids, masks, slots, num_rows, out, max_augment)
+    if out is None:
+        out = torch.empty_like(topk_ids)
+    if topk_ids.numel() == 0:
+        return out
+    augment = UNLIMITED if max_augment is None else int(max_augment)
+    if _backend_for(topk_ids.device, backend) == "cuda":
+        _launch_cuda(topk_ids, masks, slots, num_rows, out, augment)
+    else:
+        from moeplace_kernels import balanced_dispatch_triton
+
+        balanced_dispatch_triton.launch(topk_ids, masks, slots, num_rows, out, augment)
+    return out
+
+
+def dispatch_tables(layout, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(masks [E] int32, slots [E, R] int32) on ``device`` from a ``moeplace.balanced.ReplicaLayout``.
+
+    Masks of 32 ranks keep bit 31 as the sign bit of int32 (the kernels read them unsigned).
+    """
+    import numpy as np
+
+    if layout.ranks > MAX_RANKS:
+        raise ValueError(f"balanced dispatch on the GPU supports at most {MAX_RANKS} ranks, got {layout.ranks}")
+    masks = np.asarray(layout.masks, np.int64).astype(np.uint32).view(np.int32)
+    return (torch.from_numpy(masks.copy()).to(device),
+            torch.from_numpy(np.asarray(layout.slots).astype(np.int32)).to(device))
+
+
+def prepare(device: torch.device | str, backend: str = "auto") -> str:
+    """Build or find the kernel for ``device`` outside any CUDA graph; returns the backend in use."""
+    device = torch.device(device)
+    chosen = _backend_for(device, backend)
+    if chosen == "triton":   # compile the Triton kernel now, not in a capture
+        balanced_dispatch(torch.zeros(1, 1, dtype=torch.int32, device=device),
+                          torch.ones(1, dtype=torch.int32, device=device),
+                          torch.zeros(1, 1, dtype=torch.int32, device=device), backend="triton")
+    return chosen
+
+
+# ----------------------------------------------------------------------------- backend choice
+
+def select_backend(requested: str, capability: Optional[tuple[int, int]]) -> str:
+    """'cuda' or 'triton' for a device of ``capability`` (None: not a CUDA device).
+
+    ``requested`` is "auto" (then $MOEPLACE_DISPATCH_BACKEND, else the CUDA kernel where it builds: it
+    warns once and falls back to Triton), "cuda" (RuntimeError if it cannot be built) or "triton".
+    """
+    if requested == "auto":
+        requested = os.environ.get("MOEPLACE_DISPATCH_BACKEND", "auto")
+    if requested not in BACKENDS:
+        raise ValueError(f"balanced dispatch backend must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if capability is None:
+        if requested == "cuda":
+            raise ValueError("the cuda balanced-dispatch backend needs CUDA tensors")
+        return "triton"
+    if requested == "triton":
+        return "triton"
+    if balanced_dispatch_cuda.load(capability) is not None:
+        return "cuda"
+    if requested == "cuda":
+        raise RuntimeError("the cuda balanced-dispatch backend could not be built (see the warning above)")
+    return "triton"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _backend_for(device: torch.device, requested: str) -> str:
+    return select_backend(requested, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+
+
+def _launch_cuda(topk_ids, masks, slots, num_rows, out, max_augment: int) -> None:
+    library = balanced_dispatch_cuda.load(torch.cuda.get_device_capability(topk_ids.device))
+    rows, k = topk_ids.shape
+    experts, ranks = slots.shape
+    library.launch(topk_ids.data_ptr(), out.data_ptr(), masks.data_ptr(), slots.data_ptr(),
+                   None if num_rows is None else num_rows.data_ptr(),
+                   num_rows is not None and num_rows.dtype == torch.int64,
+                   topk_ids.dtype == torch.int64, rows, k, experts, ranks, max_augment,
+                   torch.cuda.current_stream(topk_ids.device).cuda_stream)
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _check(topk_ids, masks, slots, num_rows, out, max_augment) -> None:
+    """Raise TypeError/ValueError (one line) for inputs the kernels cannot take; reads metadata only."""
+    _tensor("topk_ids", topk_ids, (torch.int32, torch.int64), 2)
+    _tensor("masks", masks, (torch.int32,), 1)
+    _tensor("slots", slots, (torch.int32,), 2)
+    rows, k = topk_ids.shape
+    experts, ranks = slots.shape
+    device = topk_ids.device
+    if rows * k > MAX_ENTRIES:
+        raise ValueError(f"balanced_dispatch takes at most {MAX_ENTRIES} ids (N*K), got {rows}x{k}; "
+                         "hand larger batches to SGLang's own rule")
+    if not 1 <= ranks <= MAX_RANKS:
+        raise ValueError(f"balanced_dispatch supports 1 to {MAX_RANKS} ranks, slots has {ranks} columns")
+    if not 1 <= experts <= MAX_EXPERTS:
+        raise ValueError(f"balanced_dispatch supports 1 to {MAX_EXPERTS} experts, slots has {experts} rows")
+    if masks.shape[0] != experts:
+        raise ValueError(f"masks has {masks.shape[0]} experts, slots {experts}")
+    named = [("masks", masks), ("slots", slots)]
+    if num_rows is not None:
+        _tensor("num_rows", num_rows, (torch.int32, torch.int64), None)
+        if num_rows.numel() != 1:
+            raise ValueError(f"num_rows must hold one value, got shape {tuple(num_rows.shape)}")
+        named.append(("num_rows", num_rows))
+    if out is not None:
+        _tensor("out", out, (topk_ids.dtype,), 2)
+        if out.shape != topk_ids.shape:
+            raise ValueError(f"out has shape {tuple(out.shape)}, topk_ids {tuple(topk_ids.shape)}")
+        named.append(("out", out))
+    for name, tensor in named:
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, topk_ids on {device}")
+    if max_augment is not None and (isinstance(max_augment, bool) or not isinstance(max_augment, int)
+                                    or max_augment < 0):
+        raise ValueError(f"max_augment must be a non-negative int or None, got {max_augment!r}")
+    if device.type != "cuda" and not _interpreting():
+        raise ValueError(f"balanced_dispatch needs CUDA tensors (or TRITON_INTERPRET=1 for Triton's CPU "
+                         f"interpreter), got topk_ids on {device}")
+
+
+def _tensor(name: str, value, dtypes: tuple, ndim: Optional[int]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must be {allowed}, got {str(value.dtype).replace('torch.', '')}")
+    if ndim is not None and value.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {value.stride()}); pass .contiguous()")

@@ -1,0 +1,158 @@
+"""Balanced dispatch in Triton: the same fast rule as ``balanced_dispatch.cu``, for GPUs where the CUDA
+kernel cannot be built, and for Triton's CPU interpreter (``TRITON_INTERPRET=1``: the CI checks the rule
+there). Every pick follows ``moeplace.balanced.fast_rule_step`` exactly, ties included.
+
+Dimension letters: N token rows, K top-k, E logical experts, R ranks (<= 32).
+
+One program holds the whole step in registers: per expert [E_PAD] (tokens, replica mask, chosen rank),
+per rank [RANKS_PAD] (a packed key ``load << 20 | tok << 6 | rank`` whose order is the rule's tie
+order), per entry [ENTRIES] (id and chosen rank). Triton has no warp ballots and no per-lane loops, so
+where the CUDA kernel walks a list, this one takes a reduction per step: the next multi-replica expert
+is the minimum of ``id * 2048 + tokens`` over the experts after the last one, and a BFS level ORs the
+masks of each level rank's experts. That is several reductions per expert, which is why the CUDA
+kernel is the default (BENCHMARKS.md, "Balanced dispatch kernel").
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+RANKS_PAD = tl.constexpr(64)   # rank vectors; bin 63 (>= 32 ranks) collects what a histogram must ignore
+BIG = tl.constexpr(1 << 62)
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of each value of ``x`` (int64, < 2^32)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    x = x + (x >> 8)
+    x = x + (x >> 16)
+    return x & 0x3F
+
+
+@triton.jit
+def _lowest_bit(x):
+    """Index of the lowest set bit of each value of ``x`` (int64, non-zero, < 2^32)."""
+    return _popcount((x & -x) - 1)
+
+
+@triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_ptr,
+                             rows, k, experts, ranks, max_augment,
+                             ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr):
+    RP: tl.constexpr = RANKS_PAD
+    i = tl.arange(0, ENTRIES)
+    e = tl.arange(0, E_PAD).to(tl.int64)
+    r = tl.arange(0, RP).to(tl.int64)
+    entries = rows * k
+    valid_rows = rows
+    if HAS_NUM_ROWS:
+        valid_rows = tl.minimum(tl.maximum(tl.load(num_rows_ptr).to(tl.int32), 0), rows)
+    rank_bits = (tl.full((), 1, tl.int64) << ranks) - 1
+    in_rank = r < ranks
+    bit = tl.full([RP], 1, tl.int64) << r
+
+    ids = tl.load(ids_ptr + i, mask=i < entries, other=-1).to(tl.int64)
+    known = (ids >= 0) & (ids < experts)
+    m_entry = tl.load(masks_ptr + ids, mask=known, other=0).to(tl.int64) & rank_bits
+    known = known & (m_entry != 0)
+    valid = known & (i < valid_rows * k)
+    multi_entry = (m_entry & (m_entry - 1)) != 0
+    rank_entry = _lowest_bit(m_entry)   # replaced by the rule's pick for valid multi entries
+
+    # 1. tokens per expert; one-replica experts go to their rank
+    cnt = tl.histogram(tl.where(valid, ids, E_PAD - 1).to(tl.int32), E_PAD).to(tl.int64)  # E_PAD > E
+    m = tl.load(masks_ptr + e, mask=e < experts, other=0).to(tl.int64) & rank_bits
+    active = (cnt > 0) & (e < experts) & (m != 0)
+    multi = active & ((m & (m - 1)) != 0)
+    single = active & ((m & (m - 1)) == 0)
+    load = tl.histogram(tl.where(single, _lowest_bit(m), RP - 1).to(tl.int32), RP).to(tl.int64)
+    tok = tl.histogram(tl.where(valid & ~multi_entry, rank_entry, RP - 1).to(tl.int32), RP).to(tl.int64)
+    state = tl.where(in_rank, (load << 20) + (tok << 6), 0) + r
+
+    # 2. greedy over the active multi-replica experts in id order
+    pick = tl.where(single, _lowest_bit(m), -1)
+    order = tl.where(multi, e * 2048 + cnt, BIG)   # id, then its tokens (<= 1024)
+    prev = tl.full((), -1, tl.int64)
+    for _ in range(tl.sum(multi.to(tl.int32))):
+        head = tl.min(tl.where(e > prev, order, BIG))
+        ex = head // 2048
+        c = head % 2048
+        mx = tl.load(masks_ptr + ex).to(tl.int64) & rank_bits
+        best = tl.min(tl.where(((mx >> r) & 1) != 0, state, BIG))
+        chosen = best % RP
+        state = tl.where(state == best, state + (1 << 20) + (c << 6), state)
+        pick = tl.where(e == ex, chosen, pick)
+        rank_entry = tl.where(valid & (ids == ex), chosen, rank_entry)
+        prev = ex
+    load = tl.where(in_rank, state >> 20, 0)
+    tok = (state >> 6) & 16383
+
+    # 3. augmenting paths (breadth first from the ranks of maximum load; see moeplace.balanced)
+    done = tl.full((), 0, tl.int32)
+    searching = done < max_augment
+    while searching:
+        top = tl.max(tl.where(in_rank, load, -1))
+        searching = tl.min(tl.where(in_rank, load, BIG)) <= top - 2
+        if searching:
+            roots = tl.sum(tl.where(in_rank & (load == top), bit, 0))
+            low = tl.sum(tl.where(in_rank & (load <= top - 2), bit, 0))
+            seen = roots
+            level = roots
+            parent = tl.full([RP], -1, tl.int64)
+            target = tl.full((), -1, tl.int64)
+            while (level != 0) & (target < 0):
+                reached = tl.full((), 0, tl.int64)
+                rest = level
+                while rest != 0:   # level ranks in increasing order: the lowest parent wins
+                    a = _lowest_bit(rest)
+                    rest = rest & (rest - 1)
+                    edges = tl.reduce(tl.where(multi & (pick == a), m, 0), 0, _or) & ~seen & ~reached
+                    parent = tl.where(((edges >> r) & 1) != 0, a, parent)
+                    reached = reached | edges
+                seen = seen | reached
+                hits = reached & low
+                if hits != 0:
+                    target = tl.min(tl.where(((hits >> r) & 1) != 0, (load << 6) + r, BIG)) % RP
+                level = reached
+            searching = target >= 0
+            if searching:
+                b = target
+                while ((roots >> b) & 1) == 0:   # one expert along each edge, target back to a root
+                    a = tl.sum(tl.where(r == b, parent, 0))
+                    ex = tl.min(tl.where(multi & (pick == a) & (((m >> b) & 1) != 0), e, BIG))
+                    c = tl.sum(tl.where(e == ex, cnt, 0))
+                    pick = tl.where(e == ex, b, pick)
+                    rank_entry = tl.where(valid & (ids == ex), b, rank_entry)
+                    tok = tok - tl.where(r == a, c, 0) + tl.where(r == b, c, 0)
+                    b = a
+                load = load - tl.where(r == b, 1, 0) + tl.where(r == target, 1, 0)
+                done += 1
+                searching = done < max_augment
+
+    # 4. slots: valid rows by the rule, padding rows the lowest replica rank, unknown ids -1
+    slot = tl.load(slots_ptr + ids * ranks + rank_entry, mask=known, other=-1)
+    tl.store(out_ptr + i, slot.to(out_ptr.dtype.element_ty), mask=i < entries)
+
+
+MIN_ENTRIES = 32   # entries are padded to a power of two >= this: few compiled variants
+
+
+def launch(topk_ids, masks, slots, num_rows, out, max_augment: int) -> None:
+    """Run the kernel on checked inputs (see ``balanced_dispatch.balanced_dispatch``)."""
+    rows, k = topk_ids.shape
+    experts, ranks = slots.shape
+    e_pad = triton.next_power_of_2(experts + 1)   # one bin past the experts for ignored entries
+    balanced_dispatch_kernel[(1,)](
+        topk_ids, masks, slots, num_rows if num_rows is not None else masks, out,
+        rows, k, experts, ranks, max_augment,
+        ENTRIES=max(MIN_ENTRIES, triton.next_power_of_2(rows * k)), E_PAD=e_pad,
+        HAS_NUM_ROWS=num_rows is not None, num_warps=1 if e_pad <= 1024 else 4)

@@ -1,0 +1,246 @@
+#!/usr/bin/env python
+"""Balanced-dispatch kernel: µs per MoE layer per step under CUDA-graph replay, against SGLang's rule.
+
+The layout is made by moeplace itself: one Kimi-K2-shaped layer (SYNTHETIC routing: 384 experts,
+top-8) placed by ``stepaware`` for balanced dispatch on 8 ranks with 96 spare slots, fitted on
+``--fit-steps`` synthetic verify steps. The ids come from held-out synthetic steps of the same routing
+(9 tokens each; a batch of T tokens is T/9 steps, as T/9 requests verifying 9 drafts).
+
+For each batch size, one CUDA graph holds ``--calls`` dispatches, each over a different batch with its
+own input and output buffers; µs per call = median replay time / calls. Rows:
+
+  moeplace cuda     ``moeplace_kernels.balanced_dispatch``, the CUDA kernel (int32 ids, as SGLang's)
+  moeplace triton   the same rule in Triton (the fallback)
+  sglang dynamic    SGLang 0.5.23's ``_topk_ids_logical_to_physical_dynamic`` with ``rank_invariant``
+                    (what ``--moe-a2a-backend none`` runs), loaded from the wheel
+  copy (floor)      one copy kernel per call: the cost of any one-kernel step in a graph
+
+Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (ids that differ: a column; 0 is
+right). A variant that fails is reported in its row and the others still run. Also reported:
+augmenting paths per batch (mean, max, share at the cap of 16) and the mean over batches of the
+largest number of distinct experts a rank reads, under each rule, beside the exact per-step optimum.
+
+    python3 scripts/bench_dispatch.py --sglang-wheel '.whl/sglang-*.whl' --out bench_dispatch.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moeplace.atomic import atomic_write_text  # noqa: E402
+from moeplace.balanced import MAX_AUGMENT, ReplicaLayout, fast_rule, replica_layout  # noqa: E402
+
+TOKENS_PER_STEP = 9
+
+
+@dataclass
+class Batches:
+    """``calls`` batches of ``tokens`` token rows: ids [calls, T, K] and their expected picks."""
+
+    tokens: int
+    ids: np.ndarray
+    counts: np.ndarray       # [calls, E]
+    expected: np.ndarray     # [calls, T, K] physical slots by the fast rule
+    augments: np.ndarray     # [calls]
+    distinct: np.ndarray     # [calls] largest distinct experts on a rank, fast rule
+    optimum: np.ndarray      # [calls] the same, exact per-step optimum
+
+
+def make_layout(args) -> tuple[np.ndarray, ReplicaLayout]:
+    """(phy2log [P], its ReplicaLayout): stepaware for balanced dispatch on one synthetic layer."""
+    from moeplace.algorithms import PlacementProblem, solve
+    from moeplace.model import ModelSpec
+    from moeplace.trace.synthetic import synthetic_steps
+
+    model = ModelSpec("SYNTHETIC kimi-k2-shaped, one layer", 1, (0,), args.experts, args.topk)
+    _, fit = synthetic_steps(args.fit_steps, TOKENS_PER_STEP, model, seed=args.seed)
+    problem = PlacementProblem(model, fit, args.ranks, redundant=args.redundant, dispatch="balanced",
+                               effort=args.effort)
+    phy2log = solve("stepaware", problem)[0]
+    return phy2log, replica_layout(phy2log, args.experts, args.ranks)
+
+
+def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
+    """Held-out synthetic steps grouped into ``args.calls`` batches of ``tokens`` rows."""
+    from moeplace.algorithms.balanced_replicas import step_optimum, subset_counts, subset_sizes
+    from moeplace.model import ModelSpec
+    from moeplace.trace.synthetic import synthetic_steps
+
+    model = ModelSpec("SYNTHETIC kimi-k2-shaped, one layer", 1, (0,), args.experts, args.topk)
+    per_batch = tokens // TOKENS_PER_STEP
+    _, held = synthetic_steps(args.calls * per_batch, TOKENS_PER_STEP, model, seed=args.seed + 1)
+    ids = held.layer(0)[2].astype(np.int64).reshape(args.calls, tokens, args.topk)
+    E, R = args.experts, args.ranks
+    counts = np.stack([np.bincount(b.ravel(), minlength=E) for b in ids])
+    rule = fast_rule(counts, layout.masks, R, MAX_AUGMENT)
+    expected = layout.slots[ids, rule.pick[np.arange(args.calls)[:, None, None], ids]]
+    optimum = step_optimum(subset_counts(counts > 0, layout.masks, R), subset_sizes(R))
+    return Batches(tokens, ids, counts, expected, rule.augments, rule.distinct.max(axis=1), optimum)
+
+
+def load_sglang_dispatch(wheel: str | None):
+    """(SGLang's expert_location_dispatch module, sglang version), from the wheel."""
+    from sglang_wheel import register_packages, stub, unpack
+
+    root, version = unpack(wheel)
+    register_packages(root, ["sglang", "sglang.srt", "sglang.srt.eplb"])
+    stub("sglang.srt.eplb.expert_location", get_global_expert_location_metadata=lambda: None)
+    stub("sglang.srt.runtime_context", get_exec=lambda: None)
+    return importlib.import_module("sglang.srt.eplb.expert_location_dispatch"), version
+
+
+def sglang_dispatch_info(module, phy2log: np.ndarray, experts: int, device):
+    """SGLang's ExpertLocationDispatchInfo for one layer, its replica lists as SGLang builds them
+    (physical ids ascending, padded with -1) without an a2a backend (``rank_invariant``)."""
+    import torch
+
+    lists = [np.flatnonzero(phy2log == e) for e in range(experts)]
+    width = max(len(x) for x in lists)
+    table = np.full((experts, width), -1, np.int64)
+    for e, x in enumerate(lists):
+        table[e, :len(x)] = x
+    return module.ExpertLocationDispatchInfo(
+        ep_dispatch_algorithm="dynamic", partial_logical_to_rank_dispatch_physical_map=None,
+        partial_logical_to_all_physical_map=torch.from_numpy(table).to(device),
+        partial_logical_to_all_physical_map_num_valid=torch.tensor([len(x) for x in lists], device=device),
+        num_physical_experts=int(phy2log.shape[0]), rank_invariant=True)
+
+
+def max_distinct(slots: np.ndarray, ranks: int, physical: int) -> np.ndarray:
+    """[calls] largest number of distinct physical slots a rank reads, per batch. slots: [calls, T, K]."""
+    per_rank = physical // ranks
+    out = np.zeros(slots.shape[0], np.int64)
+    for c, batch in enumerate(slots):
+        used = np.unique(batch[batch >= 0])
+        out[c] = np.bincount(used // per_rank, minlength=ranks).max()
+    return out
+
+
+def measure(args) -> tuple[list[dict], dict]:
+    import torch
+
+    from cuda_timing import graph_time_us
+    from moeplace_kernels.balanced_dispatch import balanced_dispatch, dispatch_tables, prepare
+
+    device = torch.device("cuda")
+    t0 = time.time()
+    phy2log, layout = make_layout(args)
+    print(f"layout: stepaware, balanced dispatch, {args.ranks} ranks, {args.redundant} spare slots "
+          f"({time.time() - t0:.1f} s)", flush=True)
+    masks, slots = dispatch_tables(layout, device)
+    backends = []
+    for b in (b for b in ("cuda", "triton") if b in args.kernels):
+        try:
+            print(f"prepare {b}: {prepare(device, b)}", flush=True)
+            backends.append(b)
+        except Exception as exc:  # noqa: BLE001 (a build or compile error: reported, the rest still runs)
+            print(f"moeplace {b}: unavailable ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})",
+                  flush=True)
+    sgl, version = load_sglang_dispatch(args.sglang_wheel)
+    info = sglang_dispatch_info(sgl, phy2log, args.experts, device)
+    physical = int(phy2log.shape[0])
+    rows, meta = [], dict(sglang=version, torch=torch.__version__, device=torch.cuda.get_device_name(),
+                          calls=args.calls, reps=args.reps)
+    for tokens in args.tokens:
+        batches = make_batches(args, layout, tokens)
+        ids = [torch.from_numpy(b).to(device=device, dtype=torch.int32) for b in batches.ids]
+        num_rows = torch.tensor(tokens, dtype=torch.int32, device=device)
+        outs = [torch.empty_like(x) for x in ids]
+
+        def moeplace(backend):
+            def run():
+                for x, o in zip(ids, outs):
+                    balanced_dispatch(x, masks, slots, num_rows, o, backend=backend)
+            return run
+
+        def dynamic():
+            for c, x in enumerate(ids):
+                outs[c] = sgl._topk_ids_logical_to_physical_dynamic(x, info)
+
+        def copy():
+            for x, o in zip(ids, outs):
+                o.copy_(x)
+
+        variants = [(f"moeplace {b}", moeplace(b)) for b in backends]
+        variants += [(f"sglang {version} dynamic", dynamic), ("copy (floor)", copy)]
+        common = dict(tokens=tokens, entries=tokens * args.topk,
+                      augments_mean=float(batches.augments.mean()), augments_max=int(batches.augments.max()),
+                      at_cap=float((batches.augments >= MAX_AUGMENT).mean()),
+                      optimum=float(batches.optimum.mean()))
+        for name, fn in variants:
+            row = dict(common, kernel=name, us=None, max_distinct=None, wrong=None)
+            rows.append(row)
+            try:   # one failing variant must not cost the others' figures in a device call
+                fn()
+                torch.cuda.synchronize()
+                got = np.stack([o.cpu().numpy() for o in outs])
+                if name.startswith("moeplace"):
+                    row["wrong"] = int((got != batches.expected).sum())
+                if "floor" not in name:
+                    row["max_distinct"] = float(max_distinct(got, args.ranks, physical).mean())
+                row["us"] = graph_time_us(fn, reps=args.reps) / args.calls
+            except Exception as exc:  # noqa: BLE001 (reported in the table)
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
+            print(f"{tokens:3d} tokens  {name:24s} " + (f"{row['us']:7.2f} µs" if row["us"] is not None
+                                                        else row["error"]), flush=True)
+    return rows, meta
+
+
+def table(rows: list[dict], meta: dict, args) -> str:
+    base = {r["tokens"]: r["us"] for r in rows if "dynamic" in r["kernel"]}
+    lines = [f"Device: {meta['device']}, torch {meta['torch']}, SGLang {meta['sglang']} (wheel). "
+             f"{args.experts} experts, top-{args.topk}, {args.ranks} ranks, {args.redundant} spare slots; "
+             f"{meta['calls']} calls per graph, median of {meta['reps']} replays.", "",
+             "| tokens | ids | kernel | µs / call | vs sglang dynamic | ids unlike fast_rule | E[max distinct] "
+             "| exact optimum | augmenting paths mean / max / at cap |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        us = r.get("error") or f"{r['us']:.2f}"
+        ratio = f"{r['us'] / base[r['tokens']]:.2f}x" if r["us"] and base.get(r["tokens"]) else ""
+        wrong = "" if r["wrong"] is None else str(r["wrong"])
+        distinct = "" if r["max_distinct"] is None else f"{r['max_distinct']:.2f}"
+        lines.append(f"| {r['tokens']} | {r['entries']} | {r['kernel']} | {us} | {ratio} | {wrong} | {distinct} | "
+                     f"{r['optimum']:.2f} | {r['augments_mean']:.2f} / {r['augments_max']} / "
+                     f"{100 * r['at_cap']:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sglang-wheel", default=".whl/sglang-*.whl", help="the sglang wheel (a glob is fine)")
+    ap.add_argument("--out", default="bench_dispatch.md", help="markdown table (a .json beside it)")
+    ap.add_argument("--tokens", default="9,36,72", help="token rows per batch, multiples of 9")
+    ap.add_argument("--kernels", default="cuda,triton", help="moeplace kernels to time")
+    ap.add_argument("--experts", type=int, default=384)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--redundant", type=int, default=96, help="spare slots over all ranks")
+    ap.add_argument("--fit-steps", type=int, default=4000, help="synthetic steps the layout is fitted on")
+    ap.add_argument("--effort", type=float, default=4e7, help="stepaware's work budget for the one layer")
+    ap.add_argument("--calls", type=int, default=100, help="dispatches (different batches) per graph")
+    ap.add_argument("--reps", type=int, default=50, help="graph replays timed")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    if any(t <= 0 or t % TOKENS_PER_STEP for t in args.tokens):
+        ap.error(f"--tokens must be positive multiples of {TOKENS_PER_STEP}")
+    rows, meta = measure(args)
+    text = table(rows, meta, args)
+    atomic_write_text(args.out, text)
+    atomic_write_text(Path(args.out).with_suffix(".json"), json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
