@@ -7,6 +7,7 @@ Each feature is off unless its variable is set; when all are off this module imp
     MOEPLACE_TRACE=1 or MOEPLACE_TRACE_DIR=DIR   live router tracer   (moeplace.sglang.tracer)
     MOEPLACE_KV_SORT=1                            sorted KV free list  (moeplace.sglang.kv_sort)
     MOEPLACE_VERIFY_KERNEL=1                      verify attention     (moeplace.sglang.verify_backend)
+    MOEPLACE_DISPATCH=balanced                    per-step replica choice (moeplace.sglang.balanced_dispatch)
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ def enabled_features() -> list[str]:
         features.append("kv_sort")
     if _enabled("MOEPLACE_VERIFY_KERNEL"):
         features.append("verify_kernel")
+    if os.environ.get("MOEPLACE_DISPATCH", "").strip():
+        features.append("dispatch")
     return features
 
 
@@ -48,3 +51,7 @@ def register() -> None:
         from moeplace.sglang import verify_backend
 
         verify_backend.install()
+    if "dispatch" in features:
+        from moeplace.sglang import balanced_dispatch
+
+        balanced_dispatch.install()

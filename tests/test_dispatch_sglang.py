@@ -1,0 +1,188 @@
+"""Balanced dispatch wired into SGLang 0.5.23 (CPU): the AROUND hook on topk_ids_logical_to_physical,
+driven with SGLang's real ExpertLocationDispatchInfo built from our placement file by SGLang's start-up code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.balanced import fast_rule_step, replica_layout
+from moeplace.model_config import model_spec_from_folder
+from moeplace.placement import Placement, save_sglang
+from moeplace.trace.synthetic import synthetic_steps
+from test_sglang_export import TINY_DSV3, publish
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("sglang.srt.eplb.expert_location_dispatch")
+pytestmark = pytest.mark.sglang
+
+RANKS, REDUNDANT = 4, 4
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """SGLang's context and expert-location metadata for a tiny DeepSeek-V3 on 4 EP ranks, from a placement
+    fitted for balanced dispatch; restored afterwards."""
+    pytest.importorskip("sglang.srt.models.deepseek_v2", reason="SGLang's DeepSeek model class does not import")
+    from sglang.srt import runtime_context as rc
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb import expert_location as el
+
+    folder = tmp_path_factory.mktemp("tiny-dsv3")
+    (folder / "config.json").write_text(json.dumps(TINY_DSV3))
+    spec = model_spec_from_folder(folder)
+    _, steps = synthetic_steps(400, 9, spec, seed=3)
+    phy2log = solve("stepaware", PlacementProblem(spec, steps, RANKS, redundant=REDUNDANT, dispatch="balanced"))
+    placement = Placement(spec, RANKS, phy2log)
+    path = folder / "init_expert_location.json"
+    save_sglang(path, placement)
+
+    state = rc.snapshot_context()
+    saved_meta = el.get_global_expert_location_metadata()
+    publish(folder, rc, RANKS, REDUNDANT, init=str(path))
+    rc.get_context().override("moeplace-test", moe_a2a_backend="none", ep_dispatch_algorithm="dynamic")
+    meta = el.compute_initial_expert_location_metadata(ModelConfig.from_server_args(rc.get_server_args()),
+                                                       moe_ep_rank=0)
+    el.set_global_expert_location_metadata(meta, allow_overwrite=True)
+    yield placement, rc
+    el.set_global_expert_location_metadata(saved_meta, allow_overwrite=True)
+    rc.restore_context(state)
+
+
+@pytest.fixture
+def hooked(server):
+    """Our hook applied by SGLang's HookRegistry; SGLang's function put back afterwards."""
+    from sglang.srt.eplb import expert_location_dispatch as eld
+    from sglang.srt.layers.moe import topk
+    from sglang.srt.plugins.hook_registry import HookRegistry, _propagate_patch
+
+    from moeplace.sglang import balanced_dispatch as bd
+
+    original = eld.topk_ids_logical_to_physical
+    HookRegistry.reset()
+    state = bd.install(bd.DispatchConfig("balanced", max_tokens=16))
+    HookRegistry.apply_hooks()
+    yield state, topk, original
+    wrapped = eld.topk_ids_logical_to_physical
+    eld.topk_ids_logical_to_physical = original
+    _propagate_patch(wrapped, original, eld)
+    HookRegistry.reset()
+
+
+def expected(placement: Placement, moe_index: int, ids: np.ndarray) -> np.ndarray:
+    """What the rule must give: moeplace.balanced on the placement we wrote."""
+    layout = replica_layout(placement.phy2log[moe_index], placement.model.num_experts, RANKS)
+    counts = np.bincount(ids[ids >= 0], minlength=placement.model.num_experts)
+    pick = fast_rule_step(counts, layout.masks, RANKS)
+    return np.where(ids >= 0, layout.slots[np.maximum(ids, 0), pick[np.maximum(ids, 0)]], -1)
+
+
+@pytest.mark.parametrize("rows", [1, 9, 16])
+def test_router_ids_become_the_rules_slots(hooked, server, rows):
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    state, topk, _ = hooked
+    placement, _ = server
+    rng = np.random.default_rng(rows)
+    for moe_index, layer_id in enumerate(placement.model.moe_layers):
+        info = ExpertLocationDispatchInfo.init_new(layer_id)
+        assert info.rank_invariant and info.ep_dispatch_algorithm == "dynamic"
+        ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(rows)]).astype(np.int32)
+        if rows > 1:
+            ids[0, 1] = -1
+        out = topk.topk_ids_logical_to_physical(torch.from_numpy(ids), info)     # the name topk.py calls
+        assert out.dtype == torch.int32
+        np.testing.assert_array_equal(out.numpy(), expected(placement, moe_index, ids))
+
+
+def test_tables_derived_from_sglangs_map_match_ours(hooked, server):
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    from moeplace.sglang.balanced_dispatch import _Layer
+
+    placement, _ = server
+    for moe_index, layer_id in enumerate(placement.model.moe_layers):
+        layer = _Layer(ExpertLocationDispatchInfo.init_new(layer_id), RANKS, 16)
+        ours = replica_layout(placement.phy2log[moe_index], placement.model.num_experts, RANKS)
+        np.testing.assert_array_equal(layer.masks.numpy(), ours.masks)
+        np.testing.assert_array_equal(layer.slots.numpy(), ours.slots)
+
+
+def test_large_batches_and_missing_info_keep_sglangs_rule(hooked, server):
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    _, topk, original = hooked
+    placement, _ = server
+    info = ExpertLocationDispatchInfo.init_new(placement.model.moe_layers[0])
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, 16, (17, 4)).astype(np.int32))  # > 16 rows
+    assert torch.equal(topk.topk_ids_logical_to_physical(ids, info), original(ids, info))
+    assert topk.topk_ids_logical_to_physical(ids, None) is ids
+
+
+def test_output_buffers_alternate_and_are_reused(hooked, server):
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    state, topk, _ = hooked
+    placement, _ = server
+    info = ExpertLocationDispatchInfo.init_new(placement.model.moe_layers[0])
+    ids = torch.zeros((3, 4), dtype=torch.int32)
+    topk.topk_ids_logical_to_physical(ids, info)
+    layer = state.layers[info.partial_logical_to_all_physical_map.data_ptr()]
+    a, b = (layer.out_for(ids).data_ptr() for _ in range(2))
+    assert a != b and layer.out_for(ids).data_ptr() == a
+
+
+def test_dp_attention_is_refused_with_one_line(hooked, server):
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    state, topk, _ = hooked
+    placement, rc = server
+    info = ExpertLocationDispatchInfo.init_new(placement.model.moe_layers[0])
+    info.rank_invariant = False                                           # an all-to-all backend ...
+    with rc.get_parallel().override(attn_dp_size=2, attn_tp_size=2):      # ... with DP attention
+        with pytest.raises(SystemExit, match="DP attention"):
+            topk.topk_ids_logical_to_physical(torch.zeros((2, 4), dtype=torch.int32), info)
+    assert not state.checked
+    topk.topk_ids_logical_to_physical(torch.zeros((2, 4), dtype=torch.int32), info)   # DeepEP, TP attention
+    assert state.checked
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"MOEPLACE_DISPATCH": "fastest"}, "MOEPLACE_DISPATCH must be one of balanced"),
+    ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "lots"}, "must be a positive integer"),
+    ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "0"}, "must be a positive integer"),
+])
+def test_bad_settings_stop_the_plugin_with_one_line(monkeypatch, capsys, env, message):
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from moeplace.sglang.plugin import register
+
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    HookRegistry.reset()
+    with pytest.raises(SystemExit) as stop:
+        register()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moeplace: ") and message in err[0]
+    assert not HookRegistry._hooks.get("sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical")
+
+
+def test_plugin_registers_the_hook_through_sglang(tmp_path):
+    code = ("import os\n"
+            "os.environ['MOEPLACE_DISPATCH'] = 'balanced'\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "load_plugins()\n"
+            "from moeplace.sglang import balanced_dispatch as bd\n"
+            "assert bd._DISPATCH is not None and bd._DISPATCH.config.max_tokens == 64\n"
+            "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n"
+            "import sglang.srt.layers.moe.topk as topk\n"
+            "assert topk.topk_ids_logical_to_physical.__wrapped__ is not None\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
