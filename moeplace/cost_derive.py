@@ -179,18 +179,18 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, gpu: str = DEFAULT_G
     for m in cal.files:
         if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.local_slots) == \
                 (shape.hidden, shape.intermediate, shape.weights, local_slots) and step_tokens == STEP_TOKENS:
-            prov = {**m.cost.provenance, "description": f"{where}: measured ({m.name})", "derived_from": m.name}
-            return CostModel(m.cost.a_us_per_expert, m.cost.b_us_per_token, m.cost.c_us, prov)
+            return CostModel(m.cost.a_us_per_expert, m.cost.b_us_per_token, m.cost.c_us,
+                             {**m.cost.provenance, "derived_from": m.name}, f"{where}: measured ({m.name})")
     a, b, c = formula_cost(cal, shape, local_slots, step_tokens)
-    prov = {"description": f"{where}: derived from expert bytes ({len(cal.files)} measured files)",
-            "derived_from": [m.name for m in cal.files], "gpu": gpu, "weights": shape.weights,
+    prov = {"derived_from": [m.name for m in cal.files], "gpu": gpu, "weights": shape.weights,
             "shape": {"hidden": shape.hidden, "expert_intermediate": shape.intermediate,
                       "local_slots": local_slots}, "step_tokens": step_tokens,
             "calibration": {"us_per_byte": cal.us_per_byte, "launch_us": cal.launch_us,
                             "us_per_program": cal.us_per_program, "extra_us": cal.extra_us,
                             "us_per_weight": cal.us_per_weight, "read_share": cal.read_share,
                             "us_per_k_step": cal.us_per_k_step}}
-    return CostModel(round(a, 4), round(b, 4), round(c, 3), prov)
+    return CostModel(round(a, 4), round(b, 4), round(c, 3), prov,
+                     f"{where}: derived from expert bytes ({len(cal.files)} measured files)")
 
 
 def calibration_json(gpu: str = DEFAULT_GPU) -> str:

@@ -25,7 +25,8 @@ class CostModel:
     b_us_per_token: float = 0.5
     c_us: float = 8.6
     provenance: dict[str, Any] = field(default_factory=lambda: {
-        "description": "early rough fit (H200, bf16 Kimi-K2-shaped experts, 1-16 per rank; b assumed)"})
+        "source": "early rough fit (H200, bf16 Kimi-K2-shaped experts, 1-16 per rank; b assumed)"})
+    source: str = field(default="", compare=False)   # what the user is told: a file, or how it was derived
 
     def cost(self, distinct: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Cost in µs of each rank-step; distinct, tokens: same shape, e.g. [S, R]."""
@@ -36,7 +37,7 @@ class CostModel:
 
     def describe(self) -> str:
         """One line for the user: where the model comes from and its coefficients."""
-        what = self.provenance.get("description") or self.provenance.get("source") or "given coefficients"
+        what = self.source or self.provenance.get("source") or "given coefficients"
         return (f"{what}; per rank and layer {self.a_us_per_expert:.2f} µs/expert + "
                 f"{self.b_us_per_token:.3f} µs/token + {self.c_us:.1f} µs")
 
@@ -57,4 +58,4 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
     if not all(np.isfinite(v) and v >= 0 for v in values.values()):
         raise FormatError(path, "cost model coefficients must be finite and non-negative")
     provenance = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
-    return CostModel(**values, provenance={**provenance, "description": f"file {os.fspath(path)}"})
+    return CostModel(**values, provenance=provenance, source=f"file {os.fspath(path)}")

@@ -22,7 +22,6 @@ class Evaluation:
     placement: Placement
     sums: LayerSums
     summary: dict[str, Any]
-    cost_model: CostModel
 
 
 def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
@@ -41,7 +40,7 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
     for chunk in chunks:
         for (name, p), s, t, c in zip(items, sums, tables, costs):
             accumulate(s, chunk, p, c, dispatch, static_tables=t)
-    return [Evaluation(name, p, s, summarize(s), c) for (name, p), s, c in zip(items, sums, costs)]
+    return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 
 def comparison_rows(evals: list[Evaluation], baseline: str | None = None) -> list[dict[str, Any]]:

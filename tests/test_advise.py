@@ -102,5 +102,5 @@ def test_advise_defaults_on_the_sample_say_tp_for_gpt_oss():
     assert here["batch"] == 9 and here["winner"] == "tp" and 1.2 < here["speedup"] < 1.5
     assert 2000 < here["ep_us"] < 2400 and 1500 < here["tp_us"] < 1800   # measured 2.20 / 1.67 ms
     for key, shape in (("ep_cost_model", "2880x2880"), ("tp_cost_model", "2880x360")):
-        assert "gpt-oss-20b" in out[key]["provenance"]["description"] and shape in out[key]["provenance"]["description"]
+        assert "gpt-oss-20b" in out[key]["source"] and shape in out[key]["source"]
     assert "warning" not in result.stderr

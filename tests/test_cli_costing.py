@@ -41,7 +41,7 @@ def test_report_uses_the_model_in_the_trace_header():
     cost = json.loads(out)["cost_model"]
     gptoss = derive_cost_model(ExpertShape(2880, 2880, "bf16", "x"), 4)
     assert (cost["a_us_per_expert"], cost["c_us"]) == (gptoss.a_us_per_expert, gptoss.c_us) == (6.598, 73.68)
-    assert "gpt-oss-20b" in cost["provenance"]["description"] and not err
+    assert "gpt-oss-20b" in cost["source"] and not err
     code, out, _ = invoke("report", SAMPLE, "--ranks", 8)
     assert "cost model (MoE µs/step): NVIDIA H200, known model gpt-oss-20b: experts 2880x2880 bf16" in out
 
@@ -65,10 +65,10 @@ def test_moe_us_column_follows_the_model(tmp_path, command):
         if label == "generic":
             warning = [line for line in err.splitlines() if line.startswith("warning:")]
             assert len(warning) == 1 and "'my-moe'" in warning[0] and "--model" in warning[0]
-            assert "generic default" in cost["provenance"]["description"]
+            assert "generic default" in cost["source"]
         else:
-            assert "warning" not in err and "--model" in cost["provenance"]["description"]
-            assert "2048x768 bf16" in cost["provenance"]["description"]
+            assert "warning" not in err and "--model" in cost["source"]
+            assert "2048x768 bf16" in cost["source"]
     assert us["config"] < 0.5 * us["generic"]      # 2048x768 experts read far fewer bytes than 7168x2048
 
 
@@ -80,7 +80,7 @@ def test_cost_model_file_overrides_and_silences_the_warning(tmp_path):
     assert code == 0 and not err
     data = json.loads(out)
     assert data["metrics"]["moe_us_per_step"] == pytest.approx(24 * data["metrics"]["e_max_distinct"])
-    assert data["cost_model"]["provenance"]["description"] == f"file {cost}"
+    assert data["cost_model"]["source"] == f"file {cost}"
 
 
 def test_model_as_hugging_face_id_from_the_local_cache(tmp_path, monkeypatch):
