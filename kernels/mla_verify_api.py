@@ -1,7 +1,14 @@
-"""Typed entry point for the MLA tree-verify kernel: input checks, tile choice, workspace.
+"""Typed entry point for the MLA tree-verify kernels: backend choice, input checks, workspace.
 
 Dimension letters as in ``mla_verify.py`` (B requests, D draft tokens, T = sum(D), H heads,
 C = 576 KV values per token, DN = 512 of them also V).
+
+Two backends behind one interface:
+  * ``sm90``: the Hopper CUDA kernel (``csrc/mla_verify_sm90.cu``, loaded by
+    ``mla_verify_sm90.py``), chosen automatically on compute capability 9.0 when nvcc can build it;
+  * ``triton``: the Triton kernel (``mla_verify.py``), everywhere else (sm_120 keeps its own tile
+    preset) and in Triton's CPU interpreter.
+``MOEPLACE_VERIFY_BACKEND=triton`` (or ``sm90``) overrides the automatic choice.
 
 Usage (CUDA-graph safe: allocate once, then call ``forward`` inside capture and replay)::
 
@@ -15,11 +22,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import triton
 
+from moeplace_kernels import mla_verify_sm90
 from moeplace_kernels.mla_verify import (
     LOG2E,
     MASK_CAUSAL,
@@ -31,6 +39,8 @@ from moeplace_kernels.mla_verify import (
 
 MaskLayout = Literal["causal", "qlen_only", "full"]
 _MASK_MODES = {"causal": MASK_CAUSAL, "qlen_only": MASK_QLEN_ONLY, "full": MASK_FULL}
+Backend = Literal["auto", "sm90", "triton"]
+BACKEND_ENV = "MOEPLACE_VERIFY_BACKEND"
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bf16 tiles wrongly: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -131,12 +141,72 @@ def hopper_candidates(num_heads: int = 8, max_draft: int = 9) -> list[TileConfig
     return [replace(base, **c) for c in HOPPER_CANDIDATES]
 
 
+@dataclass(frozen=True)
+class Sm90Config:
+    """Launch settings of the Hopper kernel (the tile shapes are fixed in its source).
+
+    The defaults are the sweep's choice (BENCHMARKS.md, "MLA verify kernel on Hopper"; 8 heads x
+    9 drafts on the H200): the fastest setting that beats the Triton kernel at every context.
+    min_tiles: fewest 64-token KV tiles per CTA; the batch's tiles are spread evenly over one
+    CTA per SM (per row block), so this only matters for short contexts. 1 and 2 tie from 16k
+    on; 4 is slower at 4k-16k.
+    pdl: launch the combine kernel as a programmatic dependent of the split kernel, so its tree
+    part runs while the last split CTAs finish. Faster at 4k (28 vs 33 µs), slower at 16k-64k
+    (44 vs 41 µs at 16k, where the Triton kernel takes 42).
+    evict_first: stream the KV pool through L2 with the evict-first policy (the partials, read
+    right after, stay); only with one row block, since several row blocks re-read the KV.
+    4-9% faster at 64k-185k.
+    """
+
+    min_tiles: int = 1
+    pdl: bool = False
+    evict_first: bool = True
+
+
+def select_backend(requested: Backend, capability: Optional[tuple[int, int]],
+                   load_library: Callable[[], object]) -> str:
+    """'sm90' or 'triton' for a device of ``capability`` (None: not a CUDA device).
+
+    "auto" takes the Hopper kernel only on compute capability 9.0 and only if ``load_library``
+    returns it (it warns once and returns None where nvcc is missing or the build fails);
+    "sm90" insists (ValueError elsewhere, RuntimeError if it cannot be built).
+    """
+    if requested not in ("auto", "sm90", "triton"):
+        raise ValueError(f"backend must be auto, sm90 or triton, got {requested!r}")
+    if requested == "triton":
+        return "triton"
+    hopper = capability == (9, 0)
+    if requested == "sm90":
+        if not hopper:
+            raise ValueError(f"the sm90 backend needs compute capability 9.0, got {capability}")
+        if load_library() is None:
+            raise RuntimeError("the sm90 backend could not be built (see the warning above)")
+        return "sm90"
+    return "sm90" if hopper and load_library() is not None else "triton"
+
+
+def sm90_rows(rows: int) -> tuple[int, int, int]:
+    """(variant, rows per block, row blocks) of the Hopper kernel for ``rows`` = H * D_max.
+
+    At most 72 rows per CTA (40 + 32 over two consumer warpgroups: their fp32 accumulators,
+    512 x rows / 128 threads, fill the registers); more rows take several row blocks, each
+    re-reading the KV (mostly from L2: the row blocks of one KV range are adjacent in the grid).
+    """
+    sizes = mla_verify_sm90.ROWS_PER_BLOCK
+    blocks = math.ceil(rows / sizes[-1])
+    per_block = math.ceil(rows / blocks)
+    variant = next(i for i, n in enumerate(sizes) if n >= per_block)
+    return variant, sizes[variant], blocks
+
+
 class MlaVerify:
     """MLA target-verify attention with a preallocated split workspace.
 
-    Workspace: partial outputs [split_slots, R_pad, 512] bf16 and their log-sum-exp
+    Workspace (Triton): partial outputs [split_slots, R_pad, 512] bf16 and their log-sum-exp
     [split_slots, R_pad] fp32, R_pad = row_blocks * (block_m + tail_m). A batch of B requests
     gets split_slots // B splits per request at most (capped at 256).
+    Workspace (sm90): the same tensors with split_slots = grid_x + max_bs (one CTA per SM and
+    row block along the KV; a CTA whose tiles span requests writes one partial per request).
     """
 
     def __init__(
@@ -148,6 +218,8 @@ class MlaVerify:
         sm_scale: Optional[float] = None,
         split_slots: Optional[int] = None,
         config: Optional[TileConfig] = None,
+        backend: Backend = "auto",
+        sm90_config: Optional[Sm90Config] = None,
     ) -> None:
         if num_heads < 1 or max_draft < 1 or max_bs < 1:
             raise ValueError(f"need num_heads, max_draft, max_bs >= 1, got "
@@ -157,14 +229,45 @@ class MlaVerify:
         self.max_draft = max_draft
         self.max_bs = max_bs
         self.sm_scale = sm_scale if sm_scale is not None else KV_DIM ** -0.5
-        major = (torch.cuda.get_device_capability(self.device)[0]
-                 if self.device.type == "cuda" else 9)
-        self.config = config or default_config(num_heads, max_draft, major)
+        cuda = self.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(self.device) if cuda else None
         self.num_sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                        if self.device.type == "cuda" else 8)
-        self.split_slots = split_slots or max(2 * self.num_sms, 8 * max_bs)
-        cfg = self.config
-        self.rows_pad = cfg.row_blocks * (cfg.block_m + cfg.tail_m)
+                        if cuda else 8)
+        if backend == "auto":
+            # An explicit Triton tile config asks for the Triton kernel.
+            backend = "triton" if config is not None else os.environ.get(BACKEND_ENV, "auto")
+        if max_draft > mla_verify_sm90.MAX_DRAFT and backend == "auto":
+            backend = "triton"
+        self.backend = select_backend(backend, capability, mla_verify_sm90.load)
+        if self.backend == "sm90":
+            self._init_sm90(sm90_config or Sm90Config())
+        else:
+            major = capability[0] if capability else 9
+            self._init_triton(config or default_config(num_heads, max_draft, major), split_slots)
+
+    def _init_triton(self, config: TileConfig, split_slots: Optional[int]) -> None:
+        self.config = config
+        self.split_slots = split_slots or max(2 * self.num_sms, 8 * self.max_bs)
+        self.rows_pad = config.row_blocks * (config.block_m + config.tail_m)
+        self._alloc_workspace()
+
+    def _init_sm90(self, config: Sm90Config) -> None:
+        if self.max_draft > mla_verify_sm90.MAX_DRAFT:
+            raise ValueError(f"the sm90 kernel serves at most {mla_verify_sm90.MAX_DRAFT} draft "
+                             f"tokens per request, got max_draft={self.max_draft}")
+        self.sm90_config = config
+        self.sm90 = mla_verify_sm90.load()
+        self.sm90.setup(self.device.index if self.device.index is not None
+                        else torch.cuda.current_device())
+        self.variant, rows_per_block, self.row_blocks = sm90_rows(self.num_heads * self.max_draft)
+        self.rows_pad = self.row_blocks * rows_per_block
+        self.grid_x = max(1, min(mla_verify_sm90.MAX_SPLITS, self.num_sms // self.row_blocks))
+        self.split_slots = self.grid_x + self.max_bs
+        self._alloc_workspace()
+        self._split_args = mla_verify_sm90.SplitParams()
+        self._combine_args = mla_verify_sm90.CombineParams()
+
+    def _alloc_workspace(self) -> None:
         self.o_part = torch.empty((self.split_slots, self.rows_pad, V_DIM),
                                   dtype=torch.bfloat16, device=self.device)
         self.l_part = torch.empty((self.split_slots, self.rows_pad),
@@ -205,6 +308,10 @@ class MlaVerify:
                     mask_layout, mask_indptr, bs)
         if out is None:
             out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=q.dtype, device=q.device)
+        if self.backend == "sm90":
+            self._forward_sm90(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
+                               mask_layout, mask_indptr, out, lse, bs)
+            return out
         cfg = self.config
         max_splits = self.max_splits(bs)
         target = max(1, math.ceil(cfg.programs_per_sm * self.num_sms / cfg.row_blocks))
@@ -240,6 +347,46 @@ class MlaVerify:
             HAS_LSE=lse is not None, DN=V_DIM, num_warps=4,
         )
         return out
+
+    def _forward_sm90(self, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
+                      mask_layout, mask_indptr, out, lse, bs) -> None:
+        """Fill the two kernels' argument structs and launch on the current stream."""
+        cfg = self.sm90_config
+        scale_log2 = self.sm_scale * LOG2E
+        sp = self._split_args
+        sp.q, sp.kv, sp.kv_indices = q.data_ptr(), kv_pool.data_ptr(), kv_indices.data_ptr()
+        sp.kv_indptr, sp.qo_indptr = kv_indptr.data_ptr(), qo_indptr.data_ptr()
+        sp.o_part, sp.l_part = self.o_part.data_ptr(), self.l_part.data_ptr()
+        sp.q_stride_t, sp.q_stride_h, sp.kv_stride = q.stride(0), q.stride(1), kv_pool.stride(0)
+        sp.idx64 = kv_indices.dtype == torch.int64
+        sp.kvp64 = kv_indptr.dtype == torch.int64
+        sp.qop64 = qo_indptr.dtype == torch.int64
+        sp.batch, sp.heads, sp.row_blocks, sp.rows_pad = bs, self.num_heads, self.row_blocks, \
+            self.rows_pad
+        sp.grid_x, sp.min_tiles = self.grid_x, cfg.min_tiles
+        sp.evict_first = cfg.evict_first and self.row_blocks == 1
+        sp.scale_log2 = scale_log2
+        cp = self._combine_args
+        cp.q, cp.k_ext, cp.v_ext = q.data_ptr(), k_ext.data_ptr(), v_ext.data_ptr()
+        cp.mask = mask.data_ptr() if mask is not None else 0
+        cp.mask_indptr = mask_indptr.data_ptr() if mask_indptr is not None else 0
+        cp.mip64 = mask_indptr is not None and mask_indptr.dtype == torch.int64
+        cp.kv_indptr, cp.qo_indptr = kv_indptr.data_ptr(), qo_indptr.data_ptr()
+        cp.o_part, cp.l_part = self.o_part.data_ptr(), self.l_part.data_ptr()
+        cp.out = out.data_ptr()
+        cp.lse = lse.data_ptr() if lse is not None else 0
+        cp.q_stride_t, cp.q_stride_h = q.stride(0), q.stride(1)
+        cp.ke_stride, cp.ve_stride = k_ext.stride(0), v_ext.stride(0)
+        cp.out_stride_t, cp.out_stride_h = out.stride(0), out.stride(1)
+        cp.lse_stride_t, cp.lse_stride_h = (lse.stride(0), lse.stride(1)) if lse is not None \
+            else (0, 0)
+        cp.kvp64, cp.qop64 = sp.kvp64, sp.qop64
+        cp.mask_mode = _MASK_MODES[mask_layout]
+        cp.batch, cp.heads, cp.d_max, cp.rows_pad = bs, self.num_heads, self.max_draft, \
+            self.rows_pad
+        cp.grid_x, cp.min_tiles, cp.scale_log2 = self.grid_x, cfg.min_tiles, scale_log2
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.sm90.forward(self.variant, sp, cp, stream, q.device.index, cfg.pdl)
 
     def _check(self, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
                mask_layout, mask_indptr, bs) -> None:
@@ -277,3 +424,8 @@ class MlaVerify:
             raise ValueError(f"mask must be bool/uint8, got {mask.dtype}")
         if mask_layout == "full" and mask_indptr is None:
             raise ValueError("the 'full' mask layout needs mask_indptr")
+        if self.backend == "sm90":
+            # The kernels load whole rows with 16-byte vector loads.
+            for name, t in (("q", q), ("k_ext", k_ext), ("v_ext", v_ext), ("kv_pool", kv_pool)):
+                if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
+                    raise ValueError(f"{name} rows must be 16-byte aligned for the sm90 kernel")

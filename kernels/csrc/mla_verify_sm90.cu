@@ -1,0 +1,984 @@
+// MLA tree-verify attention for Hopper (sm_90a): split-KV kernel with the KV tokens on the MMA's
+// M dimension, and a combine kernel that adds the draft-token (tree) part and merges the splits.
+//
+// Dimension letters as in mla_verify.py: B requests, D draft tokens of a request, H heads,
+// N prefix tokens of a request, R = D * H query rows of a request (row r = draft r / H, head
+// r % H), C = 576 values per KV token (V = the first 512).
+//
+// Split kernel, one CTA per (KV range, row block); the ranges balance the batch's 64-token
+// tiles over the grid and may span requests (each piece is a "segment" with its own partial).
+// The CTA's 384 threads are three warpgroups:
+//   WG2, producer: gathers KV rows by slot id with cp.async into a ring of 8 KB blocks
+//        (64 tokens x 64 values, 128-byte swizzled), rope block first, then 8 latent blocks;
+//        loads each segment's query rows the same way. Completion reaches the consumers through
+//        mbarriers (cp.async.mbarrier.arrive.noinc).
+//   WG0, WG1, consumers: each owns a slice of the row block's query rows (N0 + N1 <= 72) and runs
+//        the whole flash-attention loop for them, transposed so no row is padded:
+//          S^T [64 tokens, N] = K [64, 576] Q^T        (wgmma m64nNk16, both from shared memory)
+//          O^T [512, N]      += V^T [512, 64] P^T [64, N]   (V^T read from the same K blocks)
+//        The softmax runs over the token (M) dimension: a shuffle within each warp and a shared
+//        max across the warpgroup's 4 warps.
+// The prefix needs no mask (every draft row sees every prefix token), so the loop has none; the
+// D x D tree part is computed by the combine kernel and merged by log-sum-exp.
+//
+// Combine kernel, one CTA per (query row, quarter of the 512 output values): the tree scores of
+// the row (q . k_ext, masked), then out = sum_s w_s * O_s + sum_j w_j * v_ext_j over the row's
+// splits s and visible draft tokens j. Optionally launched as a programmatic dependent of the
+// split kernel (it then computes the tree scores while the last split CTAs still run).
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace mlav {
+
+constexpr int KV_DIM = 576;
+constexpr int V_DIM = 512;
+constexpr int TILE = 64;                 // KV tokens per tile: the wgmma M dimension
+constexpr int BLOCKS_PER_TILE = 9;       // 64-value column blocks per tile (rope + 8 latent)
+constexpr int BLOCK_BYTES = TILE * 128;  // one block: 64 rows of 128 bytes
+constexpr int THREADS = 384;
+constexpr int SMEM_PER_BLOCK = 232448;   // sm_90: 227 KB of dynamic shared memory per CTA
+constexpr int MAX_COMBINE_SPLITS = 1024;
+constexpr int MAX_COMBINE_DRAFTS = 64;
+constexpr int CONSUMER_REGS = 232;
+constexpr int PRODUCER_REGS = 40;
+// setmaxnreg only moves registers within the CTA (launched with 384 x 168): what the two
+// consumer warpgroups take must not exceed what the producer gives back, or they wait forever.
+static_assert(2 * (CONSUMER_REGS - 168) <= 168 - PRODUCER_REGS, "register budget");
+
+struct SplitParams {
+  const __nv_bfloat16* q;     // [T, H, 576]
+  const __nv_bfloat16* kv;    // [slots, 1, 576]
+  const void* kv_indices;     // [>= kv_indptr[B]] int32 or int64
+  const void* kv_indptr;      // [B + 1]
+  const void* qo_indptr;      // [B + 1]
+  __nv_bfloat16* o_part;      // [slots_ws, rows_pad, 512] normalised partial outputs
+  float* l_part;              // [slots_ws, rows_pad] log2-sum-exp of each partial row
+  long long q_stride_t, q_stride_h, kv_stride;  // in elements
+  int idx64, kvp64, qop64;    // 1 where the index tensor is int64
+  int batch, heads;
+  int row_blocks, rows_pad;   // rows_pad = row_blocks * (N0 + N1)
+  int grid_x;                 // CTAs along the KV tiles (per row block)
+  int min_tiles;              // fewest tiles per CTA
+  int evict_first;            // KV loads may leave L2 first (one row block: nobody re-reads)
+  float scale_log2;           // softmax scale * log2(e)
+};
+
+struct CombineParams {
+  const __nv_bfloat16* q;      // [T, H, 576]
+  const __nv_bfloat16* k_ext;  // [T, 1, 576]
+  const __nv_bfloat16* v_ext;  // [T, 1, >= 512]
+  const uint8_t* mask;         // tree mask (layout by mask_mode), unused when causal
+  const void* mask_indptr;     // [B + 1] or null
+  const void* kv_indptr;
+  const void* qo_indptr;
+  const __nv_bfloat16* o_part;
+  const float* l_part;
+  __nv_bfloat16* out;          // [T, H, 512]
+  float* lse;                  // [T, H] natural log, or null
+  long long q_stride_t, q_stride_h, ke_stride, ve_stride;
+  long long out_stride_t, out_stride_h, lse_stride_t, lse_stride_h;
+  int mip64, kvp64, qop64;
+  int mask_mode;               // 0 causal, 1 D x D per request (qlen_only), 2 SGLang FULL_MASK
+  int batch, heads, d_max, rows_pad, grid_x, min_tiles;
+  float scale_log2;
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+
+// The mbarrier receives one arrival once all of this thread's earlier cp.async have landed.
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes,
+                                           uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst),
+               "l"(src), "r"(src_bytes), "l"(policy)
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t l2_policy(bool evict_first) {
+  uint64_t policy;
+  if (evict_first) {
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  } else {
+    asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;" : "=l"(policy));
+  }
+  return policy;
+}
+
+// Order this thread's generic-proxy view of shared memory before its later wgmma reads.
+__device__ __forceinline__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+__device__ __forceinline__ void named_barrier(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int PENDING>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+// Pin registers written by asynchronous wgmma: the compiler may not move their uses across.
+template <int K>
+__device__ __forceinline__ void fence_regs(float (&r)[K]) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+template <int N>
+struct Wgmma;  // D[64, N] (+)= A[64, 16] B[16, N], bf16 in, fp32 accumulate
+
+#include "wgmma_ops.inc"
+
+// Shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes apart (SBO).
+// K-major operands step 32 bytes per k16; the MN-major V^T steps 2048 bytes (16 token rows).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// Byte offset of value `col` (0..63) of row `row` in a stack of 128-byte rows, 128-byte swizzle
+// (16-byte chunk index XOR row % 8). The atoms (8 rows, 1024 bytes) start 1024-byte aligned.
+__device__ __forceinline__ uint32_t sw128_offset(int row, int col) {
+  return row * 128 + ((((col >> 3) ^ row) & 7) << 4) + ((col & 7) << 1);
+}
+
+__device__ __forceinline__ long long load_index(const void* p, int is64, long long i) {
+  return is64 ? static_cast<const long long*>(p)[i] : static_cast<const int*>(p)[i];
+}
+
+__device__ __forceinline__ int float_order(float f) {  // int order == float order
+  int i = __float_as_int(f);
+  return i >= 0 ? i : i ^ 0x7FFFFFFF;
+}
+__device__ __forceinline__ float order_float(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7FFFFFFF); }
+
+// ---------------------------------------------------------------------------------------------
+// Work plan: the batch's tiles (ceil(N_b / 64) per request) split into equal chunks of at least
+// min_tiles, one chunk per CTA along x. A chunk that crosses requests is processed as segments,
+// one per request, each writing its own partial slot x + b (unique: a boundary adds one slot).
+// Every warp computes the plan itself (no shared memory, no host): a few loads per 32 requests.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ int request_tiles(const void* kv_indptr, int kvp64, int b) {
+  long long n = load_index(kv_indptr, kvp64, b + 1) - load_index(kv_indptr, kvp64, b);
+  return static_cast<int>((n + TILE - 1) / TILE);
+}
+
+__device__ int warp_total_tiles(const void* kv_indptr, int kvp64, int batch) {
+  const int lane = threadIdx.x & 31;
+  int total = 0;
+  for (int base = 0; base < batch; base += 32) {
+    int b = base + lane;
+    total += __reduce_add_sync(0xffffffffu, b < batch ? request_tiles(kv_indptr, kvp64, b) : 0);
+  }
+  return total;
+}
+
+__device__ __forceinline__ int plan_chunk(int total, int grid_x, int min_tiles) {
+  int chunk = (total + grid_x - 1) / grid_x;
+  return chunk > min_tiles ? chunk : min_tiles;
+}
+
+// First request whose tiles end after global tile g: (b, its first global tile, its tile count).
+__device__ void warp_find_request(const void* kv_indptr, int kvp64, int batch, int g, int& b_out,
+                                  int& first_out, int& count_out) {
+  const int lane = threadIdx.x & 31;
+  int carry = 0;
+  for (int base = 0; base < batch; base += 32) {
+    int b = base + lane;
+    int t = b < batch ? request_tiles(kv_indptr, kvp64, b) : 0;
+    int incl = t;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      int y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    unsigned hit = __ballot_sync(0xffffffffu, b < batch && carry + incl > g);
+    if (hit) {
+      int src = __ffs(hit) - 1;
+      b_out = base + src;
+      count_out = __shfl_sync(0xffffffffu, t, src);
+      first_out = carry + __shfl_sync(0xffffffffu, incl, src) - count_out;
+      return;
+    }
+    carry += __shfl_sync(0xffffffffu, incl, 31);
+  }
+  b_out = batch;
+  first_out = carry;
+  count_out = 0;
+}
+
+// Tiles of request b before it: (first global tile, tile count).
+__device__ void warp_request_tiles(const void* kv_indptr, int kvp64, int b, int& first_out,
+                                   int& count_out) {
+  const int lane = threadIdx.x & 31;
+  int before = 0;
+  for (int base = 0; base < b; base += 32) {
+    int i = base + lane;
+    before += __reduce_add_sync(0xffffffffu, i < b ? request_tiles(kv_indptr, kvp64, i) : 0);
+  }
+  first_out = before;
+  count_out = request_tiles(kv_indptr, kvp64, b);
+}
+
+struct Segment {
+  int b;            // request
+  int t0, t1;       // its local tiles [t0, t1)
+  long long kv0;    // kv_indptr[b]
+  int n;            // prefix tokens of the request
+  int q0;           // first draft row of the request
+  int rows;         // valid query rows of the request, D * H
+};
+
+// Iterates the segments of one CTA; every warp of the CTA walks the same sequence.
+struct SegmentWalk {
+  const SplitParams& p;
+  int g, end;
+  __device__ SegmentWalk(const SplitParams& params, int x) : p(params) {
+    int total = warp_total_tiles(p.kv_indptr, p.kvp64, p.batch);
+    int chunk = plan_chunk(total, p.grid_x, p.min_tiles);
+    long long lo = static_cast<long long>(x) * chunk;
+    g = lo < total ? static_cast<int>(lo) : total;
+    end = g + chunk < total ? g + chunk : total;
+  }
+  // Next segment with work for row block y; false when the CTA's range is done.
+  __device__ bool next(int y, int rows_per_block, Segment& s) {
+    while (g < end) {
+      int first, count;
+      warp_find_request(p.kv_indptr, p.kvp64, p.batch, g, s.b, first, count);
+      s.t0 = g - first;
+      s.t1 = (end < first + count ? end : first + count) - first;
+      g = first + count;
+      s.kv0 = load_index(p.kv_indptr, p.kvp64, s.b);
+      s.n = static_cast<int>(load_index(p.kv_indptr, p.kvp64, s.b + 1) - s.kv0);
+      s.q0 = static_cast<int>(load_index(p.qo_indptr, p.qop64, s.b));
+      s.rows = (static_cast<int>(load_index(p.qo_indptr, p.qop64, s.b + 1)) - s.q0) * p.heads;
+      if (s.rows > y * rows_per_block) return true;  // else: no query row of this row block
+    }
+    return false;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Shared memory plan of the split kernel (offsets from a 1024-aligned base)
+// ---------------------------------------------------------------------------------------------
+
+template <int N0, int N1>
+struct SmemPlan {
+  static constexpr int NR = N0 + N1;
+  static constexpr int Q = 0;                                  // 9 blocks of NR rows x 128 B
+  static constexpr int Q_BYTES = BLOCKS_PER_TILE * NR * 128;
+  static constexpr int P = Q + Q_BYTES;                        // P^T: NR rows x 128 B
+  static constexpr int RING = P + NR * 128;
+  static constexpr int BAR_BYTES = 1024;                       // mbarriers and row maxima
+  static constexpr int RING_BLOCKS_FIT = (SMEM_PER_BLOCK - RING - BAR_BYTES) / BLOCK_BYTES;
+  static constexpr int RING_BLOCKS = RING_BLOCKS_FIT > 32 ? 32 : RING_BLOCKS_FIT;
+  static constexpr int BARS = RING + RING_BLOCKS * BLOCK_BYTES;
+  static constexpr int FULL = BARS;                            // RING_BLOCKS x 8 B
+  static constexpr int EMPTY = FULL + 8 * RING_BLOCKS;
+  static constexpr int Q_FULL = EMPTY + 8 * RING_BLOCKS;
+  static constexpr int Q_EMPTY = Q_FULL + 8;
+  static constexpr int ROW_MAX = Q_EMPTY + 8;                  // [2 tiles][NR] ordered ints
+  static constexpr int BYTES = ROW_MAX + 2 * NR * 4;
+  // Tile t + 1 reuses the slots of tile t - 1's latent blocks and of tile t's rope block, which
+  // are free before tile t + 1's QK is issued; with fewer blocks the loop would deadlock.
+  static_assert(RING_BLOCKS >= 2 * BLOCKS_PER_TILE - 1, "KV ring too small");
+  static_assert(BYTES <= SMEM_PER_BLOCK, "shared memory plan too large");
+  static_assert(BYTES - BARS <= BAR_BYTES, "barrier area too small");
+  static_assert(N0 % 8 == 0 && N1 % 8 == 0 && N0 <= 40 && N1 <= N0, "row split");
+};
+
+// The ring position of block number seq (a running count over the CTA's whole loop).
+template <int RING>
+struct RingPos {
+  int slot = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++slot == RING) {
+      slot = 0;
+      phase ^= 1;
+    }
+  }
+  __device__ __forceinline__ RingPos plus(int k) const {
+    RingPos r = *this;
+    for (int i = 0; i < k; ++i) r.advance();
+    return r;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Producer warpgroup
+// ---------------------------------------------------------------------------------------------
+
+template <int N0, int N1>
+__device__ void produce(const SplitParams& p, uint8_t* smem, int x, int y) {
+  using L = SmemPlan<N0, N1>;
+  constexpr int NR = L::NR;
+  const int t = threadIdx.x - 256;
+  const int chunk16 = t & 7;   // 16-byte piece of a 128-byte block row
+  const int row = t >> 3;      // this thread's token rows: row + 16 k, k < 4
+  const uint32_t base = smem_addr(smem);
+  const uint64_t policy = l2_policy(p.evict_first != 0);
+  const uint64_t keep_policy = l2_policy(false);
+  RingPos<L::RING_BLOCKS> pos;
+  uint32_t q_phase = 0;
+  SegmentWalk walk(p, x);
+  Segment s;
+  while (walk.next(y, NR, s)) {
+    // Query rows of this row block (zeros past the request's rows).
+    mbar_wait(base + L::Q_EMPTY, q_phase ^ 1);
+    for (int i = t; i < NR * (KV_DIM / 8); i += 128) {
+      int r = i / (KV_DIM / 8), c = i % (KV_DIM / 8);
+      int qrow = y * NR + r;
+      bool ok = qrow < s.rows;
+      const __nv_bfloat16* src = p.q;
+      if (ok) src += (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h + c * 8;
+      uint32_t dst = base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(r, (c & 7) * 8);
+      cp_async16(dst, src, ok ? 16 : 0, keep_policy);
+    }
+    cp_async_arrive(base + L::Q_FULL);
+    q_phase ^= 1;
+
+    // Slot ids of this thread's 4 token rows (-1 past the prefix), one tile ahead.
+    int ids[4];
+    auto load_ids = [&](int tile, int (&out)[4]) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        int tok = tile * TILE + row + 16 * k;
+        out[k] = tok < s.n ? static_cast<int>(load_index(p.kv_indices, p.idx64, s.kv0 + tok)) : -1;
+      }
+    };
+    load_ids(s.t0, ids);
+    for (int tile = s.t0; tile < s.t1; ++tile) {
+      int next_ids[4] = {-1, -1, -1, -1};
+      if (tile + 1 < s.t1) load_ids(tile + 1, next_ids);
+#pragma unroll 1
+      for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+        const int col0 = (blk == 0 ? 8 : blk - 1) * 64 + chunk16 * 8;  // rope block first
+        mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
+        const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const __nv_bfloat16* src = p.kv + static_cast<long long>(ids[k] < 0 ? 0 : ids[k]) * p.kv_stride + col0;
+          cp_async16(dst + sw128_offset(row + 16 * k, chunk16 * 8), src, ids[k] < 0 ? 0 : 16, policy);
+        }
+        cp_async_arrive(base + L::FULL + 8 * pos.slot);
+        pos.advance();
+      }
+#pragma unroll
+      for (int k = 0; k < 4; ++k) ids[k] = next_ids[k];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumer warpgroup: N query rows (columns of S^T and O^T) starting at row0 of the row block.
+// Accumulator layout of wgmma m64nN (per warp w, lane l): value 4j + 2h + e sits at row
+// 16w + l/4 + 8h, column 8j + 2(l%4) + e.
+// ---------------------------------------------------------------------------------------------
+
+template <int N0, int N1, int N>
+__device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int wg, int row0) {
+  using L = SmemPlan<N0, N1>;
+  constexpr int NR = L::NR;
+  constexpr int NJ = N / 8;
+  constexpr int NV = N / 2;  // accumulator registers per 64-row block
+  const int tid = threadIdx.x & 127;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int bar_id = 1 + wg;  // named barrier of this warpgroup
+  const uint32_t base = smem_addr(smem);
+  const uint32_t q_base = base + L::Q + row0 * 128;
+  const uint32_t p_base = base + L::P + row0 * 128;
+  int* row_max = reinterpret_cast<int*>(smem + L::ROW_MAX) + row0;  // [2][NR], this WG's columns
+  float* scratch = reinterpret_cast<float*>(smem + L::P + row0 * 128);  // [4][N] in P^T's space
+
+  float s_acc[NV];
+  float o_acc[8][NV];
+  float m_run[NJ][2], l_run[NJ][2];
+  RingPos<L::RING_BLOCKS> pos;  // first block of the tile whose S is computed next
+  uint32_t q_phase = 0;
+  int tile_count = 0;           // tiles done by this CTA: parity picks the row-max buffer
+
+  auto issue_qk = [&](RingPos<L::RING_BLOCKS> at) {
+#pragma unroll 1
+    for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
+      fence_async_shared();
+      wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
+      const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
+      const uint32_t q_addr = q_base + (blk == 0 ? 8 : blk - 1) * (NR * 128);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        Wgmma<N>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
+                                     blk > 0 || ks > 0);
+      }
+      at.advance();
+    }
+    wgmma_commit();
+  };
+  auto release = [&](RingPos<L::RING_BLOCKS> at, int first, int count) {
+    at = at.plus(first);
+    for (int i = 0; i < count; ++i) {
+      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
+      at.advance();
+    }
+  };
+
+  SegmentWalk walk(p, x);
+  Segment s;
+  while (walk.next(y, NR, s)) {
+    mbar_wait(base + L::Q_FULL, q_phase);
+    q_phase ^= 1;
+    fence_async_shared();
+#pragma unroll
+    for (int d = 0; d < 8; ++d)
+#pragma unroll
+      for (int i = 0; i < NV; ++i) o_acc[d][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        m_run[j][e] = -1e30f;
+        l_run[j][e] = 0.f;
+      }
+    fence_regs(s_acc);
+    issue_qk(pos);
+    wgmma_wait<0>();
+    fence_regs(s_acc);
+
+    for (int tile = s.t0; tile < s.t1; ++tile) {
+      release(pos, 0, 1);  // rope block: read by the QK just waited for
+      const int valid = s.n - tile * TILE;  // tokens of this tile (>= 1)
+      const int r_lo = 16 * warp + (lane >> 2);
+      const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
+      int* mx = row_max + (tile_count & 1) * NR;
+      int* mx_next = row_max + ((tile_count + 1) & 1) * NR;
+      // Scaled scores (log2 units), masked past the prefix, and this warp's column maxima.
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float lo = ok_lo ? s_acc[4 * j + e] * p.scale_log2 : -INFINITY;
+          float hi = ok_hi ? s_acc[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
+          s_acc[4 * j + e] = lo;
+          s_acc[4 * j + 2 + e] = hi;
+          float mxv = fmaxf(lo, hi);
+          mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 4));
+          mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 8));
+          mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 16));
+          if (lane < 4) atomicMax(mx + 8 * j + 2 * lane + e, float_order(mxv));
+        }
+      named_barrier(bar_id, 128);  // A: maxima of all 4 warps in; PV of the last tile done
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = 8 * j + 2 * (lane & 3) + e;
+          const float m_new = fmaxf(m_run[j][e], order_float(mx[c]));
+          const float alpha = exp2f(m_run[j][e] - m_new);
+          m_run[j][e] = m_new;
+          const float p_lo = exp2f(s_acc[4 * j + e] - m_new);
+          const float p_hi = exp2f(s_acc[4 * j + 2 + e] - m_new);
+          l_run[j][e] = l_run[j][e] * alpha + p_lo + p_hi;
+#pragma unroll
+          for (int d = 0; d < 8; ++d) {
+            o_acc[d][4 * j + e] *= alpha;
+            o_acc[d][4 * j + 2 + e] *= alpha;
+          }
+          // P^T row c (K-major, 128-byte swizzle): tokens r_lo and r_lo + 8.
+          __nv_bfloat16* pt = reinterpret_cast<__nv_bfloat16*>(smem + L::P + row0 * 128);
+          pt[sw128_offset(c, r_lo) >> 1] = __float2bfloat16(p_lo);
+          pt[sw128_offset(c, r_lo + 8) >> 1] = __float2bfloat16(p_hi);
+        }
+      if (tid < N) mx_next[tid] = INT_MIN;  // reset the other buffer for the next tile
+      fence_async_shared();
+      named_barrier(bar_id, 128);  // C: P^T complete
+#pragma unroll
+      for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
+      wgmma_fence();
+      // O^T += V^T P^T: V^T rows 64d.. come from latent block d (ring position pos + 1 + d).
+      // (Issuing the 8 independent accumulators k step by k step instead measured no faster.)
+      RingPos<L::RING_BLOCKS> at = pos;
+#pragma unroll
+      for (int d = 0; d < 8; ++d) {
+        at.advance();
+        const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          Wgmma<N>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_base + ks * 32), 1);
+        }
+      }
+      wgmma_commit();
+      ++tile_count;
+      // Free this tile's latent blocks as soon as its PV is done, before waiting for the next
+      // tile's data, so tile t + 2 loads into them while tile t + 1 is computed. (Issuing
+      // QK(t + 1) first, which holds them until all of tile t + 1 has arrived, measured the
+      // same: the loop is not bound by its loads; BENCHMARKS.md.)
+      wgmma_wait<0>();
+#pragma unroll
+      for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
+      release(pos, 1, 8);
+      const RingPos<L::RING_BLOCKS> next = pos.plus(BLOCKS_PER_TILE);
+      if (tile + 1 < s.t1) {
+        fence_regs(s_acc);
+        issue_qk(next);
+        wgmma_wait<0>();
+        fence_regs(s_acc);
+      }
+      pos = next;
+    }
+
+    // Epilogue: row sums across the warpgroup, normalise, stage rows in this WG's part of the
+    // query buffer (free: its QK are done), copy out 16 bytes per thread.
+    named_barrier(bar_id, 128);  // every warp's PV done: P^T space is free for the row sums
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = l_run[j][e];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (lane < 4) scratch[warp * N + 8 * j + 2 * lane + e] = v;
+      }
+    named_barrier(bar_id, 128);
+    const int slot = x + s.b;
+    const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * NR + row0;
+    float inv_l[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * j + 2 * (lane & 3) + e;
+        const float l = scratch[c] + scratch[N + c] + scratch[2 * N + c] + scratch[3 * N + c];
+        inv_l[j][e] = 1.f / l;
+        if (warp == 0 && lane < 4) p.l_part[part_row0 + c] = m_run[j][e] + log2f(l);
+      }
+#pragma unroll
+    for (int d = 0; d < 8; ++d)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * j + 2 * (lane & 3) + e;
+            const int r = 16 * warp + (lane >> 2) + 8 * h;  // value 64 d + r of row c
+            __nv_bfloat16* stage = reinterpret_cast<__nv_bfloat16*>(smem + L::Q + d * (NR * 128) + row0 * 128);
+            stage[sw128_offset(c, r) >> 1] = __float2bfloat16(o_acc[d][4 * j + 2 * h + e] * inv_l[j][e]);
+          }
+    named_barrier(bar_id, 128);
+    for (int i = tid; i < N * 64; i += 128) {
+      const int c = i >> 6, piece = i & 63;  // row c, values 8 piece ..
+      const uint4 v = *reinterpret_cast<const uint4*>(
+          smem + L::Q + (piece >> 3) * (NR * 128) + (row0 + c) * 128 + ((((piece & 7) ^ c) & 7) << 4));
+      *reinterpret_cast<uint4*>(p.o_part + (part_row0 + c) * V_DIM + piece * 8) = v;
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(base + L::Q_EMPTY);  // this warp is done with the query buffer
+  }
+}
+
+template <int N0, int N1>
+__global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitParams p) {
+  using L = SmemPlan<N0, N1>;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  if (smem_addr(smem) & 1023) __trap();  // the swizzle assumes 1024-byte aligned atoms
+  const int x = blockIdx.x / p.row_blocks, y = blockIdx.x % p.row_blocks;
+  const uint32_t base = smem_addr(smem);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < L::RING_BLOCKS; ++i) {
+      mbar_init(base + L::FULL + 8 * i, 128);  // one cp.async arrival per producer thread
+      mbar_init(base + L::EMPTY + 8 * i, 8);   // one arrival per consumer warp
+    }
+    mbar_init(base + L::Q_FULL, 128);
+    mbar_init(base + L::Q_EMPTY, 8);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  if (threadIdx.x < 2 * L::NR) reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = INT_MIN;
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
+    produce<N0, N1>(p, smem, x, y);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
+    if (wg == 0) {
+      consume<N0, N1, N0>(p, smem, x, y, 0, 0);
+    } else {
+      consume<N0, N1, N1>(p, smem, x, y, 1, N0);
+    }
+  }
+  // The combine kernel (a programmatic dependent) may start once every CTA is this far.
+  asm volatile("griddepcontrol.launch_dependents;");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Combine kernel: 128 threads per (query row, quarter of the 512 values)
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    float w = __shfl_xor_sync(0xffffffffu, v, o);
+    v = is_max ? fmaxf(v, w) : v + w;
+  }
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = red[0];
+  for (int i = 1; i < 4; ++i) v = is_max ? fmaxf(v, red[i]) : v + red[i];
+  return v;
+}
+
+__device__ __forceinline__ bool tree_visible(const CombineParams& p, int b, int i, int j, int D, long long n) {
+  if (p.mask_mode == 0) return j <= i;
+  long long idx;
+  if (p.mask_mode == 1) {
+    long long base = p.mask_indptr ? load_index(p.mask_indptr, p.mip64, b)
+                                   : static_cast<long long>(b) * p.d_max * p.d_max;
+    idx = base + static_cast<long long>(i) * D + j;
+  } else {
+    idx = load_index(p.mask_indptr, p.mip64, b) + static_cast<long long>(i) * (n + D) + n + j;
+  }
+  return p.mask[idx] != 0;
+}
+
+__global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ CombineParams p) {
+  __shared__ float weights[MAX_COMBINE_SPLITS];
+  __shared__ float tree[MAX_COMBINE_DRAFTS];
+  __shared__ float red[8][128];
+  __shared__ float red4[4];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int row = blockIdx.x;  // (request, draft, head)
+  const int quarter = blockIdx.y;
+  const int h = row % p.heads;
+  const int i = (row / p.heads) % p.d_max;
+  const int b = row / (p.heads * p.d_max);
+  const int q0 = static_cast<int>(load_index(p.qo_indptr, p.qop64, b));
+  const int D = static_cast<int>(load_index(p.qo_indptr, p.qop64, b + 1)) - q0;
+  if (i >= D) return;
+  const long long n = load_index(p.kv_indptr, p.kvp64, b + 1) - load_index(p.kv_indptr, p.kvp64, b);
+  const int r = i * p.heads + h;  // row of the request = row of its partials
+
+  // Tree scores (independent of the split kernel): warp w takes drafts w, w + 4, ...
+  const __nv_bfloat16* qrow = p.q + (q0 + i) * p.q_stride_t + h * p.q_stride_h;
+  for (int j = warp; j < D; j += 4) {
+    const __nv_bfloat16* krow = p.k_ext + (q0 + j) * p.ke_stride;
+    float dot = 0.f;
+    for (int c = lane; c < KV_DIM / 8; c += 32) {
+      uint4 qa = *reinterpret_cast<const uint4*>(qrow + c * 8);
+      uint4 ka = *reinterpret_cast<const uint4*>(krow + c * 8);
+      const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&qa);
+      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&ka);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        float2 qf = __bfloat1622float2(q2[k]), kf = __bfloat1622float2(k2[k]);
+        dot += qf.x * kf.x + qf.y * kf.y;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (lane == 0) tree[j] = tree_visible(p, b, i, j, D, n) ? dot * p.scale_log2 : -INFINITY;
+  }
+  int first = 0, count = 0;
+  if (warp == 0) warp_request_tiles(p.kv_indptr, p.kvp64, b, first, count);
+  int total = warp == 0 ? warp_total_tiles(p.kv_indptr, p.kvp64, p.batch) : 0;
+  if (warp == 0 && lane == 0) {
+    int chunk = plan_chunk(total, p.grid_x, p.min_tiles);
+    int ns = count > 0 ? (first + count - 1) / chunk - first / chunk + 1 : 0;
+    red[0][0] = __int_as_float(ns);
+    red[0][1] = __int_as_float(first / chunk + b);
+  }
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are written
+  __syncthreads();
+  const int n_splits = __float_as_int(red[0][0]);
+  const int slot0 = __float_as_int(red[0][1]);
+  float mx = -INFINITY;
+  for (int s = tid; s < n_splits; s += 128) {
+    float v = p.l_part[static_cast<long long>(slot0 + s) * p.rows_pad + r];
+    weights[s] = v;
+    mx = fmaxf(mx, v);
+  }
+  for (int j = tid; j < D; j += 128) mx = fmaxf(mx, tree[j]);
+  mx = block_reduce(mx, red4, true);
+  if (mx == -INFINITY) mx = 0.f;  // nothing visible: the sums below are 0
+  float sum = 0.f;
+  for (int s = tid; s < n_splits; s += 128) {
+    float w = exp2f(weights[s] - mx);
+    weights[s] = w;
+    sum += w;
+  }
+  __syncthreads();  // tree[] is read-only from here; weights[] written above by the same thread
+  for (int j = tid; j < D; j += 128) sum += exp2f(tree[j] - mx);
+  sum = block_reduce(sum, red4, false);
+
+  const int dg = tid & 15, sg = tid >> 4;
+  const int col = quarter * 128 + dg * 8;
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  auto add = [&](const __nv_bfloat16* src, float w) {
+    uint4 v = *reinterpret_cast<const uint4*>(src);
+    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float2 f = __bfloat1622float2(v2[k]);
+      acc[2 * k] += w * f.x;
+      acc[2 * k + 1] += w * f.y;
+    }
+  };
+  int s = sg;
+  for (; s + 24 < n_splits; s += 32) {  // four loads in flight per thread
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      v[k] = *reinterpret_cast<const uint4*>(p.o_part + (static_cast<long long>(slot0 + s + 8 * k) * p.rows_pad + r) * V_DIM + col);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
+      const float w = weights[s + 8 * k];
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float2 f = __bfloat1622float2(v2[c]);
+        acc[2 * c] += w * f.x;
+        acc[2 * c + 1] += w * f.y;
+      }
+    }
+  }
+  for (; s < n_splits; s += 8)
+    add(p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col, weights[s]);
+  for (int j = sg; j < D; j += 8) {
+    const float w = exp2f(tree[j] - mx);
+    if (w > 0.f) add(p.v_ext + (q0 + j) * p.ve_stride + col, w);
+  }
+#pragma unroll
+  for (int k = 0; k < 8; ++k) red[sg][dg * 8 + k] = acc[k];
+  __syncthreads();
+  float o = 0.f;
+#pragma unroll
+  for (int g = 0; g < 8; ++g) o += red[g][tid];
+  const float inv = sum > 0.f ? 1.f / sum : 0.f;
+  p.out[(q0 + i) * p.out_stride_t + h * p.out_stride_h + quarter * 128 + tid] = __float2bfloat16(o * inv);
+  if (p.lse != nullptr && quarter == 0 && tid == 0) {
+    p.lse[(q0 + i) * p.lse_stride_t + h * p.lse_stride_h] =
+        sum > 0.f ? (mx + log2f(sum)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layout probe: one tile through the same descriptors, swizzle and P^T store as the split
+// kernel (the GPU tests compare it with torch): S^T = K Q^T and O^T = V^T P^T for 40 rows.
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(128) probe_kernel(const __nv_bfloat16* k, const __nv_bfloat16* q,
+                                                    const __nv_bfloat16* pm, float* s_out, float* o_out) {
+  constexpr int N = 40, NV = N / 2;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* k_s = smem;                                   // 9 blocks of 64 rows
+  uint8_t* q_s = smem + BLOCKS_PER_TILE * BLOCK_BYTES;   // 9 blocks of N rows
+  uint8_t* p_s = q_s + BLOCKS_PER_TILE * N * 128;        // P^T: N rows of 64 tokens
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < TILE * KV_DIM; i += 128) {
+    int r = i / KV_DIM, c = i % KV_DIM;
+    *reinterpret_cast<__nv_bfloat16*>(k_s + (c / 64) * BLOCK_BYTES + sw128_offset(r, c % 64)) = k[i];
+  }
+  for (int i = tid; i < N * KV_DIM; i += 128) {
+    int r = i / KV_DIM, c = i % KV_DIM;
+    *reinterpret_cast<__nv_bfloat16*>(q_s + (c / 64) * (N * 128) + sw128_offset(r, c % 64)) = q[i];
+  }
+  for (int i = tid; i < TILE * N; i += 128) {  // pm [64 tokens, N rows] -> P^T
+    int tok = i / N, c = i % N;
+    *reinterpret_cast<__nv_bfloat16*>(p_s + sw128_offset(c, tok)) = pm[i];
+  }
+  fence_async_shared();
+  __syncthreads();
+  float s_acc[NV];
+  float o_acc[8][NV];
+#pragma unroll
+  for (int d = 0; d < 8; ++d)
+#pragma unroll
+    for (int v = 0; v < NV; ++v) o_acc[d][v] = 0.f;
+  wgmma_fence();
+  for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      Wgmma<N>::mma<0, 0>(s_acc, sw128_desc(smem_addr(k_s + blk * BLOCK_BYTES) + ks * 32),
+                          sw128_desc(smem_addr(q_s + blk * (N * 128)) + ks * 32), blk > 0 || ks > 0);
+#pragma unroll
+  for (int d = 0; d < 8; ++d)
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      Wgmma<N>::mma<1, 0>(o_acc[d], sw128_desc(smem_addr(k_s + d * BLOCK_BYTES) + ks * 2048),
+                          sw128_desc(smem_addr(p_s) + ks * 32), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s_acc);
+#pragma unroll
+  for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int r = 16 * warp + (lane >> 2) + 8 * h, c = 8 * j + 2 * (lane & 3) + e;
+        s_out[r * N + c] = s_acc[4 * j + 2 * h + e];
+#pragma unroll
+        for (int d = 0; d < 8; ++d) o_out[(64 * d + r) * N + c] = o_acc[d][4 * j + 2 * h + e];
+      }
+}
+
+}  // namespace mlav
+
+// ---------------------------------------------------------------------------------------------
+// Host entry points (C ABI, loaded with ctypes by mla_verify_sm90.py)
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// Row splits between the two consumer warpgroups; the loader picks the smallest that holds
+// a row block: 16, 32, 48, 64 or 72 rows.
+#define MLAV_VARIANTS(X) X(0, 8, 8) X(1, 16, 16) X(2, 24, 24) X(3, 32, 32) X(4, 40, 32)
+
+template <int N0, int N1>
+cudaError_t set_split_attributes() {
+  return cudaFuncSetAttribute(mlav::split_kernel<N0, N1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              mlav::SmemPlan<N0, N1>::BYTES);
+}
+
+template <int N0, int N1>
+cudaError_t launch_split(const mlav::SplitParams& p, cudaStream_t stream) {
+  const int smem = mlav::SmemPlan<N0, N1>::BYTES;
+  mlav::split_kernel<N0, N1><<<p.grid_x * p.row_blocks, mlav::THREADS, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+extern "C" {
+
+int mlav_rows_per_block(int variant) {
+  switch (variant) {
+#define X(v, a, b) \
+  case v:          \
+    return a + b;
+    MLAV_VARIANTS(X)
+#undef X
+  }
+  return -1;
+}
+
+// KV ring depth (8 KB blocks) of a variant, for the documentation and the benchmark.
+int mlav_ring_blocks(int variant) {
+  switch (variant) {
+#define X(v, a, b) \
+  case v:          \
+    return mlav::SmemPlan<a, b>::RING_BLOCKS;
+    MLAV_VARIANTS(X)
+#undef X
+  }
+  return -1;
+}
+
+void mlav_struct_sizes(int* split, int* combine) {
+  *split = static_cast<int>(sizeof(mlav::SplitParams));
+  *combine = static_cast<int>(sizeof(mlav::CombineParams));
+}
+
+// Once per process and device, outside graph capture: shared-memory limits of every variant.
+// This library links its own CUDA runtime, so every entry point selects the caller's device.
+int mlav_setup(int device) {
+  cudaError_t err = cudaSetDevice(device);
+#define X(v, a, b) \
+  if (err == cudaSuccess) err = set_split_attributes<a, b>();
+  MLAV_VARIANTS(X)
+#undef X
+  if (err == cudaSuccess)
+    err = cudaFuncSetAttribute(mlav::probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
+  return static_cast<int>(err);
+}
+
+const char* mlav_error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+// Split kernel then combine kernel on `stream`; no allocation, no synchronisation.
+int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombineParams* cp,
+                 void* stream_ptr, int pdl, int device) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  err = cudaErrorInvalidValue;
+  switch (variant) {
+#define X(v, a, b)                          \
+  case v:                                   \
+    err = launch_split<a, b>(*sp, stream); \
+    break;
+    MLAV_VARIANTS(X)
+#undef X
+  }
+  if (err != cudaSuccess) return static_cast<int>(err);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(cp->batch * cp->d_max * cp->heads, 4, 1);
+  cfg.blockDim = dim3(128, 1, 1);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel, *cp);
+  return static_cast<int>(err);
+}
+
+int mlav_probe(const void* k, const void* q, const void* pm, float* s_out, float* o_out, void* stream_ptr,
+               int device) {
+  cudaError_t err = cudaSetDevice(device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  const int smem = mlav::BLOCKS_PER_TILE * mlav::BLOCK_BYTES + mlav::BLOCKS_PER_TILE * 40 * 128 + 40 * 128;
+  mlav::probe_kernel<<<1, 128, smem, static_cast<cudaStream_t>(stream_ptr)>>>(
+      static_cast<const __nv_bfloat16*>(k), static_cast<const __nv_bfloat16*>(q),
+      static_cast<const __nv_bfloat16*>(pm), s_out, o_out);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // extern "C"
