@@ -1,7 +1,10 @@
-"""MLA tree-verify kernel against the fp32 reference: shapes, trees, layouts, graphs, sm_120.
+"""MLA tree-verify kernels against the fp32 reference: shapes, trees, layouts, graphs, sm_120.
 
-GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA; the CPU tests run the kernel in
-Triton's interpreter on a tiny case and compile (without running) the sm_120 configuration.
+GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA; most run both backends, the Hopper
+CUDA kernel (``sm90``, skipped off compute capability 9.0 or without nvcc) and the Triton kernel,
+against the same reference. The CPU tests run the Triton kernel in Triton's interpreter on a tiny
+case and compile (without running) the sm_120 configuration; ``test_mla_verify_select.py`` checks
+the backend choice on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,28 @@ pytest.importorskip("triton")
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 SM_SCALE = 576 ** -0.5
+BACKENDS = ["sm90", "triton"]
+
+
+def need_backend(backend: str) -> None:
+    """Skip unless ``backend`` runs here (sm90: an sm_90 GPU and a buildable library)."""
+    if backend == "sm90":
+        from moeplace_kernels import mla_verify_sm90
+
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm90 kernel needs compute capability 9.0")
+        if mla_verify_sm90.load() is None:
+            pytest.skip("the sm90 kernel could not be built here")
+
+
+def make_op(H, d_max, max_bs, backend, device="cuda", **kw):
+    """MlaVerify on ``backend`` (skipping when it cannot run here)."""
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    need_backend(backend)
+    op = MlaVerify(H, d_max, max_bs, device=device, backend=backend, **kw)
+    assert op.backend == backend
+    return op
 
 
 def tree_parents(kind: str, D: int, rng: random.Random) -> list[int]:
@@ -86,14 +111,13 @@ def make_case(bs, d_list, H, ctx, tree="random", layout="qlen_only", shuffle=Tru
     return {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
 
 
-def check(case, d_max, max_bs=None, op=None, atol_rel=1e-2):
+def check(case, d_max, max_bs=None, op=None, atol_rel=1e-2, backend="triton"):
     """Run kernel and reference; assert relative error and that every output row was written."""
-    from moeplace_kernels.mla_verify_api import MlaVerify
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
     H = case["q"].shape[1]
     bs = case["qo_indptr"].shape[0] - 1
-    op = op or MlaVerify(H, d_max, max_bs or bs, device=case["q"].device)
+    op = op or make_op(H, d_max, max_bs or bs, backend, device=case["q"].device)
     out = torch.full((case["q"].shape[0], H, 512), float("nan"), dtype=torch.bfloat16,
                      device=case["q"].device)
     lse = torch.full(out.shape[:2], float("nan"), device=out.device)
@@ -112,50 +136,109 @@ SHORT_CTX = [1, 63, 64, 4096]
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bs", [1, 3, 8, 32])
 @pytest.mark.parametrize("D", [1, 4, 9, 16])
 @pytest.mark.parametrize("H", [8, 16, 128])
-def test_shapes_ragged_contexts(bs, D, H):
+def test_shapes_ragged_contexts(bs, D, H, backend):
     ctx = [SHORT_CTX[(b * 7 + D) % len(SHORT_CTX)] for b in range(bs)]
-    check(make_case(bs, [D] * bs, H, ctx, seed=bs * 100 + D * 10 + H), D)
+    check(make_case(bs, [D] * bs, H, ctx, seed=bs * 100 + D * 10 + H), D, backend=backend)
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ctx", [1, 63, 64, 4096, 65536, 185000])
 @pytest.mark.parametrize("tree", ["chain", "binary", "random"])
-def test_contexts_and_trees(ctx, tree):
-    check(make_case(1, [9], 8, [ctx], tree=tree, seed=ctx), 9)
+def test_contexts_and_trees(ctx, tree, backend):
+    check(make_case(1, [9], 8, [ctx], tree=tree, seed=ctx), 9, backend=backend)
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["qlen_only", "full", "causal"])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_layouts(layout, shuffle):
+def test_layouts(layout, shuffle, backend):
     tree = "chain" if layout == "causal" else "random"
     check(make_case(3, [9, 9, 9], 8, [100, 5000, 70], tree=tree, layout=layout,
-                    shuffle=shuffle), 9)
+                    shuffle=shuffle), 9, backend=backend)
 
 
 @pytest.mark.gpu
 @gpu
-def test_long_context_many_heads():
-    check(make_case(2, [9, 9], 128, [65536, 3000], seed=5), 9)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_long_context_many_heads(backend):
+    check(make_case(2, [9, 9], 128, [65536, 3000], seed=5), 9, backend=backend)
 
 
 @pytest.mark.gpu
 @gpu
-def test_ragged_drafts_and_batch_of_long_contexts():
-    check(make_case(3, [9, 4, 1], 16, [185000, 1, 65536], seed=9), 9)
-    check(make_case(8, [9] * 8, 8, [4096 * (1 + 4 * b) for b in range(8)], seed=3), 9)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_drafts_and_batch_of_long_contexts(backend):
+    check(make_case(3, [9, 4, 1], 16, [185000, 1, 65536], seed=9), 9, backend=backend)
+    check(make_case(8, [9] * 8, 8, [4096 * (1 + 4 * b) for b in range(8)], seed=3), 9,
+          backend=backend)
 
 
 @pytest.mark.gpu
 @gpu
-def test_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("seed", range(4))
+def test_mixed_draft_counts_random_trees(backend, seed):
+    """Ragged batches with 1..16 drafts per request, random trees, empty prefixes, NaN pool."""
+    rng = random.Random(seed)
+    bs = rng.choice([2, 5, 11])
+    d_list = [rng.randint(1, 16) for _ in range(bs)]
+    ctx = [rng.choice([0, 1, 65, 1000, 9000, 70000]) for _ in range(bs)]
+    layout = ["qlen_only", "full"][seed % 2]
+    check(make_case(bs, d_list, 8, ctx, tree="random", layout=layout, seed=seed), max(d_list),
+          backend=backend)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("min_tiles", [1, 4])
+@pytest.mark.parametrize("pdl", [False, True])
+def test_sm90_launch_settings(min_tiles, pdl):
+    """The split plan and the dependent launch: other tile counts per CTA give the same result."""
+    from moeplace_kernels.mla_verify_api import Sm90Config
+
+    cfg = Sm90Config(min_tiles=min_tiles, pdl=pdl)
+    op = make_op(8, 9, 8, "sm90", sm90_config=cfg)
+    check(make_case(8, [9, 9, 4, 1, 9, 9, 2, 9], 8, [1, 63, 64, 4097, 70001, 300, 31, 20000],
+                    seed=min_tiles), 9, op=op)
+
+
+@pytest.mark.gpu
+@gpu
+def test_sm90_layout_probe():
+    """One tile through the kernel's own descriptors and swizzle: S^T = K Q^T, O^T = V^T P^T."""
+    from moeplace_kernels import mla_verify_sm90
+
+    need_backend("sm90")
+    lib = mla_verify_sm90.load()
+    lib.setup(torch.cuda.current_device())
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(64, 576, generator=g).to(torch.bfloat16).cuda()
+    q = torch.randn(40, 576, generator=g).to(torch.bfloat16).cuda()
+    pm = torch.rand(64, 40, generator=g).to(torch.bfloat16).cuda()
+    s_out = torch.full((64, 40), float("nan"), device="cuda")
+    o_out = torch.full((512, 40), float("nan"), device="cuda")
+    lib.probe(k.data_ptr(), q.data_ptr(), pm.data_ptr(), s_out.data_ptr(), o_out.data_ptr(),
+              torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
+    torch.cuda.synchronize()
+    s_ref = k.double() @ q.double().T
+    o_ref = k[:, :512].double().T @ pm.double()
+    assert torch.allclose(s_out.double(), s_ref, rtol=1e-3, atol=1e-2), (s_out - s_ref).abs().max()
+    assert torch.allclose(o_out.double(), o_ref, rtol=1e-3, atol=1e-2), (o_out - o_ref).abs().max()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replay_with_new_lengths(backend):
     """Capture once at one set of lengths; replay with others written into the same buffers."""
-    from moeplace_kernels.mla_verify_api import MlaVerify
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
     bs, D, H, cap = 4, 9, 8, 70000
@@ -170,7 +253,7 @@ def test_cuda_graph_replay_with_new_lengths():
         mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone(),
     )
     static["v_ext"] = static["k_ext"][..., :512]
-    op = MlaVerify(H, D, bs, device="cuda")
+    op = make_op(H, D, bs, backend)
     out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
 
     def load(case):
