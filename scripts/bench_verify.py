@@ -1,10 +1,21 @@
-"""Benchmark MLA tree-verify: moeplace kernel vs SGLang 0.5.23's kernels, on one GPU.
+"""Benchmark MLA tree-verify: moeplace's kernels vs FlashMLA and SGLang 0.5.23's, on one GPU.
 
+Peers timed in the same process at the same contexts (8 heads x 9-token binary tree unless
+--heads/--drafts say otherwise, shuffled slot ids, page size 1):
+  moeplace sm90    the Hopper CUDA kernel (sm_90 only), tree mask, partials merged in L2
+  moeplace triton  the Triton kernel (the default elsewhere)
+  FlashMLA         sgl-flash-mla's SM90 dense decode (``flash_mla_with_kvcache(..., causal=True,
+                   use_legacy=True)``): the same KV copied into 64-token pages, a causal chain
+                   over the drafts (it has no tree mask), its 72 rows padded to 2 x 64
+  SGLang           extend_attention_fwd / verify_shared_kv_fwd from the wheel (--sglang-wheel)
 Effective KV bandwidth = sum over requests of context_len * 576 * 2 bytes / time.
 Copy bandwidth is measured in the same run (device-to-device copy, bytes read + written).
-Times are CUDA-graph replays of one call, median of many (torch.cuda.Event).
+Times are CUDA-graph replays of one call, median of many (torch.cuda.Event). Every moeplace
+result is checked against the fp32 reference before it is timed.
 
-    python scripts/bench_verify.py --sglang-wheel .whl/sglang-0.5.23-*.whl --out bench.md
+    pip install --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl; export PYTHONPATH=/tmp/site
+    python scripts/bench_verify.py --out bench.md                # peers table
+    python scripts/bench_verify.py --sweep-sm90 --out sweep.md   # + Sm90Config variants
 """
 
 from __future__ import annotations
@@ -17,7 +28,8 @@ import torch
 
 from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
 from sglang_wheel import register_packages, stub, unpack
-from moeplace_kernels.mla_verify_api import MlaVerify, hopper_candidates
+from moeplace_kernels.mla_verify_api import MlaVerify, Sm90Config, hopper_candidates
+from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
 KV_BYTES = 576 * 2
 
@@ -145,20 +157,25 @@ def precompile(configs, H: int, D: int, procs: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sglang-wheel", default=None)
+    ap.add_argument("--sglang-wheel", default=None,
+                    help="time SGLang's Triton kernels too, loaded from this wheel (a glob)")
     ap.add_argument("--out", default="bench_verify.md")
     ap.add_argument("--contexts", default="4096,16384,65536,185000")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs at 64k")
-    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the SGLang kernels")
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--heads", type=int, default=8, help="query heads per rank (8: Kimi K2 at TP8)")
     ap.add_argument("--drafts", type=int, default=9, help="draft tokens verified per request")
     ap.add_argument("--precompile", type=int, default=0,
                     help="compile the sweep configs first in this many processes")
+    ap.add_argument("--kernels", default="sm90,triton,flashmla",
+                    help="peers to time, comma-separated (sm90, triton, flashmla)")
+    ap.add_argument("--sweep-sm90", action="store_true",
+                    help="also time the Hopper kernel's launch settings (Sm90Config variants)")
     args = ap.parse_args()
     torch.manual_seed(0)
     ext = ver = None
-    if not args.no_baseline:
+    if args.sglang_wheel and not args.no_baseline:
         try:
             ext, ver = load_sglang_kernels(args.sglang_wheel)
         except Exception as exc:  # report our kernel even when the baseline cannot load
@@ -175,8 +192,6 @@ def main() -> None:
 
     H, D = args.heads, args.drafts
     if args.sweep:
-        from moeplace_kernels.mla_verify_ref import mla_verify_ref
-
         sweep = hopper_candidates(H, D)
         if args.precompile > 1:
             precompile(sweep, H, D, args.precompile)
@@ -223,49 +238,132 @@ def main() -> None:
             Path(args.out).write_text("\n".join(sweep_md) + "\n")
             return
 
-    op = MlaVerify(H, D, 8)
-    for ctx in [int(c) for c in args.contexts.split(",")]:
-        for shuffle in (False, True):
-            p = make_problem([ctx], H, D, shuffle)
-            out = torch.empty(D, H, 512, dtype=torch.bfloat16, device="cuda")
-            label = "shuffled" if shuffle else "contiguous"
-            record("moeplace mla_verify", f"b1 tree {label}", str(ctx), ctx * KV_BYTES,
-                   graph_time_us(run_ours(p, op, out)))
-            if ext is not None and shuffle:
-                reps = 5 if ctx > 20000 else 20
-                record("sglang extend_attention_fwd", f"b1 tree {label}", str(ctx),
-                       ctx * KV_BYTES, graph_time_us(run_sglang_extend(ext, p, out), reps))
-                p_chain = make_problem([ctx], H, D, shuffle, tree=False)
-                fn = run_sglang_verify_mla(ver, p_chain, out)
-                if fn is not None:
-                    record("sglang verify_shared_kv (chain)", f"b1 chain {label}", str(ctx),
-                           ctx * KV_BYTES, graph_time_us(fn, reps))
-                    record("moeplace mla_verify", f"b1 chain {label}", str(ctx),
-                           ctx * KV_BYTES, graph_time_us(run_ours(p_chain, op, out)))
-            del p
-
+    contexts = [int(c) for c in args.contexts.split(",")]
     gen = torch.Generator().manual_seed(1)
-    mixed = [int(x) for x in torch.randint(4096, 131072, (8,), generator=gen)]
-    for shuffle in (False, True):
-        p = make_problem(mixed, H, D, shuffle)
-        out = torch.empty(8 * D, H, 512, dtype=torch.bfloat16, device="cuda")
-        label = "shuffled" if shuffle else "contiguous"
-        record("moeplace mla_verify", f"b8 mixed {label}", f"{sum(mixed)}",
-               sum(mixed) * KV_BYTES, graph_time_us(run_ours(p, op, out)))
-        if ext is not None and shuffle:
-            record("sglang extend_attention_fwd", f"b8 mixed {label}", f"{sum(mixed)}",
-                   sum(mixed) * KV_BYTES, graph_time_us(run_sglang_extend(ext, p, out), 5))
+    mixed = [int(x) for x in torch.randint(4096, 131072, (8,), generator=gen)]  # 56k..131k
+    cases = [(f"b1 {c}", [c]) for c in contexts] + [("b8 mixed", mixed)]
+    kernels = args.kernels.split(",")
+    flash = load_flash_mla() if "flashmla" in kernels else None
+    ops = {}
+    for backend in [k for k in ("sm90", "triton") if k in kernels]:
+        try:
+            ops[backend] = MlaVerify(H, D, 8, backend=backend)
+        except (ValueError, RuntimeError) as exc:
+            print(f"moeplace {backend} unavailable: {exc}", flush=True)
+    if args.sweep_sm90 and "sm90" in ops:
+        for cfg in SM90_SWEEP:
+            ops[f"sm90 {sm90_tag(cfg)}"] = MlaVerify(H, D, 8, backend="sm90", sm90_config=cfg)
+    peers = []  # (kernel, case, ctx list, µs)
+    for label, ctx in cases:
+        p = make_problem(ctx, H, D, shuffle=True)
+        out = torch.empty(len(ctx) * D, H, 512, dtype=torch.bfloat16, device="cuda")
+        ref, _ = mla_verify_ref(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"],
+                                p["kv_indptr"], p["kv_indices"], 576 ** -0.5, p["mask_qlen"],
+                                "qlen_only")
+        for kernel, op in ops.items():
+            run_ours(p, op, out)()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 1e-2:
+                print(f"moeplace {kernel} {label}: relative error {err:.1e}, not timed",
+                      flush=True)
+                continue
+            us = graph_time_us(run_ours(p, op, out))
+            peers.append((f"moeplace {kernel}", label, ctx, us))
+            record(f"moeplace {kernel}", f"{label} (err {err:.0e})", str(sum(ctx)),
+                   sum(ctx) * KV_BYTES, us)
+        del ref
+        if flash is not None:
+            us = graph_time_us(run_flash_mla(flash, p))
+            peers.append(("FlashMLA", label, ctx, us))
+            record("FlashMLA (chain, page 64)", label, str(sum(ctx)), sum(ctx) * KV_BYTES, us)
+        if ext is not None:
+            reps = 5 if sum(ctx) > 20000 else 20
+            record("sglang extend_attention_fwd", label, str(sum(ctx)), sum(ctx) * KV_BYTES,
+                   graph_time_us(run_sglang_extend(ext, p, out), reps))
+            fn = run_sglang_verify_mla(ver, make_problem(ctx, H, D, True, tree=False), out)
+            if fn is not None:
+                record("sglang verify_shared_kv (chain)", label, str(sum(ctx)),
+                       sum(ctx) * KV_BYTES, graph_time_us(fn, reps))
+        del p, out
+        torch.cuda.empty_cache()
 
     lines = [f"Device: {name}; copy bandwidth measured in this run: {copy_gbs:.0f} GB/s "
-             f"(read + write). H={H} heads, D={D}-token binary tree (chain where noted), "
-             f"QLEN_ONLY mask for moeplace, FULL_MASK for SGLang's extend kernel. "
-             f"Mixed batch contexts: {mixed}.", "",
-             "| kernel | case | context | µs | GB/s | % of copy |",
-             "| --- | --- | --- | ---: | ---: | ---: |"]
+             f"(read + write). H={H} heads, D={D}-token binary tree, shuffled slot ids, page size "
+             f"1 (FlashMLA: a causal chain over 64-token pages). Batch-8 contexts: {mixed}.", ""]
+    lines += peers_table(peers, copy_gbs)
+    lines += ["", "| kernel | case | tokens | µs | GB/s | % of copy |",
+              "| --- | --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {k} | {c} | {x} | {us:.1f} | {g:.0f} | {pc:.1f}% |"
               for k, c, x, us, g, pc in rows]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+SM90_SWEEP = [Sm90Config(min_tiles=2, pdl=True), Sm90Config(min_tiles=1, pdl=True),
+              Sm90Config(min_tiles=2, pdl=False), Sm90Config(min_tiles=4),
+              Sm90Config(evict_first=False)]
+
+
+def sm90_tag(cfg: Sm90Config) -> str:
+    return f"mt{cfg.min_tiles} pdl{int(cfg.pdl)} ef{int(cfg.evict_first)}"
+
+
+def peers_table(peers, copy_gbs: float) -> list[str]:
+    """Markdown: one row per case, µs and TB/s of each kernel, and sm90's speed-up on the rest."""
+    kernels = list(dict.fromkeys(k for k, _, _, _ in peers))
+    labels = list(dict.fromkeys(c for _, c, _, _ in peers))
+    times = {(k, c): (us, ctx) for k, c, ctx, us in peers}
+    head = "| case | " + " | ".join(f"{k} µs (TB/s)" for k in kernels)
+    others = [k for k in kernels if k in ("moeplace triton", "FlashMLA")]
+    head += "".join(f" | sm90 vs {k}" for k in others) + " |"
+    lines = [head, "| --- |" + " ---: |" * (len(kernels) + len(others))]
+    for c in labels:
+        cells = []
+        for k in kernels:
+            if (k, c) in times:
+                us, ctx = times[(k, c)]
+                cells.append(f"{us:.1f} ({sum(ctx) * KV_BYTES / us / 1e6:.2f})")
+            else:
+                cells.append("")
+        for k in others:
+            mine, theirs = times.get(("moeplace sm90", c)), times.get((k, c))
+            cells.append(f"{theirs[0] / mine[0]:.2f}x" if mine and theirs else "")
+        lines.append(f"| {c} | " + " | ".join(cells) + " |")
+    lines.append(f"(copy bandwidth of this run: {copy_gbs / 1e3:.2f} TB/s)")
+    return lines
+
+
+def load_flash_mla():
+    """The flash_mla module (sgl-flash-mla wheel, installed beside torch), or None."""
+    try:
+        import flash_mla
+        return flash_mla
+    except Exception as exc:  # the peer is optional: report ours without it
+        print(f"FlashMLA unavailable: {exc!r:.300}", flush=True)
+        return None
+
+
+def run_flash_mla(flash, p):
+    """FlashMLA dense decode over the same KV copied into 64-token pages (prefix + drafts)."""
+    bs, D, H = p["bs"], p["D"], p["H"]
+    lens = (p["kv_indptr"][1:] - p["kv_indptr"][:-1]).tolist()
+    seqlens = [n + D for n in lens]
+    pages = [(n + 63) // 64 for n in seqlens]
+    k_cache = torch.zeros(sum(pages), 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+    table = torch.zeros(bs, max(pages), dtype=torch.int32, device="cuda")
+    first = 0
+    for b, n in enumerate(lens):
+        ids = p["kv_indices"][int(p["kv_indptr"][b]):int(p["kv_indptr"][b + 1])]
+        rows = torch.cat([p["pool"][ids, 0], p["k_ext"][b * D:(b + 1) * D, 0]])
+        flat = k_cache[first:first + pages[b]].view(-1, 576)
+        flat[:n + D] = rows
+        table[b, :pages[b]] = torch.arange(first, first + pages[b], dtype=torch.int32)
+        first += pages[b]
+    q = p["q"].view(bs, D, H, 576)
+    seq_t = torch.tensor(seqlens, dtype=torch.int32, device="cuda")
+    meta, _ = flash.get_mla_metadata()
+    return lambda: flash.flash_mla_with_kvcache(q, k_cache, table, seq_t, 512, meta,
+                                                causal=True, use_legacy=True)
 
 
 if __name__ == "__main__":
