@@ -25,7 +25,6 @@ its measured line. ``BENCHMARKS.md`` ("Derived cost model") compares both with G
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -192,10 +191,3 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, gpu: str = DEFAULT_G
     return CostModel(round(a, 4), round(b, 4), round(c, 3), prov,
                      f"{where}: derived from expert bytes ({len(cal.files)} measured files)")
 
-
-def calibration_json(gpu: str = DEFAULT_GPU) -> str:
-    """The calibration as JSON (for BENCHMARKS and the curious)."""
-    cal = gpu_calibration(gpu)
-    d = {k: v for k, v in cal.__dict__.items() if k != "files"}
-    d["files"] = [m.name for m in cal.files]
-    return json.dumps(d, indent=1)
