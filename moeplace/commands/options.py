@@ -14,6 +14,8 @@ from moeplace.trace.modes import MODE_SELECTIONS
 DISPATCH_HELP = {
     "dynamic": "token row % replicas, as SGLang does with --moe-a2a-backend none",
     "static": "a fixed replica per source rank, as SGLang does with DeepEP",
+    "balanced": "per step, each expert's tokens to the replica that keeps the busiest rank's distinct experts "
+                "lowest: moeplace's own rule, not one of SGLang's",
 }
 
 
