@@ -5,6 +5,7 @@ Dimension letters: S steps, T token rows, L MoE layers, K top-k, E logical exper
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import subprocess
@@ -496,3 +497,38 @@ def test_write_chunks_leaves_nothing_when_the_source_fails(tmp_path):
     seen = []
     path, total = write_chunks(tmp_path / "t.mptrace", TraceHeader(model, "synthetic"), iter([steps] * 3), seen.append)
     assert total == 9 and seen == [3, 3, 3] and sum(c.num_steps for c in TraceReader(path)) == 9
+
+
+# ----------------------------------------------------------------------------- modes without the ids
+
+@pytest.mark.parametrize("cut", [None, "mid-last-chunk", "crc"])
+def test_modes_pass_sees_what_a_full_read_sees(three_chunk_shard, cut):
+    """reader.modes() yields each whole chunk's modes and finds the same damage as a full read."""
+    path, bounds, chunks = three_chunk_shard
+    data = bytearray(path.read_bytes())
+    if cut == "mid-last-chunk":
+        data = data[:(bounds[2] + bounds[3]) // 2]
+    elif cut == "crc":
+        data[(bounds[1] + CHUNK_HEAD + bounds[2]) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    full = TraceReader(path)
+    want = [c.modes for c in full]
+    fast = TraceReader(path)
+    got = list(fast.modes())
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert fast.damaged == full.damaged
+
+
+def test_modes_of_a_chunk_laid_out_otherwise(tmp_path):
+    """A chunk whose npz does not start with modes (another writer) is decoded in full, not misread."""
+    model = ModelSpec("m", 2, (0, 1), 8, 2)
+    steps = _mixed_steps(model, np.random.default_rng(9), 6, 2)
+    with ShardWriter(tmp_path / "x", TraceHeader(model, "synthetic")) as w:
+        arrays = {k: getattr(steps, k) for k in reversed(CHUNK_ARRAYS)}
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        payload = zlib.compress(buf.getvalue())
+        w._write(struct.pack("<4sIII", b"MPCK", len(payload), zlib.crc32(payload), steps.num_steps) + payload)
+    reader = TraceReader(tmp_path / "x.mptrace")
+    np.testing.assert_array_equal(np.concatenate(list(reader.modes())), steps.modes)
+    assert not reader.damaged

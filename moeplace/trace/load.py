@@ -67,8 +67,16 @@ class Trace:
                     self.on_damage(*found)
 
     def count(self, mode: str = "all") -> int:
-        """Steps of ``mode`` in the trace (one streaming pass)."""
-        return sum(int(M.mode_mask(c.modes, mode).sum()) for c in self.chunks())
+        """Steps of ``mode`` in the trace: one pass that reads each chunk's modes only."""
+        if self._steps is not None:
+            return int(M.mode_mask(self._steps.modes, mode).sum())
+        total, read_any = 0, False
+        for modes in self._reader.modes():
+            self._note_damage(warn=True)
+            total += int(M.mode_mask(modes, mode).sum())
+            read_any = True
+        self._note_damage(warn=read_any)
+        return total
 
     def load(self, mode: str = "all", max_steps: int | None = None, total: int | None = None) -> RoutingSteps:
         """All steps of ``mode`` in order; if more than ``max_steps``, exactly ``max_steps`` of them,

@@ -302,10 +302,32 @@ class TraceReader:
     def __iter__(self) -> Iterator[RoutingSteps]:
         self.damaged.clear()  # each pass reports what it found, once
         for path, header in zip(self.shards, self.headers):
-            yield from self._chunks(path, header)
+            p2l = np.asarray(header.physical_to_logical_map, np.int64) if header.id_space == "physical" else None
+            for payload, num_steps in self._payloads(path):
+                steps = self._decode(path, header, payload, p2l)
+                if steps.num_steps != num_steps:  # the chunk header is outside the CRC
+                    self.damaged.append((path, "chunk header disagrees with its payload"))
+                    break
+                yield steps
 
-    def _chunks(self, path: Path, header: TraceHeader) -> Iterator[RoutingSteps]:
-        p2l = np.asarray(header.physical_to_logical_map, np.int64) if header.id_space == "physical" else None
+    def modes(self) -> Iterator[np.ndarray]:
+        """Each whole chunk's forward modes [S], in the order and with the damage checks of iterating
+        the reader, but decompressing only the start of each chunk (modes is its first array): a
+        pass that counts steps costs the reading of the file, not the decoding of its ids."""
+        self.damaged.clear()
+        for path, header in zip(self.shards, self.headers):
+            for payload, num_steps in self._payloads(path):
+                modes = _leading_modes(payload, num_steps)
+                if modes is None:   # not laid out as our writers do: decode it all
+                    modes = self._decode(path, header, payload, None).modes
+                if modes.shape != (num_steps,):
+                    self.damaged.append((path, "chunk header disagrees with its payload"))
+                    break
+                yield modes
+
+    def _payloads(self, path: Path) -> Iterator[tuple[bytes, int]]:
+        """(CRC-checked compressed payload, steps its header claims) of each whole chunk of one shard;
+        a cut or corrupt chunk ends the shard and is recorded in ``damaged``."""
         with open(path, "rb") as f:
             read_shard_header(path, f)
             while True:
@@ -326,11 +348,7 @@ class TraceReader:
                 if zlib.crc32(payload) != crc:
                     self.damaged.append((path, "chunk CRC mismatch"))
                     return
-                steps = self._decode(path, header, payload, p2l)
-                if steps.num_steps != num_steps:  # the chunk header is outside the CRC
-                    self.damaged.append((path, "chunk header disagrees with its payload"))
-                    return
-                yield steps
+                yield payload, num_steps
 
     @staticmethod
     def _decode(path: Path, header: TraceHeader, payload: bytes, p2l: np.ndarray | None) -> RoutingSteps:
@@ -353,6 +371,22 @@ class TraceReader:
         except MoeplaceError as e:
             raise FormatError(path, str(e)) from None
         return steps
+
+
+def _leading_modes(payload: bytes, num_steps: int) -> np.ndarray | None:
+    """The ``modes`` array [S] that starts a chunk's npz, from a few decompressed bytes; None if the
+    payload does not start with it (then the caller decodes the whole chunk)."""
+    try:
+        head = zlib.decompressobj().decompress(payload, 1024 + 8 * num_steps)
+        if head[:4] != b"PK\x03\x04":
+            return None
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        if head[30:30 + name_len] != b"modes.npy":
+            return None
+        modes = np.lib.format.read_array(io.BytesIO(head[30 + name_len + extra_len:]), allow_pickle=False)
+    except (zlib.error, ValueError, EOFError, struct.error):
+        return None
+    return modes.astype(np.uint8, copy=False)
 
 
 def _physical_to_logical_ids(ids: np.ndarray, p2l: np.ndarray) -> np.ndarray:
