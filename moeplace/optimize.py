@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -17,6 +17,7 @@ from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import steps_from_counts
 
 BASELINES = ("contiguous", "deepseek")
+TODAY = "deepseek, no spares, dynamic"   # the reference row under balanced dispatch (SGLang without moeplace)
 AGGREGATE_SAMPLE_STEPS = 4000
 # Steps optimize uses unless told otherwise, evenly spaced over the trace. On Kimi-K2-shaped routing
 # 10,000 steps place as well as 200,000, which take 20x the time and memory (BENCHMARKS.md).
@@ -49,8 +50,13 @@ def split_steps(steps: RoutingSteps, holdout: float) -> tuple[RoutingSteps, Rout
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
              dispatch: str = "dynamic", cost_model: CostModel | None = None, holdout: float = 0.3,
              seed: int = 0, max_steps: int | None = None, effort: float | None = None,
-             balance_floor: float | None = None, progress: Callable[[int], None] = lambda n: None) -> OptimizeResult:
+             balance_floor: float | None = None, progress: Callable[[int], None] = lambda n: None,
+             reference_cost_model: CostModel | None = None) -> OptimizeResult:
     """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest.
+
+    Under ``balanced`` dispatch with spare slots the table also has what SGLang runs without
+    moeplace (``TODAY``: DeepSeek EPLB without spare slots, SGLang's dynamic rule), costed with
+    ``reference_cost_model`` (its ranks hold fewer slots).
 
     max_steps: use at most this many steps of ``mode``, evenly spaced over the trace (None:
     DEFAULT_SAMPLE_STEPS); memory holds only those steps, never the whole trace.
@@ -89,6 +95,12 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
     evals = evaluate(placements, [held_out], cost_model, dispatch)
+    if dispatch == "balanced" and redundant:
+        today = replace(problem(fit, lambda n: None), redundant=0, dispatch="dynamic")
+        placements[TODAY] = Placement(model, ranks, solve("deepseek", today), nodes=nodes, algorithm="deepseek",
+                                      trace=str(trace.path))
+        evals = evaluate({TODAY: placements[TODAY]}, [held_out], reference_cost_model or cost_model,
+                         "dynamic") + evals
     chosen = placements[algorithm]
     by_name = {e.name: e for e in evals}
     chosen.metrics = {
@@ -96,7 +108,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         "dispatch": dispatch, "seed": seed, "fit_steps": fit.num_steps, "eval_steps": held_out.num_steps,
         "cost_model": cost_model.to_json(),
         **{f"{name}.{k}": by_name[name].summary[k] for name in placements
-           for k in ("e_max_distinct", "lower_bound", "token_balancedness", "moe_us_per_step")},
+           for k in ("e_max_distinct", "optimum", "lower_bound", "token_balancedness", "moe_us_per_step")},
     }
     if note:
         chosen.metrics["note"] = note

@@ -8,9 +8,11 @@ import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
-from moeplace.commands.costing import cost_model_line, resolve_costing
+from moeplace.commands.costing import Costing, cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.errors import MoeplaceError
+from moeplace.model import ModelSpec
+from moeplace.optimize import TODAY
 from moeplace.optimize import optimize as run_optimize
 from moeplace.placement import Placement, load_placement, save_placement, save_sglang
 from moeplace.report import comparison_rows, evaluate, format_table, plot_context, steps_phrase, write_plots
@@ -18,12 +20,37 @@ from moeplace.report import comparison_rows, evaluate, format_table, plot_contex
 BASELINE = "deepseek"   # optimize's table compares against DeepSeek EPLB fitted on the same steps
 
 
+def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing) -> float:
+    """Extra expert weights per GPU that ``redundant`` spare slots hold, in GB (1e9 bytes)."""
+    return redundant / ranks * model.num_moe_layers * costing.shape.bytes / 1e9
+
+
+def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_memory: float | None,
+                costing: Costing) -> int:
+    """--redundant, or the most spare slots (a multiple of --ranks) that --replica-memory GB per GPU holds."""
+    if replica_memory is None:
+        return redundant or 0
+    if redundant is not None:
+        raise click.UsageError("give --redundant or --replica-memory, not both")
+    per_gpu = int(replica_memory * 1e9 // (model.num_moe_layers * costing.shape.bytes))
+    per_gpu = min(per_gpu, model.num_experts - model.num_experts // ranks)   # a rank never holds an expert twice
+    if per_gpu < 1:
+        one = model.num_moe_layers * costing.shape.bytes / 1e9
+        raise click.BadParameter(f"{replica_memory:g} GB per GPU holds no spare slot: one costs {one:.2f} GB "
+                                 f"({costing.shape.describe()})", param_hint="--replica-memory")
+    return per_gpu * ranks
+
+
 @click.command()
 @trace_options
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Nodes the ranks span; > 1 places hierarchically (nodes, then ranks).")
-@click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Spare physical slots for replicas (SGLang's --ep-num-redundant-experts).")
+@click.option("--redundant", type=click.IntRange(min=0), default=None,
+              help="Spare physical slots for replicas (SGLang's --ep-num-redundant-experts; default 0). "
+                   "With --dispatch balanced, replicas let each step pick where an expert runs.")
+@click.option("--replica-memory", type=click.FloatRange(min=0), default=None, metavar="GB",
+              help="Spare slots by memory instead: as many per GPU as fit in GB of extra expert weights "
+                   "(the experts' shape and format from --model or the trace's known model).")
 @click.option("--algorithm", type=click.Choice(list(ALGORITHMS)), default=DEFAULT_ALGORITHM, show_default=True,
               help="stepaware minimises the expected per-step maximum rank load; deepseek* balance average "
                    "token counts (DeepSeek EPLB); contiguous is SGLang's default layout.")
@@ -44,7 +71,8 @@ BASELINE = "deepseek"   # optimize's table compares against DeepSeek EPLB fitted
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-             window: int, top_k: int | None, max_steps: int, nodes: int, redundant: int, algorithm: str, holdout: float,
+             window: int, top_k: int | None, max_steps: int, nodes: int, redundant: int | None,
+             replica_memory: float | None, algorithm: str, holdout: float,
              seed: int, effort: float | None, balance_floor: float | None, output: str, sglang_out: str | None,
              as_json: bool, plot_dir: str | None) -> None:
     """Compute an expert placement for TRACE that minimises per-step imbalance.
@@ -55,37 +83,55 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     (the baseline) and the share of its gap to the bound closed, token balancedness, and the
     predicted MoE time per step (cost model derived for the model's experts; the table says which).
 
+    With --dispatch balanced and spare slots (--redundant or --replica-memory), replicas go where
+    moeplace's per-step replica choice (the plugin's MOEPLACE_DISPATCH=balanced) gains most, and the
+    table starts with what SGLang runs without moeplace: DeepSeek EPLB, no spare slots, its dynamic rule.
+
     \b
     Example:
       moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --mode verify \\
           -o placement.json --sglang-out init_expert_location.json
+      moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --mode verify \\
+          --dispatch balanced --replica-memory 3 -o placement.json --sglang-out init_expert_location.json
     """
     src = open_source(trace, window, top_k)
-    check_ranks(src, ranks, redundant)
     model = src.model
-    cost_model = resolve_costing(model, cost_model_path, model_ref).ep((model.num_experts + redundant) // ranks)
+    costing = resolve_costing(model, cost_model_path, model_ref,
+                              derived_needed=cost_model_path is None or replica_memory is not None)
+    redundant = spare_slots(model, ranks, redundant, replica_memory, costing)
+    check_ranks(src, ranks, redundant)
+    cost_model = costing.ep((model.num_experts + redundant) // ranks)
     with click.progressbar(length=model.num_moe_layers, label=f"{algorithm}: placing layers", file=sys.stderr) as bar:
         result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
-                              seed, max_steps, effort, balance_floor, progress=bar.update)
+                              seed, max_steps, effort, balance_floor, progress=bar.update,
+                              reference_cost_model=costing.ep(model.num_experts // ranks))
     if sglang_out:   # first, so that a failure here leaves no placement file behind
         save_sglang(sglang_out, result.placement)
     save_placement(output, result.placement)
-    rows = comparison_rows(result.evaluations, BASELINE)
+    baseline = TODAY if any(e.name == TODAY for e in result.evaluations) else BASELINE
+    rows = comparison_rows(result.evaluations, baseline)
     which = "held-out" if holdout else "fitted"
     plots = (write_plots(result.evaluations, plot_dir, plot_context(trace, mode, result.eval_steps, which, ranks))
              if plot_dir else [])
     if as_json:
         echo_json({"placement": output, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
                    "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
-                   "baseline": BASELINE, "rows": rows, "cost_model": cost_model.to_json(), "plots": plots})
+                   "baseline": baseline, "rows": rows, "cost_model": cost_model.to_json(), "plots": plots,
+                   "spare_slots": redundant, "replica_gb_per_gpu": replica_gb(model, ranks, redundant, costing)})
         return
     table_on = f"the last {result.eval_steps:,}, held out" if holdout else "the same steps"
     click.echo(f"fitted on the first {steps_phrase(result.fit_steps, mode)}; table on {table_on}; "
                f"{ranks} ranks, {redundant} redundant, dispatch {dispatch}")
     if result.note:
         click.echo(f"note: {result.note}")
-    click.echo(format_table(rows, BASELINE))
-    click.echo(cost_model_line({algorithm: cost_model}))
+    if redundant:
+        click.echo(f"spare slots: {redundant} ({redundant // ranks} per GPU) hold "
+                   f"{replica_gb(model, ranks, redundant, costing):.2f} GB of extra expert weights per GPU "
+                   f"({costing.shape.describe()})")
+    click.echo(format_table(rows, baseline))
+    models = {e.name: costing.ep(model.num_experts // ranks) if e.name == TODAY else cost_model
+              for e in result.evaluations}
+    click.echo(cost_model_line(models))
     click.echo(f"wrote {output}" + (f" and {sglang_out}" if sglang_out else "")
                + (f"; plots in {plot_dir}" if plots else ""))
 
