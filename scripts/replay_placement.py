@@ -1,17 +1,25 @@
 """Replay routing steps on the GPU under each placement: measured MoE ms per step vs the cost model.
 
-Per step and MoE layer, each of the 8 EP ranks runs its own expert subset with the token counts
-SGLang's dispatch would give it (``moeplace.advise.slot_token_counts``); the layer takes as long as
-its slowest rank, and the step is the sum over layers. TP-MoE (every rank holds 1/8 of every expert)
-is replayed the same way: one rank runs every activated expert at 1/8 width.
+Per step and MoE layer, each EP rank runs its own expert subset with the token counts SGLang's
+dispatch would give it (``moeplace.advise.slot_token_counts``: the ``dynamic`` rule, or moeplace's
+``balanced`` rule on the placements made for it); the layer takes as long as its slowest rank, and
+the step is the sum over layers. TP-MoE (every rank holds 1/N of every expert) is replayed the same
+way: one rank runs every activated expert at 1/N width.
 
 A rank's work is timed by the fused-MoE path of ``calibrate_cost.py`` (SGLang's Triton kernel). Its
 time depends only on the multiset of per-slot token counts (all experts have the same shape), so each
 distinct rank workload is timed once and reused wherever it recurs.
 
+Placements (``placement_specs``): contiguous, deepseek and stepaware without spare slots (dynamic
+rule), deepseek with E/4 spare slots (dynamic), and balanced dispatch on stepaware's balanced
+placement with E/4 and E/2 spare slots.
+
     python scripts/replay_placement.py prepare --out out/replay          # here: placements, work lists
     python3 scripts/replay_placement.py measure --work out/replay --out $OUT/replay_times.json  # GPU
     python scripts/replay_placement.py report --work out/replay --times replay_times.json   # here
+
+``measure --jobs gptoss`` / ``--jobs kimi`` times one trace's workloads, so two GPUs can share the
+work (``report --times a.json,b.json`` merges them).
 """
 
 from __future__ import annotations
@@ -29,204 +37,292 @@ ROOT = Path(__file__).resolve().parents[1]
 GPTOSS = ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
 RANKS = 8
 ALGORITHMS = ("contiguous", "deepseek", "stepaware")
-# trace -> EP shape, TP shape (calibrate_cost.SHAPES), redundant slots, steps to fit, steps to replay
+# trace -> expert shape (bf16), redundant slots of the dynamic-rule rows of check_derived_cost.py,
+# steps to fit, steps to replay, replayed layers -> the model's MoE layers
 TRACES = {
-    "gptoss": dict(ep="gptoss-ep", tp="gptoss-tp", redundant=8, fit_steps=3000, test_steps=64),
-    "kimi": dict(ep="kimi-ep", tp="kimi-tp", redundant=32, fit_steps=320, test_steps=32, layer_scale=5),
+    "gptoss": dict(hidden=2880, inter=2880, redundant=8, fit_steps=3000, test_steps=64),
+    "kimi": dict(hidden=7168, inter=2048, redundant=32, fit_steps=320, test_steps=32, layer_scale=5),
 }
-COST_FILES = {"gptoss-ep": "cost_h200_bf16_gptoss.json", "gptoss-tp": "cost_h200_bf16_gptoss_tp8.json",
-              "kimi-ep": "cost_h200_bf16.json", "kimi-tp": "cost_h200_bf16_tp8.json"}
 
 
-def load_trace(name: str, gptoss_path: str):
+def placement_specs(num_experts: int) -> list[tuple[str, str, int, str]]:
+    """(tag, algorithm, redundant slots, dispatch rule) of every EP placement replayed."""
+    quarter, half = num_experts // 4, num_experts // 2
+    return [(alg, alg, 0, "dynamic") for alg in ALGORITHMS] + [
+        (f"deepseek+r{quarter}", "deepseek", quarter, "dynamic"),
+        (f"balanced+r{quarter}", "stepaware", quarter, "balanced"),
+        (f"balanced+r{half}", "stepaware", half, "balanced"),
+    ]
+
+
+def ep_shape(hidden: int, inter: int, slots_per_rank: int) -> dict:
+    """One EP rank's shape for ``calibrate_cost.RankMoe``: whole experts, ``slots_per_rank`` of them."""
+    return dict(hidden=hidden, inter=inter, n_local=slots_per_rank)
+
+
+def tp_shape(hidden: int, inter: int, ranks: int, num_experts: int) -> dict:
+    """One TP-MoE rank's shape: 1/ranks of every expert's intermediate dimension."""
+    return dict(hidden=hidden, inter=-(-inter // ranks), n_local=num_experts)
+
+
+def load_trace(name: str, gptoss_path: str, test_steps: int | None = None):
     """(train steps, test steps, label) of one trace; test steps come after the training ones."""
     from moeplace.model import ModelSpec
     from moeplace.trace.load import open_trace
     from moeplace.trace.synthetic import synthetic_steps
     cfg = TRACES[name]
+    n_test = test_steps or cfg["test_steps"]
     if name == "gptoss":
         steps = open_trace(gptoss_path, window=9).load("all")
         cut = int(steps.num_steps * 0.8)
         train = steps.take(np.linspace(0, cut - 1, cfg["fit_steps"]).astype(np.int64))
-        test = steps.take(np.linspace(cut, steps.num_steps - 1, cfg["test_steps"]).astype(np.int64))
+        test = steps.take(np.linspace(cut, steps.num_steps - 1, n_test).astype(np.int64))
         return train, test, "GPT-OSS-20B real trace (verify windows of 9 tokens)"
     # 12 of Kimi K2's 60 MoE layers (the synthetic layers are drawn alike); report scales to 60.
     model = ModelSpec("SYNTHETIC kimi-k2-shaped, 12 of 60 MoE layers", 13, tuple(range(1, 13)), 384, 8)
-    _, steps = synthetic_steps(cfg["fit_steps"] + cfg["test_steps"], tokens_per_step=9, model=model)
+    _, steps = synthetic_steps(cfg["fit_steps"] + n_test, tokens_per_step=9, model=model)
     n = cfg["fit_steps"]
     return (steps.take(np.arange(n)), steps.take(np.arange(n, steps.num_steps)),
             "SYNTHETIC Kimi-K2-shaped trace (9 tokens per step; 12 layers replayed, scaled to 60)")
 
 
-def prepare(args) -> None:
-    """Placements and per-(step, layer, rank) work keys for every trace; unique keys per GPU job."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from calibrate_cost import SHAPES
-    from moeplace.advise import rank_work, slot_token_counts, work_key
+def fit_placements(train, ranks: int, effort: float, log=print,
+                   only: list[str] | None = None) -> dict[str, tuple[np.ndarray, str]]:
+    """tag -> (phy2log [L, P], dispatch rule) for the specs of ``placement_specs`` (those in ``only``)."""
     from moeplace.algorithms import PlacementProblem, solve
+    out = {}
+    for tag, alg, red, dispatch in placement_specs(train.model.num_experts):
+        if only is not None and tag not in only:
+            continue
+        t0 = time.time()
+        problem = PlacementProblem(train.model, train, ranks, redundant=red, dispatch=dispatch, effort=effort)
+        out[tag] = (solve(alg, problem), dispatch)
+        log(f"{tag}: placed for {ranks} ranks in {time.time() - t0:.1f} s")
+    return out
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    jobs: dict[str, dict] = {}   # job name -> {"shape", "n_local", "keys": [counts...]}
-    key_ids: dict[str, dict] = {}
 
-    def key_id(job: str, shape: str, n_local: int, key: tuple[int, ...]) -> int:
-        if job not in jobs:
-            jobs[job] = {"shape": shape, "n_local": n_local, "keys": []}
-            key_ids[job] = {}
-        ids = key_ids[job]
+class WorkIndex:
+    """Distinct rank workloads per GPU job (one rank shape): ``key_id`` numbers each new multiset."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, dict] = {}   # job name -> {"shape": RankMoe kwargs, "keys": [counts...]}
+        self._ids: dict[str, dict] = {}
+
+    def key_id(self, job: str, shape: dict, key: tuple[int, ...]) -> int:
+        if job not in self.jobs:
+            self.jobs[job] = {"shape": shape, "keys": []}
+            self._ids[job] = {}
+        ids = self._ids[job]
         if key not in ids:
             ids[key] = len(ids)
-            jobs[job]["keys"].append(list(key))
+            self.jobs[job]["keys"].append(list(key))
         return ids[key]
 
+
+def index_workloads(index: WorkIndex, name: str, test, placements: dict, ranks: int, hidden: int,
+                    inter: int) -> dict[str, np.ndarray]:
+    """idx/<tag> [S, L, R] (EP) and idx/tp [S, L] workload ids, job/<tag> the job each lives in.
+
+    Ids are given step by step (all placements of step 0 first), so a time cut while measuring drops
+    the last steps of every placement alike.
+    """
+    from moeplace.advise import rank_work, slot_token_counts, work_key
+    L, E = test.model.num_moe_layers, test.model.num_experts
+    work, jobs, shapes = {}, {}, {}
+    for tag, (phy2log, dispatch) in placements.items():
+        spr = phy2log.shape[1] // ranks
+        jobs[tag], shapes[tag] = f"{name}-ep-{spr}", ep_shape(hidden, inter, spr)
+        work[tag] = np.stack([rank_work(slot_token_counts(test, layer, phy2log[layer], ranks, dispatch), ranks)
+                              for layer in range(L)], axis=1)             # [S, L, R, spr]
+    # TP-MoE: one rank runs every activated expert (1/R wide) on all pairs of the step.
+    jobs["tp"], shapes["tp"] = f"{name}-tp{ranks}-{E}", tp_shape(hidden, inter, ranks, E)
+    tp_counts = np.zeros((test.num_steps, L, 1, E), np.int64)
+    for layer in range(L):
+        step_of_row, _, ids = test.layer(layer)
+        valid = ids >= 0
+        step_k = np.broadcast_to(step_of_row[:, None], ids.shape)[valid]
+        tp_counts[:, layer, 0] = np.bincount(step_k * E + ids[valid], minlength=test.num_steps * E).reshape(-1, E)
+    work["tp"] = tp_counts
+    idx = {tag: np.zeros(w.shape[:3], np.int32) for tag, w in work.items()}
+    for s in range(test.num_steps):
+        for tag, w in work.items():
+            for layer in range(L):
+                for r in range(w.shape[2]):
+                    idx[tag][s, layer, r] = index.key_id(jobs[tag], shapes[tag], work_key(w[s, layer, r]))
+    arrays = {}
+    for tag in work:
+        arrays[f"idx/{tag}"] = idx[tag][:, :, 0] if tag == "tp" else idx[tag]
+        arrays[f"job/{tag}"] = np.array(jobs[tag])
+    return arrays
+
+
+def job_deadlines(sizes: list[int], start: float, budget_s: float) -> list[float]:
+    """When each of several jobs run one after another must stop: the budget shared by their sizes."""
+    cum = np.cumsum(sizes) / max(1, sum(sizes))
+    return [start + budget_s * float(c) for c in cum]
+
+
+def timed_steps(us_len: int, idx: np.ndarray) -> int:
+    """How many leading steps of idx [S, ...] have every workload among the first ``us_len`` timed."""
+    done = (idx.reshape(idx.shape[0], -1) < us_len).all(axis=1)
+    return int(np.argmin(done)) if not done.all() else idx.shape[0]
+
+
+def prepare(args) -> None:
+    """Placements and per-(step, layer, rank) work keys for every trace; unique keys per GPU job."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    index = WorkIndex()
     meta = {}
-    for name, cfg in TRACES.items():
+    for name in TRACES:
         if args.only and name not in args.only.split(","):
             continue
         train, test, label = load_trace(name, args.gptoss)
-        L, E = test.model.num_moe_layers, test.model.num_experts
-        arrays = {}
-        placements = {}
-        for red in (0, cfg["redundant"]):
-            for alg in ALGORITHMS:
-                t0 = time.time()
-                p = solve(alg, PlacementProblem(train.model, train, RANKS, redundant=red, effort=args.effort))
-                tag = f"{alg}+r{red}" if red else alg
-                placements[tag] = p
-                arrays[f"phy2log/{tag}"] = p
-                print(f"{name} {tag}: placed in {time.time() - t0:.1f} s", flush=True)
-        for tag, phy2log in placements.items():
-            P = phy2log.shape[1]
-            job = f"{cfg['ep']}-{P // RANKS}"
-            idx = np.zeros((test.num_steps, L, RANKS), np.int32)
-            for layer in range(L):
-                work = rank_work(slot_token_counts(test, layer, phy2log[layer], RANKS), RANKS)
-                for s in range(test.num_steps):
-                    for r in range(RANKS):
-                        idx[s, layer, r] = key_id(job, cfg["ep"], P // RANKS, work_key(work[s, r]))
-            arrays[f"idx/{tag}"] = idx
-            arrays[f"job/{tag}"] = np.array(job)
-        # TP-MoE: one rank runs every activated expert (1/R wide) on all pairs of the step.
-        job = f"{cfg['tp']}-{E}"
-        idx = np.zeros((test.num_steps, L), np.int32)
-        for layer in range(L):
-            step_of_row, _, ids = test.layer(layer)
-            valid = ids >= 0
-            step_k = np.broadcast_to(step_of_row[:, None], ids.shape)[valid]
-            counts = np.bincount(step_k * E + ids[valid], minlength=test.num_steps * E).reshape(-1, E)
-            for s in range(test.num_steps):
-                idx[s, layer] = key_id(job, cfg["tp"], SHAPES[cfg["tp"]]["n_local"], work_key(counts[s]))
-        arrays["idx/tp"] = idx
-        arrays["job/tp"] = np.array(job)
+        placements = fit_placements(train, args.ranks, args.effort, lambda m: print(f"{name} {m}", flush=True))
+        arrays = {f"phy2log/{tag}": p for tag, (p, _) in placements.items()}
+        arrays.update(index_workloads(index, name, test, placements, args.ranks, TRACES[name]["hidden"],
+                                      TRACES[name]["inter"]))
         np.savez_compressed(out / f"{name}.npz", **arrays)
         # The test steps themselves, so report predicts from exactly what was replayed.
         np.savez_compressed(out / f"{name}_test.npz", topk_ids=test.topk_ids, token_offsets=test.token_offsets,
                             model=json.dumps(test.model.to_json()))
         meta[name] = {"label": label, "train_steps": train.num_steps, "test_steps": test.num_steps,
-                      "layers": L, "experts": E, "redundant": cfg["redundant"], "effort": args.effort}
-    (out / "work.json").write_text(json.dumps({"jobs": jobs, "traces": meta}))
-    for job, j in jobs.items():
+                      "layers": test.model.num_moe_layers, "experts": test.model.num_experts,
+                      "ranks": args.ranks, "effort": args.effort,
+                      "dispatch": {tag: d for tag, (_, d) in placements.items()}}
+    (out / "work.json").write_text(json.dumps({"jobs": index.jobs, "traces": meta}))
+    for job, j in index.jobs.items():
         print(f"job {job}: {len(j['keys'])} distinct rank workloads", flush=True)
+
+
+def time_workloads(sgl, shape: dict, keys: list, step_tokens: int, reps: int, deadline: float) -> list[float]:
+    """µs of each workload (per-slot token counts) of one rank shape, until ``deadline`` (time.time())."""
+    import torch
+    from calibrate_cost import RankMoe, graph_time_us
+    rank = RankMoe(sgl, **shape, dtype="bf16")
+    times = []
+    for key in keys:
+        if time.time() > deadline:
+            break
+        times.append(graph_time_us(rank.work(key, step_tokens), reps))
+    del rank
+    torch.cuda.empty_cache()
+    return times
 
 
 def measure(args) -> None:
     """GPU: time every distinct rank workload of every job (fused-MoE path, bf16)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import torch
-    from calibrate_cost import SHAPES, RankMoe, graph_time_us, load_sglang_moe
+    from calibrate_cost import load_sglang_moe
     sgl = load_sglang_moe(args.sglang_wheel)
     jobs = {}
     for d in args.work.split(","):
         jobs.update(json.loads((Path(d) / "work.json").read_text())["jobs"])
+    wanted = [j for j in jobs if not args.jobs or j.split("-")[0] in args.jobs.split(",")]
     result = {"gpu": torch.cuda.get_device_name(), "sglang": sgl[2], "jobs": {}}
-    deadline = time.time() + args.budget_s
-    for job, j in jobs.items():
+    ends = job_deadlines([len(jobs[j]["keys"]) for j in wanted], time.time(), args.budget_s)
+    for job, end in zip(wanted, ends):
         t0 = time.time()
-        shape = dict(SHAPES[j["shape"]], n_local=j["n_local"])
-        rank = RankMoe(sgl, **shape, dtype="bf16")
-        times = []
-        for key in j["keys"]:
-            if time.time() > deadline:
-                break
-            times.append(graph_time_us(rank.work(key, args.step_tokens), args.reps))
-        result["jobs"][job] = {"us": times, "complete": len(times) == len(j["keys"])}
-        print(f"{job}: {len(times)}/{len(j['keys'])} workloads in {time.time() - t0:.0f} s", flush=True)
-        rank = None
-        torch.cuda.empty_cache()
+        keys = jobs[job]["keys"]
+        times = time_workloads(sgl, jobs[job]["shape"], keys, args.step_tokens, args.reps, end)
+        result["jobs"][job] = {"us": times, "complete": len(times) == len(keys)}
+        print(f"{job}: {len(times)}/{len(keys)} workloads in {time.time() - t0:.0f} s", flush=True)
         Path(args.out).write_text(json.dumps(result))
+
+
+def replayed_ms(us: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """[S] µs per step from workload times: EP idx [S, L, R] (slowest rank per layer) or TP idx [S, L]."""
+    per_layer = us[idx].max(axis=2) if idx.ndim == 3 else us[idx]
+    return per_layer.sum(axis=1)
+
+
+def predicted_us(name: str, test, tag: str, phy2log: np.ndarray | None, ranks: int, dispatch: str,
+                 layers: range | None = None, hidden: int | None = None, inter: int | None = None) -> np.ndarray:
+    """[S] µs per step the derived cost model predicts (what the commands use) over ``layers``.
+
+    hidden, inter: the expert shape (default: the trace's, from TRACES).
+    """
+    from moeplace.advise import ep_layer_cost, tp_layer_cost
+    from moeplace.cost_derive import derive_cost_model
+    from moeplace.expert_shape import ExpertShape
+    shape = ExpertShape(hidden or TRACES[name]["hidden"], inter or TRACES[name]["inter"], "bf16", name)
+    E = test.model.num_experts
+    layers = layers if layers is not None else range(test.model.num_moe_layers)
+    if tag == "tp":
+        cost = derive_cost_model(shape.tp_slice(ranks), E)
+        return sum(tp_layer_cost(test, layer, cost) for layer in layers)
+    cost = derive_cost_model(shape, phy2log.shape[1] // ranks)
+    return sum(ep_layer_cost(test, layer, phy2log[layer], ranks, cost, dispatch) for layer in layers)
+
+
+def load_test(work_dir: Path, name: str):
+    """The replayed test steps of one trace, as ``prepare`` saved them."""
+    from moeplace.model import ModelSpec
+    from moeplace.trace.steps import RoutingSteps
+    t = np.load(work_dir / f"{name}_test.npz")
+    model = ModelSpec.from_json(json.loads(str(t["model"])))
+    return RoutingSteps.from_topk(model, t["topk_ids"], np.diff(t["token_offsets"]), 5)
+
+
+def placement_label(tag: str, dispatch: str, ranks: int) -> str:
+    if tag == "tp":
+        return f"TP-MoE (1/{ranks} of every expert)"
+    red = tag.split("+r")[1] if "+r" in tag else ""
+    return f"EP, {red} redundant, {dispatch}" if red else "EP"
 
 
 def report(args) -> None:
     """Measured vs predicted ms per step for every placement and TP-MoE; a markdown table."""
-    from moeplace.advise import ep_layer_cost, tp_layer_cost
-    from moeplace.costmodel import CostModel, load_cost_model
-    from moeplace.model import ModelSpec
-    from moeplace.trace.steps import RoutingSteps
-
-    times = json.loads(Path(args.times).read_text())
-    data = Path(args.cost_dir)
+    jobs = {}
+    for path in args.times.split(","):
+        jobs.update(json.loads(Path(path).read_text())["jobs"])
     lines = []
     summary = {}
     for work_dir in map(Path, args.work.split(",")):
-      work = json.loads((work_dir / "work.json").read_text())
-      for name, meta in work["traces"].items():
-        arrays = np.load(work_dir / f"{name}.npz")
-        t = np.load(work_dir / f"{name}_test.npz")
-        model = ModelSpec.from_json(json.loads(str(t["model"])))
-        test = RoutingSteps.from_topk(model, t["topk_ids"], np.diff(t["token_offsets"]), 5)
-        cfg = TRACES[name]
-        ep_cost = load_cost_model(data / COST_FILES[cfg["ep"]])
-        tp_cost = load_cost_model(data / COST_FILES[cfg["tp"]])
-        lines += [f"**{meta['label']}**: {meta['test_steps']} held-out steps x {meta['layers']} MoE layers "
-                  f"replayed, placements fit on {meta['train_steps']} earlier steps; 8 EP ranks, bf16.", "",
-                  "| placement | mode | measured ms/step | predicted ms/step | error | mean abs step error "
-                  "| predicted, uncalibrated default |",
-                  "|---|---|---|---|---|---|---|"]
-        rows = {}
-        tags = [k.split("/", 1)[1] for k in arrays.files if k.startswith("idx/")]
-        for tag in tags:
-            us = np.array(times["jobs"][str(arrays[f"job/{tag}"])]["us"])
-            idx = arrays[f"idx/{tag}"]
-            if idx.max() >= us.size:
-                print(f"{name} {tag}: not all workloads were timed; skipped")
-                continue
-            if tag == "tp":
-                measured = us[idx].sum(axis=1)
-                predicted = sum(tp_layer_cost(test, layer, tp_cost) for layer in range(model.num_moe_layers))
-                default = None
-                mode = "TP-MoE (1/8 of every expert)"
-            else:
-                measured = us[idx].max(axis=2).sum(axis=1)
-                phy2log = arrays[f"phy2log/{tag}"]
-                predicted = sum(ep_layer_cost(test, layer, phy2log[layer], RANKS, ep_cost)
-                                for layer in range(model.num_moe_layers))
-                default = sum(ep_layer_cost(test, layer, phy2log[layer], RANKS, CostModel())
-                              for layer in range(model.num_moe_layers))
-                red = phy2log.shape[1] - model.num_experts
-                mode = f"EP, {red} redundant" if red else "EP"
-            scale = cfg.get("layer_scale", 1)   # replayed layers -> the model's MoE layers
-            measured, predicted = measured * scale, predicted * scale
-            default = None if default is None else default * scale
-            m, p = measured.mean() / 1e3, predicted.mean() / 1e3
-            step_err = float(np.mean(np.abs(predicted - measured) / measured))
-            rows[tag] = {"mode": mode, "measured_ms": m, "predicted_ms": p, "error": p / m - 1,
-                         "step_abs_error": step_err,
-                         "default_ms": None if default is None else default.mean() / 1e3}
-            d = "n/a" if default is None else f"{default.mean() / 1e3:.2f}"
-            lines.append(f"| {tag.split('+')[0]} | {mode} | {m:.2f} | {p:.2f} | {p / m - 1:+.1%} | "
-                         f"{step_err:.1%} | {d} |")
-        ep_rows = [r for k, r in rows.items() if k != "tp"]
-        if ep_rows:
-            mean_abs = np.mean([abs(r["error"]) for r in ep_rows])
-            lines += ["", f"Mean |error| over EP rows: {mean_abs:.1%}."]
-        for red_tag in ("", f"+r{meta['redundant']}"):
-            sa, ds = rows.get("stepaware" + red_tag), rows.get("deepseek" + red_tag)
-            if sa and ds:
-                lines.append(f"stepaware{red_tag} vs deepseek{red_tag}: {sa['measured_ms']:.2f} vs "
-                             f"{ds['measured_ms']:.2f} ms/step measured ({sa['measured_ms'] / ds['measured_ms'] - 1:+.1%}).")
-        lines.append("")
-        summary[name] = rows
+        work = json.loads((work_dir / "work.json").read_text())
+        for name, meta in work["traces"].items():
+            arrays = np.load(work_dir / f"{name}.npz")
+            test = load_test(work_dir, name)
+            ranks = meta.get("ranks", RANKS)
+            tags = [k.split("/", 1)[1] for k in arrays.files if k.startswith("idx/")]
+            done = {t: timed_steps(len(jobs.get(str(arrays[f"job/{t}"]), {"us": []})["us"]), arrays[f"idx/{t}"])
+                    for t in tags}
+            S = min([n for n in done.values() if n] or [0])   # steps timed in every row that has any
+            test = test.take(np.arange(S))
+            lines += [f"**{meta['label']}**: {S} of {meta['test_steps']} held-out steps x {meta['layers']} MoE "
+                      f"layers replayed, placements fit on {meta['train_steps']} earlier steps; {ranks} EP ranks, "
+                      "bf16.", "", "| placement | mode | measured ms/step | predicted ms/step | error "
+                      "| mean abs step error |", "|---|---|---|---|---|---|"]
+            rows = {}
+            for tag in tags:
+                job = jobs.get(str(arrays[f"job/{tag}"]))
+                idx = arrays[f"idx/{tag}"][:S]
+                if not done[tag]:
+                    print(f"{name} {tag}: no step fully timed; skipped")
+                    continue
+                dispatch = meta.get("dispatch", {}).get(tag, "dynamic")
+                phy2log = None if tag == "tp" else arrays[f"phy2log/{tag}"]
+                scale = TRACES[name].get("layer_scale", 1)   # replayed layers -> the model's MoE layers
+                measured = replayed_ms(np.array(job["us"]), idx) * scale
+                predicted = predicted_us(name, test, tag, phy2log, ranks, dispatch) * scale
+                m, p = measured.mean() / 1e3, predicted.mean() / 1e3
+                step_err = float(np.mean(np.abs(predicted - measured) / measured))
+                mode = placement_label(tag, dispatch, ranks)
+                rows[tag] = {"mode": mode, "measured_ms": m, "predicted_ms": p, "error": p / m - 1,
+                             "step_abs_error": step_err}
+                lines.append(f"| {tag.split('+')[0]} | {mode} | {m:.2f} | {p:.2f} | {p / m - 1:+.1%} | "
+                             f"{step_err:.1%} |")
+            ep_rows = [r for k, r in rows.items() if k != "tp"]
+            if ep_rows:
+                lines += ["", f"Mean |error| over EP rows: {np.mean([abs(r['error']) for r in ep_rows]):.1%}."]
+            base = rows.get("deepseek")
+            for tag, r in rows.items():
+                if base and tag != "deepseek":
+                    lines.append(f"{tag} vs deepseek: {r['measured_ms']:.2f} vs {base['measured_ms']:.2f} ms/step "
+                                 f"measured ({r['measured_ms'] / base['measured_ms'] - 1:+.1%}).")
+            lines.append("")
+            summary[name] = rows
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -241,10 +337,12 @@ def main() -> None:
     a.add_argument("--out", default="out/replay")
     a.add_argument("--gptoss", type=Path, default=GPTOSS, help=f"GPT-OSS-20B top-k ids .npz (default: {GPTOSS})")
     a.add_argument("--effort", type=float, default=2e8)
+    a.add_argument("--ranks", type=int, default=RANKS, help="EP ranks the placements are made for")
     a.add_argument("--only", default="")
     b = sub.add_parser("measure")
     b.add_argument("--work", default="out/replay")
     b.add_argument("--out", required=True)
+    b.add_argument("--jobs", default="", help="comma list of traces whose jobs to time (default: all)")
     b.add_argument("--sglang-wheel", default=".whl/sglang-*.whl")
     b.add_argument("--reps", type=int, default=10)
     b.add_argument("--step-tokens", type=int, default=9,
@@ -252,8 +350,7 @@ def main() -> None:
     b.add_argument("--budget-s", type=float, default=200)
     c = sub.add_parser("report")
     c.add_argument("--work", default="out/replay")
-    c.add_argument("--times", required=True)
-    c.add_argument("--cost-dir", default="moeplace/data")
+    c.add_argument("--times", required=True, help="measure's JSON; a comma list is merged")
     c.add_argument("--out", default="")
     args = p.parse_args()
     {"prepare": prepare, "measure": measure, "report": report}[args.cmd](args)
