@@ -51,7 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 from replay_placement import (GPTOSS, TRACES, WorkIndex, fit_placements, index_workloads,  # noqa: E402
                               job_deadlines, load_test, load_trace, placement_label, predicted_us, replayed_ms,
-                              time_workloads)
+                              time_workloads, write_report)
 
 # NVLink multicast stays off in NCCL, PyTorch and NVSHMEM (it can take a shared host's GPUs down).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -592,6 +592,12 @@ def rank_main(rank: int, ranks: int, opts: dict) -> None:
         dist.destroy_process_group()
 
 
+def fail(message: str) -> None:
+    """One line on stderr, exit status 2."""
+    print(f"bench_ep: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def write_json(path: str, doc: dict) -> None:
     from moeplace.atomic import atomic_write_text
     atomic_write_text(path, json.dumps(doc))
@@ -616,10 +622,10 @@ def run(args) -> None:
     ranks = {m["ranks"] for m in meta["traces"].values()}.pop()
     gpus = args.gpus or ranks
     if gpus != ranks:
-        raise SystemExit(f"{args.work} was prepared for {ranks} ranks; run it with --gpus {ranks} "
-                         f"(or prepare again with --gpus {gpus})")
+        fail(f"{args.work} was prepared for {ranks} ranks; run it with --gpus {ranks} (or prepare again with "
+             f"--gpus {gpus})")
     if torch.cuda.device_count() < gpus:
-        raise SystemExit(f"--gpus {gpus}: only {torch.cuda.device_count()} GPUs here")
+        fail(f"--gpus {gpus}: only {torch.cuda.device_count()} GPUs here")
     launch(gpus, {"cpu": False, "work": args.work, "out": args.out, "budget_s": args.budget_s,
                   "emulation_share": args.emulation_share, "reps": args.reps, "reserve_gb": args.reserve_gb,
                   "sglang_wheel": args.sglang_wheel, "check_hidden": 256, "check_inter": 128})
@@ -723,11 +729,7 @@ def report(args) -> None:
                   f"{'EP' if ep[best_pred]['model_ms'] <= rows['tp']['model_ms'] else 'TP-MoE'} "
                   f"({best_pred} {ep[best_pred]['model_ms']:.2f} vs TP {rows['tp']['model_ms']:.2f} ms).", ""]
         summary[name] = rows
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    write_report(lines, summary, args.out)
 
 
 def main() -> None:
@@ -747,7 +749,7 @@ def main() -> None:
     b.add_argument("--budget-s", type=float, default=150, help="wall-clock seconds for all traces")
     b.add_argument("--emulation-share", type=float, default=0.5, help="share of each trace's time for the emulation")
     b.add_argument("--reps", type=int, default=5, help="replays per emulated workload")
-    b.add_argument("--reserve-gb", type=float, default=10, help="GPU memory left free by the expert weights")
+    b.add_argument("--reserve-gb", type=float, default=16, help="GPU memory left free by the expert weights")
     b.add_argument("--sglang-wheel", default=".whl/sglang-*.whl")
     c = sub.add_parser("report", help="the table: measured vs emulation vs cost model (CPU)")
     c.add_argument("--work", required=True)
@@ -760,7 +762,10 @@ def main() -> None:
     args = p.parse_args()
     if args.cmd == "cpu-check":
         sys.exit(cpu_check(args))
-    {"prepare": prepare, "run": run, "report": report}[args.cmd](args)
+    try:
+        {"prepare": prepare, "run": run, "report": report}[args.cmd](args)
+    except (OSError, ValueError, KeyError) as e:   # a missing or foreign work folder or times file
+        fail(f"{type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":

@@ -272,6 +272,15 @@ def placement_label(tag: str, dispatch: str, ranks: int) -> str:
     return f"EP, {red} redundant, {dispatch}" if red else "EP"
 
 
+def write_report(lines: list[str], summary: dict, out: str) -> None:
+    """Print the markdown report; with ``out``, write it there and the figures beside it as JSON."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+        Path(out).with_suffix(".json").write_text(json.dumps(summary, indent=1))
+
+
 def report(args) -> None:
     """Measured vs predicted ms per step for every placement and TP-MoE; a markdown table."""
     jobs = {}
@@ -323,11 +332,7 @@ def report(args) -> None:
                                  f"measured ({r['measured_ms'] / base['measured_ms'] - 1:+.1%}).")
             lines.append("")
             summary[name] = rows
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-        Path(args.out).with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    write_report(lines, summary, args.out)
 
 
 def main() -> None:

@@ -157,3 +157,11 @@ def test_cpu_check_two_gloo_processes() -> None:
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "worst rel err vs dense MoE" in run.stdout and "| balanced | EP, 8 redundant, balanced |" in run.stdout
+
+
+@pytest.mark.parametrize("argv", [["report", "--work", "no-such-folder", "--times", "x.json"],
+                                  ["run", "--work", "no-such-folder", "--out", "x.json"]])
+def test_bad_input_is_one_line_and_exit_2(argv, tmp_path) -> None:
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_ep.py"), *argv], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and run.stderr.startswith("bench_ep: ")
