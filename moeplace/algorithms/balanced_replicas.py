@@ -25,15 +25,21 @@ Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node 
 
 from __future__ import annotations
 
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
-from moeplace.trace.steps import _ranges
+from moeplace.trace.steps import RoutingSteps, _ranges
+
+if TYPE_CHECKING:
+    from moeplace.algorithms import PlacementProblem
 
 MAX_SEARCH_RANKS = 12
 SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
-MIN_ROUNDS, BATCH_MAX = 16, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
+MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 
 
@@ -61,21 +67,31 @@ def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
 
 
 def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(fragile [S] bool, inter [S], union [S]) of each step's tight rank sets (those at the optimum).
+    """(fragile [S] bool, inter [S], union [S]) of each step's tight rank sets (those at the optimum M).
 
-    fragile: every tight set is one expert over M - 1 (one fewer expert in each lowers the optimum).
+    X is tight when f[X] > (M - 1)|X|; fragile: no tight set is more than one expert over (M - 1)|X|
+    (then one fewer expert in each lowers the optimum). M comes from the largest f of each set size.
     """
     full = np.int16((1 << ranks) - 1)
-    size = sizes[1:]
-    need = (f[:, 1:] + size - 1) // size
-    opt = need.max(axis=1, keepdims=True)
-    tight = need == opt
+    g, size = f[:, 1:], sizes[1:]
+    order, starts = _by_size(ranks)
+    top = np.maximum.reduceat(g[:, order], starts, axis=1)                 # [S, R] largest f per set size
+    k = np.arange(1, ranks + 1, dtype=np.int16)
+    opt = ((top + k - 1) // k).max(axis=1)
+    over = g - (opt[:, None] - 1) * size
+    tight = over >= 1
+    fragile = (over.max(axis=1) <= 1) & (opt > 0)
     ids = np.arange(1, 1 << ranks, dtype=np.int16)
-    over = f[:, 1:] - (opt - 1) * size
-    fragile = np.where(tight, over == 1, True).all(axis=1) & (opt[:, 0] > 0)
     inter = np.bitwise_and.reduce(np.where(tight, ids, full), axis=1)
     union = np.bitwise_or.reduce(np.where(tight, ids, np.int16(0)), axis=1)
     return fragile, inter, union
+
+
+@lru_cache(maxsize=None)
+def _by_size(ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-empty rank sets grouped by size, and where each size starts: (order [X-1], starts [R])."""
+    sizes = subset_sizes(ranks)[1:]
+    return np.argsort(sizes, kind="stable"), np.searchsorted(np.sort(sizes), np.arange(1, ranks + 1))
 
 
 def _pair_scores(steps: np.ndarray, experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray,
@@ -154,29 +170,38 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
                 taken[r] += 1
         experts = np.array([e for e, _ in chosen])
         hit = np.flatnonzero(active[:, experts].any(axis=1))
-        hit_pairs = _ranges(first_pair[hit], first_pair[hit + 1] - first_pair[hit])
-        score -= contribution(hit_pairs)
         for e, r in chosen:
             # f[X] drops by one for the sets holding all of e's replicas but not r
             drop = ((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0)
             f[np.ix_(np.flatnonzero(active[:, e]), np.flatnonzero(drop))] -= 1
+        new_fragile, new_inter, new_union = _tight(f[hit], sizes, ranks)
+        # A pair's score changes where its step's tight sets changed, or where its expert is a chosen
+        # one (its mask changed); every pair of a chosen expert lies in ``hit``.
+        changed = (new_fragile != fragile[hit]) | (new_inter != inter[hit]) | (new_union != union[hit])
+        pairs = _ranges(first_pair[hit], first_pair[hit + 1] - first_pair[hit])
+        pairs = pairs[np.repeat(changed, first_pair[hit + 1] - first_pair[hit]) | np.isin(pair_expert[pairs], experts)]
+        score -= contribution(pairs)
         for e, r in chosen:
             masks[e] |= rank_bits[r]
             room[r] -= 1
-        fragile[hit], inter[hit], union[hit] = _tight(f[hit], sizes, ranks)
-        # every pair of a chosen expert lies in ``hit``, so this also covers their new masks
-        score += contribution(hit_pairs)
+        fragile[hit], inter[hit], union[hit] = new_fragile, new_inter, new_union
+        score += contribution(pairs)
     return masks.astype(np.int64)
 
 
-def place(problem, layer: int, base: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def search_steps(problem: PlacementProblem, rng: np.random.Generator) -> RoutingSteps:
+    """The fitted steps the search sees: all, or SEARCH_CELLS / (rank sets + experts) of them at random."""
+    sample = max(SEARCH_CELLS // ((1 << problem.ranks) + problem.model.num_experts), 1)
+    steps = problem.steps
+    return steps if steps.num_steps <= sample else steps.take(np.sort(rng.choice(steps.num_steps, sample,
+                                                                                   replace=False)))
+
+
+def place(problem: PlacementProblem, layer: int, base: np.ndarray, steps: RoutingSteps) -> np.ndarray:
     """phy2log [P] of one layer: ``base [E]`` (one copy of each expert, E / R a rank) plus the problem's
-    spare slots, placed for balanced dispatch on a sample of the fitted steps."""
+    spare slots, placed for balanced dispatch on ``steps`` (``search_steps``)."""
     R, E = problem.ranks, problem.model.num_experts
-    counts = step_expert_counts(problem.steps, layer)
-    sample = max(SEARCH_CELLS // ((1 << R) + E), 1)
-    if counts.shape[0] > sample:
-        counts = counts[np.sort(rng.choice(counts.shape[0], sample, replace=False))]
+    counts = step_expert_counts(steps, layer)
     masks = replica_layout(base, E, R).masks
     masks = add_replicas(counts > 0, masks, R, problem.redundant // R, counts.sum(axis=0))
     return masks_to_phy2log(masks, R, problem.num_physical // R)

@@ -57,11 +57,12 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     weight = problem.steps.expert_token_counts()
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
     base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+    search = balanced_replicas.search_steps(problem, rng) if base is not problem else None
     out = np.zeros((L, problem.num_physical), np.int64)
     for layer in range(L):
         phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rng, base.effort / L)
         if base is not problem:
-            phy2log = balanced_replicas.place(problem, layer, phy2log, rng)
+            phy2log = balanced_replicas.place(problem, layer, phy2log, search)
         out[layer] = phy2log
         problem.progress(1)
     return out
