@@ -15,12 +15,28 @@
 //
 // Shared memory: counts [E] (reused for the multi experts' chosen rank), masks [E], the ids [N*K] as
 // int16, and the multi list (expert, mask, count, rank) of at most min(E, N*K) entries:
-// 8E + 13 min(E, N*K) + 2 N*K bytes, < 48 KB for E <= 4096 and N*K <= 1024. No global scratch, no host synchronisation: the launch is CUDA-graph safe. Entries are
-// read before they are written by the same lane, so ``out`` may alias ``ids``.
+// 8E + 13 min(E, N*K) + 2 N*K bytes, < 48 KB for E <= 4096 and N*K <= 1024. No global scratch, no host
+// synchronisation: the launch is CUDA-graph safe. All ids are copied to shared memory before any output
+// is written, so ``out`` may alias ``ids``.
+//
+// Cost on an H200 (BENCHMARKS.md, "Balanced dispatch kernel"): 6.1 us per call at 72 ids under graph
+// replay, of which 0.95 us is the launch; the rule itself (greedy, augmenting paths) is a small part,
+// the one-warp data movement around it the large one.
+//
+// Benchmark builds only (scripts/bench_dispatch.py --phases): BD_STOP_AFTER=n ends the kernel after
+// phase n below (-1: at once), writing a value that depends on it so that nothing is optimised away;
+// BD_CLOCK=1 makes that value (or, for the whole kernel, out[0]) the SM cycles since the kernel began.
 
 #include <cuda_runtime.h>
 #include <climits>
 #include <cstdint>
+
+#ifndef BD_STOP_AFTER
+#define BD_STOP_AFTER 0
+#endif
+#ifndef BD_CLOCK
+#define BD_CLOCK 0
+#endif
 
 namespace {
 
@@ -43,6 +59,15 @@ __device__ __forceinline__ short known_id(long long id, int experts) {
 }
 
 template <typename Id>
+__device__ __forceinline__ bool stop_here(int phase, Id* out, int entries, int value, long long start) {
+  if (BD_STOP_AFTER != phase) return false;
+  __syncwarp();
+  if (BD_CLOCK) value = static_cast<int>(clock64() - start);
+  if (static_cast<int>(threadIdx.x) < entries) out[threadIdx.x] = static_cast<Id>(value);
+  return true;
+}
+
+template <typename Id>
 __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int single_load[32], single_tok[32];
@@ -58,6 +83,9 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
   const int lane = threadIdx.x;
   const unsigned rank_bits = R >= 32 ? kFull : (1u << R) - 1u;
   const Id* ids = static_cast<const Id*>(p.ids);
+  Id* out = static_cast<Id*>(p.out);
+  const long long start = BD_CLOCK ? clock64() : 0;
+  if (stop_here(-1, out, entries, lane, start)) return;
 
   // 1. tokens per expert over the valid entries. The first batch of ids, the masks and the row count
   // are all requested before any of them is used: one memory latency, not three.
@@ -102,6 +130,7 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
     if (id >= 0) atomicAdd(&cnt[id], 1);
   }
   __syncwarp();
+  if (stop_here(1, out, entries, cnt[lane % E], start)) return;
 
   // 2. one-replica experts go to their rank; the others join the list in id order
   int listed = 0;
@@ -130,6 +159,7 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
     listed += __popc(ballot);
   }
   __syncwarp();
+  if (stop_here(2, out, entries, listed + single_tok[lane], start)) return;
 
   // 3. greedy, in expert id order: the candidate rank with the smallest (load, tok, rank)
   unsigned state = (static_cast<unsigned>(single_load[lane]) << 16) |
@@ -145,6 +175,7 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
   int load = static_cast<int>(state >> 16);
   int tok = static_cast<int>((state >> 5) & 0x7ffu);
   __syncwarp();
+  if (stop_here(3, out, entries, static_cast<int>(state), start)) return;
 
   // 4. augmenting paths from the ranks of maximum load to a rank of load <= max - 2
   for (int done = 0; done < p.max_augment; ++done) {
@@ -191,10 +222,11 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
     if (lane == target) load += 1;
   }
 
+  if (stop_here(4, out, entries, load + tok, start)) return;
+
   // 5. slots: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1
   for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
   __syncwarp();
-  Id* out = static_cast<Id*>(p.out);
   for (int base = 0; base < entries; base += 32 * kBatch) {
     int slot[kBatch];
 #pragma unroll
@@ -213,6 +245,10 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
       const int i = base + lane + 32 * j;
       if (i < entries) out[i] = static_cast<Id>(slot[j]);
     }
+  }
+  if (BD_CLOCK) {
+    __syncwarp();
+    if (lane == 0) out[0] = static_cast<Id>(clock64() - start);
   }
 }
 

@@ -8,7 +8,7 @@ to one of its replicas, chosen by ``moeplace.balanced.fast_rule_step`` (bit for 
 that the busiest rank reads as few distinct experts as possible. The ids are the same on every rank and
 the rule is a fixed function of them, so every rank picks the same replicas.
 
-Two kernels compute it, both one program of one warp (the rule is sequential and small):
+Two kernels compute it, each as a single program (the rule is sequential and small):
 
 * ``cuda`` (``balanced_dispatch.cu``, design in its opening comment): built on first use by
   ``torch.utils.cpp_extension`` and cached; the default where it builds.
@@ -33,8 +33,8 @@ import torch
 from moeplace.balanced import MAX_AUGMENT
 from moeplace_kernels import balanced_dispatch_cuda
 
-MAX_ENTRIES = 1024   # N * K: token and rank fields of the CUDA kernel's packed key are 11 bits wide
-MAX_EXPERTS = 4096   # shared memory of the CUDA kernel: 8E + 13 min(E, N*K) bytes < 48 KB
+MAX_ENTRIES = 1024   # N * K: the load and token fields of the CUDA kernel's packed rank key are 11 bits wide
+MAX_EXPERTS = 4096   # shared memory of the CUDA kernel: 8E + 13 min(E, N*K) + 2 N*K bytes < 48 KB
 MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
 UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
 BACKENDS = ("auto", "cuda", "triton")
@@ -60,7 +60,8 @@ def balanced_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.
         return out
     augment = UNLIMITED if max_augment is None else int(max_augment)
     if _backend_for(topk_ids.device, backend) == "cuda":
-        _launch_cuda(topk_ids, masks, slots, num_rows, out, augment)
+        library = balanced_dispatch_cuda.load(torch.cuda.get_device_capability(topk_ids.device))
+        launch_cuda(library, topk_ids, masks, slots, num_rows, out, augment)
     else:
         from moeplace_kernels import balanced_dispatch_triton
 
@@ -126,8 +127,9 @@ def _backend_for(device: torch.device, requested: str) -> str:
     return select_backend(requested, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
 
 
-def _launch_cuda(topk_ids, masks, slots, num_rows, out, max_augment: int) -> None:
-    library = balanced_dispatch_cuda.load(torch.cuda.get_device_capability(topk_ids.device))
+def launch_cuda(library: balanced_dispatch_cuda.DispatchLibrary, topk_ids: torch.Tensor, masks: torch.Tensor,
+                slots: torch.Tensor, num_rows: Optional[torch.Tensor], out: torch.Tensor, max_augment: int) -> None:
+    """One launch of ``library`` (the CUDA kernel, or a benchmark build of it) on checked inputs."""
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
     library.launch(topk_ids.data_ptr(), out.data_ptr(), masks.data_ptr(), slots.data_ptr(),

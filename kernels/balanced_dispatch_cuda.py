@@ -56,6 +56,9 @@ def arch_flags(capability: tuple[int, int]) -> list[str]:
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"]
 
 
+NVCC_FLAGS = ("-O3", "-std=c++17")
+
+
 def build(capability: tuple[int, int], verbose: bool = False) -> str:
     """Path of the library for ``capability``, compiled unless cached. Raises on a failed build."""
     from torch.utils import cpp_extension
@@ -63,8 +66,7 @@ def build(capability: tuple[int, int], verbose: bool = False) -> str:
     major, minor = capability
     return cpp_extension.load(
         name=f"moeplace_balanced_dispatch_sm{major}{minor}", sources=[str(SOURCE)],
-        extra_cuda_cflags=["-O3", "-std=c++17", *arch_flags(capability)],
-        is_python_module=False, verbose=verbose)
+        extra_cuda_cflags=[*NVCC_FLAGS, *arch_flags(capability)], is_python_module=False, verbose=verbose)
 
 
 def find_nvcc() -> Optional[str]:

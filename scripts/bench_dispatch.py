@@ -15,12 +15,16 @@ own input and output buffers; µs per call = median replay time / calls. Rows:
                     (what ``--moe-a2a-backend none`` runs), loaded from the wheel
   copy (floor)      one copy kernel per call: the cost of any one-kernel step in a graph
 
+With ``--phases``, builds of the CUDA kernel that stop after each of its phases show where the time
+goes, in SM cycles measured inside the kernel and in µs per call; the SM clock (NVML) during the
+replays is printed too.
+
 Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (ids that differ: a column; 0 is
 right). A variant that fails is reported in its row and the others still run. Also reported:
 augmenting paths per batch (mean, max, share at the cap of 16) and the mean over batches of the
 largest number of distinct experts a rank reads, under each rule, beside the exact per-step optimum.
 
-    python3 scripts/bench_dispatch.py --sglang-wheel '.whl/sglang-*.whl' --out bench_dispatch.md
+    python3 scripts/bench_dispatch.py --sglang-wheel '.whl/sglang-*.whl' --out bench_dispatch.md --phases
 """
 
 from __future__ import annotations
@@ -50,20 +54,23 @@ class Batches:
 
     tokens: int
     ids: np.ndarray
-    counts: np.ndarray       # [calls, E]
     expected: np.ndarray     # [calls, T, K] physical slots by the fast rule
-    augments: np.ndarray     # [calls]
-    distinct: np.ndarray     # [calls] largest distinct experts on a rank, fast rule
-    optimum: np.ndarray      # [calls] the same, exact per-step optimum
+    augments: np.ndarray     # [calls] augmenting paths the rule used
+    optimum: np.ndarray      # [calls] exact per-step optimum of the largest distinct experts on a rank
+
+
+def one_layer_model(args):
+    from moeplace.model import ModelSpec
+
+    return ModelSpec("SYNTHETIC kimi-k2-shaped, one layer", 1, (0,), args.experts, args.topk)
 
 
 def make_layout(args) -> tuple[np.ndarray, ReplicaLayout]:
     """(phy2log [P], its ReplicaLayout): stepaware for balanced dispatch on one synthetic layer."""
     from moeplace.algorithms import PlacementProblem, solve
-    from moeplace.model import ModelSpec
     from moeplace.trace.synthetic import synthetic_steps
 
-    model = ModelSpec("SYNTHETIC kimi-k2-shaped, one layer", 1, (0,), args.experts, args.topk)
+    model = one_layer_model(args)
     _, fit = synthetic_steps(args.fit_steps, TOKENS_PER_STEP, model, seed=args.seed)
     problem = PlacementProblem(model, fit, args.ranks, redundant=args.redundant, dispatch="balanced",
                                effort=args.effort)
@@ -74,10 +81,9 @@ def make_layout(args) -> tuple[np.ndarray, ReplicaLayout]:
 def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
     """Held-out synthetic steps grouped into ``args.calls`` batches of ``tokens`` rows."""
     from moeplace.algorithms.balanced_replicas import step_optimum, subset_counts, subset_sizes
-    from moeplace.model import ModelSpec
     from moeplace.trace.synthetic import synthetic_steps
 
-    model = ModelSpec("SYNTHETIC kimi-k2-shaped, one layer", 1, (0,), args.experts, args.topk)
+    model = one_layer_model(args)
     per_batch = tokens // TOKENS_PER_STEP
     _, held = synthetic_steps(args.calls * per_batch, TOKENS_PER_STEP, model, seed=args.seed + 1)
     ids = held.layer(0)[2].astype(np.int64).reshape(args.calls, tokens, args.topk)
@@ -86,7 +92,7 @@ def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
     rule = fast_rule(counts, layout.masks, R, MAX_AUGMENT)
     expected = layout.slots[ids, rule.pick[np.arange(args.calls)[:, None, None], ids]]
     optimum = step_optimum(subset_counts(counts > 0, layout.masks, R), subset_sizes(R))
-    return Batches(tokens, ids, counts, expected, rule.augments, rule.distinct.max(axis=1), optimum)
+    return Batches(tokens, ids, expected, rule.augments, optimum)
 
 
 def load_sglang_dispatch(wheel: str | None):
@@ -127,11 +133,61 @@ def max_distinct(slots: np.ndarray, ranks: int, physical: int) -> np.ndarray:
     return out
 
 
+PHASES = ((-1, "launch only"), (1, "1 loads, tokens per expert"), (2, "2 scan of the experts"), (3, "3 greedy"),
+          (4, "4 augmenting paths"), (0, "5 slots (whole kernel)"))
+
+
+def build_phase_variants(capability: tuple[int, int]) -> dict[int, object]:
+    """{stop: library}: benchmark builds of the CUDA kernel that end after each phase and report SM
+    cycles (``BD_STOP_AFTER``, ``BD_CLOCK`` in balanced_dispatch.cu), compiled side by side with nvcc."""
+    import subprocess
+    import tempfile
+
+    from moeplace_kernels import balanced_dispatch_cuda as bdc
+
+    nvcc = bdc.find_nvcc()
+    if nvcc is None:
+        raise RuntimeError("no nvcc")
+    folder = Path(tempfile.mkdtemp(prefix="bench-dispatch-"))
+    jobs = {}
+    for stop, _ in PHASES:
+        path = folder / f"stop{stop}.so"
+        cmd = [nvcc, *bdc.NVCC_FLAGS, *bdc.arch_flags(capability), "-shared", "-Xcompiler", "-fPIC",
+               f"-DBD_STOP_AFTER={stop}", "-DBD_CLOCK=1", "-o", str(path), str(bdc.SOURCE)]
+        jobs[stop] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), path)
+    libraries = {}
+    for stop, (proc, path) in jobs.items():
+        _, err = proc.communicate()
+        if proc.returncode:
+            raise RuntimeError(f"nvcc failed for BD_STOP_AFTER={stop}: {err.strip().splitlines()[:1]}")
+        libraries[stop] = bdc.DispatchLibrary(str(path))
+    return libraries
+
+
+def sm_clock_mhz(fn, replays: int = 400) -> float | None:
+    """The SM clock (NVML) while a graph of ``fn`` replays back to back, or None without NVML."""
+    import torch
+
+    try:
+        torch.cuda.clock_rate()
+    except Exception:  # noqa: BLE001 (pynvml missing or unsupported)
+        return None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(replays):
+        graph.replay()
+    time.sleep(0.03)
+    mhz = torch.cuda.clock_rate()
+    torch.cuda.synchronize()
+    return float(mhz)
+
+
 def measure(args) -> tuple[list[dict], dict]:
     import torch
 
     from cuda_timing import graph_time_us
-    from moeplace_kernels.balanced_dispatch import balanced_dispatch, dispatch_tables, prepare
+    from moeplace_kernels.balanced_dispatch import balanced_dispatch, dispatch_tables, launch_cuda, prepare
 
     device = torch.device("cuda")
     t0 = time.time()
@@ -151,7 +207,15 @@ def measure(args) -> tuple[list[dict], dict]:
     info = sglang_dispatch_info(sgl, phy2log, args.experts, device)
     physical = int(phy2log.shape[0])
     rows, meta = [], dict(sglang=version, torch=torch.__version__, device=torch.cuda.get_device_name(),
-                          calls=args.calls, reps=args.reps)
+                          calls=args.calls, reps=args.reps, phases=[], sm_clock_mhz={})
+    phase_libs = {}
+    if args.phases:
+        t0 = time.time()
+        try:
+            phase_libs = build_phase_variants(torch.cuda.get_device_capability(device))
+            print(f"phase variants built ({time.time() - t0:.1f} s)", flush=True)
+        except (OSError, RuntimeError) as exc:
+            print(f"no phase variants: {str(exc).splitlines()[0]}", flush=True)
     for tokens in args.tokens:
         batches = make_batches(args, layout, tokens)
         ids = [torch.from_numpy(b).to(device=device, dtype=torch.int32) for b in batches.ids]
@@ -194,6 +258,19 @@ def measure(args) -> tuple[list[dict], dict]:
                 row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]
             print(f"{tokens:3d} tokens  {name:24s} " + (f"{row['us']:7.2f} µs" if row["us"] is not None
                                                         else row["error"]), flush=True)
+        if "cuda" in backends:
+            meta["sm_clock_mhz"][tokens] = sm_clock_mhz(moeplace("cuda"))
+        for stop, label in PHASES if phase_libs else ():
+            def run_phase(library=phase_libs[stop]):
+                for x, o in zip(ids, outs):
+                    launch_cuda(library, x, masks, slots, num_rows, o, MAX_AUGMENT)
+
+            run_phase()
+            torch.cuda.synchronize()
+            cycles = float(np.median([o[0, 0].item() for o in outs]))
+            us = graph_time_us(run_phase, reps=args.reps) / args.calls
+            meta["phases"].append(dict(tokens=tokens, phase=label, cycles=cycles, us=us))
+            print(f"{tokens:3d} tokens  until {label:24s} {cycles:8.0f} cycles {us:7.2f} µs/call", flush=True)
     return rows, meta
 
 
@@ -213,6 +290,14 @@ def table(rows: list[dict], meta: dict, args) -> str:
         lines.append(f"| {r['tokens']} | {r['entries']} | {r['kernel']} | {us} | {ratio} | {wrong} | {distinct} | "
                      f"{r['optimum']:.2f} | {r['augments_mean']:.2f} / {r['augments_max']} / "
                      f"{100 * r['at_cap']:.0f}% |")
+    clocks = ", ".join(f"{t} tokens {c:.0f} MHz" for t, c in meta["sm_clock_mhz"].items() if c)
+    if clocks:
+        lines += ["", f"SM clock (NVML) while the CUDA kernel's graph replays: {clocks}."]
+    if meta["phases"]:
+        lines += ["", "Where the CUDA kernel's time goes: builds that stop after each phase; SM cycles from the "
+                  "kernel's first instruction (median over the calls) and µs per call under graph replay.", "",
+                  "| tokens | until the end of | cycles | µs / call |", "| ---: | --- | ---: | ---: |"]
+        lines += [f"| {p['tokens']} | {p['phase']} | {p['cycles']:.0f} | {p['us']:.2f} |" for p in meta["phases"]]
     return "\n".join(lines) + "\n"
 
 
@@ -231,6 +316,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100, help="dispatches (different batches) per graph")
     ap.add_argument("--reps", type=int, default=50, help="graph replays timed")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", action="store_true",
+                    help="also time builds of the CUDA kernel that stop after each phase (needs nvcc)")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if any(t <= 0 or t % TOKENS_PER_STEP for t in args.tokens):
