@@ -156,7 +156,9 @@ def precompile(configs, H: int, D: int, procs: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sglang-wheel", default=None,
                     help="time SGLang's Triton kernels too, loaded from this wheel (a glob)")
     ap.add_argument("--out", default="bench_verify.md")
