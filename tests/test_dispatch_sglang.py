@@ -51,6 +51,9 @@ def server(tmp_path_factory):
     el.set_global_expert_location_metadata(meta, allow_overwrite=True)
     yield placement, rc
     el.set_global_expert_location_metadata(saved_meta, allow_overwrite=True)
+    # publish stamped this module's ranks into the parallel context's own dict, which the snapshot
+    # holds by reference: clear it, or the next module's publish meets a 4-rank topology
+    rc.get_parallel().clear_stamp()
     rc.restore_context(state)
 
 
@@ -144,10 +147,13 @@ def test_dp_attention_is_refused_with_one_line(hooked, server):
     placement, rc = server
     info = ExpertLocationDispatchInfo.init_new(placement.model.moe_layers[0])
     info.rank_invariant = False                                           # an all-to-all backend ...
-    with rc.get_parallel().override(attn_dp_size=2, attn_tp_size=2):      # ... with DP attention
-        with pytest.raises(SystemExit, match="DP attention"):
-            topk.topk_ids_logical_to_physical(torch.zeros((2, 4), dtype=torch.int32), info)
+    # (stamped, not the scoped override: SGLang's snapshot holds the scoped dict by reference, and the
+    # fixture clears the stamps)
+    rc.get_parallel().override_permanently(attn_dp_size=2, attn_tp_size=2)   # ... with DP attention
+    with pytest.raises(SystemExit, match="DP attention"):
+        topk.topk_ids_logical_to_physical(torch.zeros((2, 4), dtype=torch.int32), info)
     assert not state.checked
+    rc.get_parallel().override_permanently(attn_dp_size=1, attn_tp_size=RANKS)
     topk.topk_ids_logical_to_physical(torch.zeros((2, 4), dtype=torch.int32), info)   # DeepEP, TP attention
     assert state.checked
 

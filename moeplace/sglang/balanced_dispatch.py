@@ -11,9 +11,9 @@ busiest rank reads as few distinct experts as possible (``moeplace.balanced``; t
   dispatch ``rank_invariant``: every rank runs the MoE over the same tokens and the outputs are summed)
   or an all-to-all backend such as DeepEP without DP attention. Under DP attention each rank routes its
   own tokens and no rank sees the others' ids: the first call refuses to run, with one line.
-* Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64: prefill) go to SGLang's own
-  rule, which balances tokens. The threshold is a host fact (the tensor's shape), so a CUDA graph
-  captures one branch or the other.
+* Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64: prefill), or of more than the
+  kernel's 1024 ids, go to SGLang's own rule, which balances tokens. The threshold is a host fact (the
+  tensor's shape), so a CUDA graph captures one branch or the other.
 * CUDA-graph safe: the layer's replica tables are derived on the device on the first (eager) call,
   with no host sync, and cached by the address of SGLang's per-layer map; the output goes to one of
   two preallocated buffers per layer, alternated per call, so the two micro-batches of two-batch
@@ -100,6 +100,7 @@ class BalancedDispatch:
     def __init__(self, config: DispatchConfig) -> None:
         self.config = config
         self.layers: dict[int, _Layer] = {}
+        self.prepared: set = set()
         self.checked = False
 
     def __call__(self, original: Callable, topk_ids, info, log2phy_prob=None):
@@ -117,8 +118,13 @@ class BalancedDispatch:
             self.layers[info.partial_logical_to_all_physical_map.data_ptr()] = layer
         if not topk_ids.is_cuda:
             return dispatch_on_host(topk_ids, layer, num_token_non_padded())
-        from moeplace_kernels.balanced_dispatch import balanced_dispatch
+        from moeplace_kernels.balanced_dispatch import MAX_ENTRIES, balanced_dispatch, prepare
 
+        if topk_ids.numel() > MAX_ENTRIES:   # the kernel's limit (more than 1024 ids: a prefill)
+            return original(topk_ids, info, log2phy_prob)
+        if topk_ids.device not in self.prepared:   # build the kernel before any graph is captured
+            prepare(topk_ids.device)
+            self.prepared.add(topk_ids.device)
         return balanced_dispatch(topk_ids, layer.masks, layer.slots, num_rows=num_token_non_padded(),
                                  out=layer.out_for(topk_ids))
 
