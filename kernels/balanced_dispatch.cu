@@ -1,31 +1,40 @@
 // Balanced dispatch among expert replicas: moeplace's fast rule (moeplace/balanced.py) on the GPU.
 //
-// One warp, one CTA, one launch per MoE layer and step. The rule is sequential (a greedy pass over the
-// active multi-replica experts in id order, then breadth-first augmenting paths over <= 32 ranks), and
-// its input is small (N*K <= 1024 entries), so the whole problem lives in one warp:
+// One CTA of kThreads threads per MoE layer and step. The rule itself is sequential (a greedy pass over
+// the active multi-replica experts in id order, then breadth-first augmenting paths over <= 32 ranks)
+// and runs in warp 0; the data-parallel work around it (loads, tokens per expert, the list of experts,
+// the output) is spread over all threads, one barrier per phase:
 //
-//   * lane r holds rank r's state: distinct experts (load) and tokens (tok), packed into one word
-//     (load << 16 | tok << 5 | r) whose unsigned order is the rule's tie order (fewest experts, then
-//     fewest tokens, then lowest rank); tok <= N*K <= 1024 < 2^11, load <= 1024, so fields never overlap;
-//   * an expert's choice among its replica ranks is one __reduce_min_sync over the candidate lanes;
-//   * the list of active multi-replica experts is built in id order with ballots, so the greedy pass and
-//     every "lowest expert id" tie-break read it front to back;
-//   * the augmenting-path search keeps, per lane b, the bit set of ranks a with an edge a -> b (an
-//     expert on a that has a replica on b): a BFS level is one ballot, a parent is the lowest set bit.
+//   1. loads: ids, masks and (when they fit) the whole slot table are copied to shared memory with
+//      cp.async, all requested at once: one memory round trip, no registers held. The slots are a second
+//      copy group, waited for only before the output, so they arrive while the rule runs;
+//   2. tokens per expert: one shared-memory atomic per valid entry (the result does not depend on order);
+//   3. the experts, one per thread: a one-replica expert adds to its rank's (load, tok) with shared
+//      atomics; the active multi-replica experts form a list in id order (ballot per warp, then each
+//      warp's offset from the counts of the warps before it);
+//   4. greedy (warp 0): lane r holds rank r's state packed in one word, load << 16 | tok << 5 | r, whose
+//      unsigned order is the rule's tie order (fewest experts, fewest tokens, lowest rank); tok <=
+//      N*K <= 1024 < 2^11 and load <= 1024, so fields never overlap. An expert's choice among its replica
+//      ranks is one __reduce_min_sync over the candidate lanes;
+//   5. augmenting paths (warp 0): per lane b the bit set of ranks a with an edge a -> b (an expert on a
+//      that has a replica on b); a BFS level is one ballot, a parent the lowest set bit;
+//   6. output: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1.
 //
-// Shared memory: counts [E] (reused for the multi experts' chosen rank), masks [E], the ids [N*K] as
-// int16, and the multi list (expert, mask, count, rank) of at most min(E, N*K) entries:
-// 8E + 13 min(E, N*K) + 2 N*K bytes, < 48 KB for E <= 4096 and N*K <= 1024. No global scratch, no host
-// synchronisation: the launch is CUDA-graph safe. All ids are copied to shared memory before any output
-// is written, so ``out`` may alias ``ids``.
+// Loops are rolled: the kernel runs once per SM and pays an instruction fetch for each new line of
+// code, which made the earlier one-warp, 16-way unrolled kernel (~2,100 instructions) slow.
 //
-// Cost on an H200 (BENCHMARKS.md, "Balanced dispatch kernel"): 6.1 us per call at 72 ids under graph
-// replay, of which 0.95 us is the launch; the rule itself (greedy, augmenting paths) is a small part,
-// the one-warp data movement around it the large one.
+// Shared memory (bytes): the staged slot table 4ER (only when the total stays <= kStageLimit), the ids
+// N*K*sizeof(id), masks and counts 8E (counts are reused for the multi experts' chosen rank), and the
+// list (mask, expert, count, rank) 9 min(E, N*K). No global scratch, no host synchronisation: the launch
+// is CUDA-graph safe. All ids are in shared memory before any output is written, so ``out`` may alias
+// ``ids``.
 //
-// Benchmark builds only (scripts/bench_dispatch.py --phases): BD_STOP_AFTER=n ends the kernel after
-// phase n below (-1: at once), writing a value that depends on it so that nothing is optimised away;
-// BD_CLOCK=1 makes that value (or, for the whole kernel, out[0]) the SM cycles since the kernel began.
+// Cost on an H200: BENCHMARKS.md, "Balanced dispatch kernel".
+//
+// Benchmark builds only (scripts/bench_dispatch.py --phases, --variants): BD_STOP_AFTER=n ends the
+// kernel after phase n above (-1: at once), writing a value that depends on it so that nothing is
+// optimised away; BD_CLOCK=1 makes that value (or, for the whole kernel, out[0]) the SM cycles since the
+// kernel began. BD_THREADS sets kThreads, BD_STAGE_SLOTS=0 turns the slot staging off.
 
 #include <cuda_runtime.h>
 #include <climits>
@@ -37,10 +46,21 @@
 #ifndef BD_CLOCK
 #define BD_CLOCK 0
 #endif
+#ifndef BD_THREADS
+#define BD_THREADS 512
+#endif
+#ifndef BD_STAGE_SLOTS
+#define BD_STAGE_SLOTS 1
+#endif
 
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
+constexpr int kThreads = BD_THREADS;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStageLimit = 40 * 1024;    // dynamic shared memory with the slot table staged
+constexpr int kDefaultLimit = 47 * 1024;  // above this (E = 4096 with 1024 int64 ids), opt in to more
+static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024, "BD_THREADS: whole warps");
 
 struct Params {
   const void* ids;        // [N * K] int32 or int64 logical ids, -1 = none
@@ -50,97 +70,129 @@ struct Params {
   const void* num_rows;   // device scalar (int32 or int64) or null: rows >= it are padding
   int num_rows_is_64;
   int rows, k, experts, ranks, max_augment;
+  int stage_slots;        // 1: the slot table is copied to shared memory
 };
 
-constexpr int kBatch = 16;  // global loads a lane issues before it waits for the first
+// Byte offsets of the dynamic shared memory, 16-byte aligned; the same function sizes the launch.
+struct SmemLayout {
+  int slots, ids, masks, counts, list_m, list_e, list_c, list_r, bytes;
+};
 
-__device__ __forceinline__ short known_id(long long id, int experts) {
-  return id >= 0 && id < experts ? static_cast<short>(id) : static_cast<short>(-1);
+__host__ __device__ inline int align16(int bytes) { return (bytes + 15) & ~15; }
+
+__host__ __device__ inline SmemLayout smem_layout(int experts, int ranks, int entries, int id_bytes,
+                                                  bool stage_slots) {
+  const int cap = experts < entries ? experts : entries;
+  SmemLayout s;
+  s.slots = 0;
+  s.ids = s.slots + (stage_slots ? align16(4 * experts * ranks) : 0);
+  s.masks = s.ids + align16(id_bytes * entries);
+  s.counts = s.masks + align16(4 * experts);
+  s.list_m = s.counts + align16(4 * experts);
+  s.list_e = s.list_m + align16(4 * cap);
+  s.list_c = s.list_e + align16(2 * cap);
+  s.list_r = s.list_c + align16(2 * cap);
+  s.bytes = s.list_r + align16(cap);
+  return s;
+}
+
+__device__ __forceinline__ int known_id(long long id, int experts) {
+  return id >= 0 && id < experts ? static_cast<int>(id) : -1;
+}
+
+template <int kBytes>
+__device__ __forceinline__ void copy_async(void* smem_dst, const void* src) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst), "l"(src), "n"(kBytes) : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Copy ``bytes`` (a multiple of 4) from global ``src`` to 16-byte aligned shared ``dst``, split over the
+// CTA: 16-byte pieces when ``src`` is 16-byte aligned, 4-byte pieces for the rest.
+__device__ __forceinline__ void stage(unsigned char* dst, const void* src, int bytes) {
+  const unsigned char* from = static_cast<const unsigned char*>(src);
+  const int head = (reinterpret_cast<uintptr_t>(from) & 15u) == 0 ? bytes & ~15 : 0;
+#pragma unroll 1
+  for (int o = 16 * static_cast<int>(threadIdx.x); o < head; o += 16 * kThreads) copy_async<16>(dst + o, from + o);
+#pragma unroll 1
+  for (int o = head + 4 * static_cast<int>(threadIdx.x); o < bytes; o += 4 * kThreads)
+    copy_async<4>(dst + o, from + o);
 }
 
 template <typename Id>
 __device__ __forceinline__ bool stop_here(int phase, Id* out, int entries, int value, long long start) {
   if (BD_STOP_AFTER != phase) return false;
-  __syncwarp();
+  __syncthreads();
   if (BD_CLOCK) value = static_cast<int>(clock64() - start);
   if (static_cast<int>(threadIdx.x) < entries) out[threadIdx.x] = static_cast<Id>(value);
   return true;
 }
 
 template <typename Id>
-__global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
+__global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
-  __shared__ int single_load[32], single_tok[32];
+  __shared__ int single_load[32], single_tok[32], warp_multi[kWarps];
+  __shared__ unsigned rank_key[32];
+  __shared__ int valid_entries;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
-  const int cap = min(E, entries);
-  int* cnt = reinterpret_cast<int*>(smem);                // [E] tokens; later the multi experts' rank
-  unsigned* msk = reinterpret_cast<unsigned*>(cnt + E);   // [E]
-  int* list_e = reinterpret_cast<int*>(msk + E);          // [cap] active multi experts, id order
-  unsigned* list_m = reinterpret_cast<unsigned*>(list_e + cap);
-  int* list_c = reinterpret_cast<int*>(list_m + cap);
-  short* sid = reinterpret_cast<short*>(list_c + cap);    // [entries] id, -1 if none or out of range
-  unsigned char* list_r = reinterpret_cast<unsigned char*>(sid + entries);
-  const int lane = threadIdx.x;
+  const SmemLayout at = smem_layout(E, R, entries, sizeof(Id), p.stage_slots != 0);
+  const int* sslots = reinterpret_cast<const int*>(smem + at.slots);   // [E, R] when staged
+  const Id* sids = reinterpret_cast<const Id*>(smem + at.ids);          // [entries]
+  const unsigned* msk = reinterpret_cast<const unsigned*>(smem + at.masks);
+  int* cnt = reinterpret_cast<int*>(smem + at.counts);          // [E] tokens; later the multi experts' rank
+  unsigned* list_m = reinterpret_cast<unsigned*>(smem + at.list_m);   // [cap] active multi experts, id order
+  short* list_e = reinterpret_cast<short*>(smem + at.list_e);
+  short* list_c = reinterpret_cast<short*>(smem + at.list_c);
+  unsigned char* list_r = reinterpret_cast<unsigned char*>(smem + at.list_r);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned rank_bits = R >= 32 ? kFull : (1u << R) - 1u;
-  const Id* ids = static_cast<const Id*>(p.ids);
   Id* out = static_cast<Id*>(p.out);
   const long long start = BD_CLOCK ? clock64() : 0;
-  if (stop_here(-1, out, entries, lane, start)) return;
+  if (stop_here(-1, out, entries, tid, start)) return;
 
-  // 1. tokens per expert over the valid entries. The first batch of ids, the masks and the row count
-  // are all requested before any of them is used: one memory latency, not three.
+  // 1. loads: the row count, ids and masks in one copy group, the slot table in a second
   long long num_rows = p.rows;
-  if (p.num_rows != nullptr)
+  if (tid == 0 && p.num_rows != nullptr)
     num_rows = p.num_rows_is_64 ? *static_cast<const long long*>(p.num_rows)
                                 : *static_cast<const int*>(p.num_rows);
-  long long first[kBatch];
-#pragma unroll
-  for (int j = 0; j < kBatch; ++j) {
-    const int i = lane + 32 * j;
-    first[j] = i < entries ? static_cast<long long>(ids[i]) : -1;
+  stage(smem + at.ids, p.ids, entries * static_cast<int>(sizeof(Id)));
+  stage(smem + at.masks, p.masks, 4 * E);
+  commit_copies();
+  if (p.stage_slots) stage(smem + at.slots, p.slots, 4 * E * R);
+  commit_copies();
+#pragma unroll 1
+  for (int e = tid; e < E; e += kThreads) cnt[e] = 0;
+  if (tid < 32) {
+    single_load[tid] = 0;
+    single_tok[tid] = 0;
   }
-  single_load[lane] = 0;
-  single_tok[lane] = 0;
-  for (int base = 0; base < E; base += 32 * kBatch) {
-    unsigned m[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int e = base + lane + 32 * j;
-      m[j] = e < E ? static_cast<unsigned>(__ldg(p.masks + e)) : 0u;
-    }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int e = base + lane + 32 * j;
-      if (e < E) {
-        msk[e] = m[j] & rank_bits;
-        cnt[e] = 0;
-      }
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kBatch; ++j) {
-    const int i = lane + 32 * j;
-    if (i < entries) sid[i] = known_id(first[j], E);
-  }
-  for (int i = lane + 32 * kBatch; i < entries; i += 32) sid[i] = known_id(static_cast<long long>(ids[i]), E);
-  const int valid = static_cast<int>(num_rows < 0 ? 0 : (num_rows > p.rows ? p.rows : num_rows)) * p.k;
-  __syncwarp();
-  for (int i = lane; i < valid; i += 32) {
-    const int id = sid[i];
+  if (tid == 0)
+    valid_entries = static_cast<int>(num_rows < 0 ? 0 : (num_rows > p.rows ? p.rows : num_rows)) * p.k;
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  __syncthreads();
+  const int valid = valid_entries;
+  if (stop_here(1, out, entries, static_cast<int>(msk[tid % E]) + valid, start)) return;
+
+  // 2. tokens per expert over the valid entries
+#pragma unroll 1
+  for (int i = tid; i < valid; i += kThreads) {
+    const int id = known_id(static_cast<long long>(sids[i]), E);
     if (id >= 0) atomicAdd(&cnt[id], 1);
   }
-  __syncwarp();
-  if (stop_here(1, out, entries, cnt[lane % E], start)) return;
+  __syncthreads();
+  if (stop_here(2, out, entries, cnt[tid % E], start)) return;
 
-  // 2. one-replica experts go to their rank; the others join the list in id order
+  // 3. one-replica experts go to their rank; the others join the list in id order
   int listed = 0;
-  for (int base = 0; base < E; base += 32) {
-    const int e = base + lane;
+#pragma unroll 1
+  for (int base = 0; base < E; base += kThreads) {
+    const int e = base + tid;
     int c = 0;
     unsigned m = 0;
     if (e < E) {
       c = cnt[e];
-      m = msk[e];
+      m = msk[e] & rank_bits;
     }
     const bool active = c > 0 && m != 0;
     const bool multi = active && (m & (m - 1)) != 0;
@@ -150,130 +202,144 @@ __global__ void __launch_bounds__(32, 1) balanced_dispatch_kernel(Params p) {
       atomicAdd(&single_tok[r], c);
     }
     const unsigned ballot = __ballot_sync(kFull, multi);
+    if (lane == 0) warp_multi[warp] = __popc(ballot);
+    __syncthreads();
+    const unsigned n = lane < kWarps ? static_cast<unsigned>(warp_multi[lane]) : 0u;  // lane w: warp w's
+    const int before = listed + static_cast<int>(__reduce_add_sync(kFull, lane < warp ? n : 0u));
+    listed += static_cast<int>(__reduce_add_sync(kFull, n));
     if (multi) {
-      const int pos = listed + __popc(ballot & ((1u << lane) - 1u));
-      list_e[pos] = e;
+      const int pos = before + __popc(ballot & ((1u << lane) - 1u));
       list_m[pos] = m;
-      list_c[pos] = c;
+      list_e[pos] = static_cast<short>(e);
+      list_c[pos] = static_cast<short>(c);
     }
-    listed += __popc(ballot);
+    __syncthreads();
   }
-  __syncwarp();
-  if (stop_here(2, out, entries, listed + single_tok[lane], start)) return;
+  if (stop_here(3, out, entries, listed + single_tok[lane], start)) return;
 
-  // 3. greedy, in expert id order: the candidate rank with the smallest (load, tok, rank)
-  unsigned state = (static_cast<unsigned>(single_load[lane]) << 16) |
-                   (static_cast<unsigned>(single_tok[lane]) << 5) | lane;
+  if (warp == 0) {
+    // 4. greedy, in expert id order: the candidate rank with the smallest (load, tok, rank)
+    unsigned state = (static_cast<unsigned>(single_load[lane]) << 16) |
+                     (static_cast<unsigned>(single_tok[lane]) << 5) | lane;
+    // The next expert's mask and count are read while this one's reduction runs (one entry past the
+    // list is still inside the shared memory: the next array follows).
+    unsigned m = list_m[0], c = static_cast<unsigned>(list_c[0]);
+#pragma unroll 1
+    for (int i = 0; i < listed; ++i) {
+      const unsigned m_next = list_m[i + 1], c_next = static_cast<unsigned>(list_c[i + 1]);
+      const unsigned best = __reduce_min_sync(kFull, (m >> lane) & 1u ? state : kFull);
+      if (best == state) state += (1u << 16) + (c << 5);
+      if (lane == 0) list_r[i] = static_cast<unsigned char>(best & 31u);
+      m = m_next;
+      c = c_next;
+    }
+    int load = static_cast<int>(state >> 16);
+    int tok = static_cast<int>((state >> 5) & 0x7ffu);
+    __syncwarp();
+
+    // 5. augmenting paths from the ranks of maximum load to a rank of load <= max - 2
+    for (int done = 0; BD_STOP_AFTER != 4 && done < p.max_augment; ++done) {
+      const int top = __reduce_max_sync(kFull, lane < R ? load : 0);
+      const int low = __reduce_min_sync(kFull, lane < R ? load : INT_MAX);
+      if (low > top - 2) break;
+      unsigned from = 0;  // ranks with an expert that has a replica on this lane's rank
 #pragma unroll 4
-  for (int i = 0; i < listed; ++i) {
-    const unsigned m = list_m[i];
-    const unsigned c = static_cast<unsigned>(list_c[i]);
-    const unsigned best = __reduce_min_sync(kFull, (m >> lane) & 1u ? state : kFull);
-    if (best == state) state += (1u << 16) + (c << 5);
-    if (lane == 0) list_r[i] = static_cast<unsigned char>(best & 31u);
-  }
-  int load = static_cast<int>(state >> 16);
-  int tok = static_cast<int>((state >> 5) & 0x7ffu);
-  __syncwarp();
-  if (stop_here(3, out, entries, static_cast<int>(state), start)) return;
-
-  // 4. augmenting paths from the ranks of maximum load to a rank of load <= max - 2
-  for (int done = 0; done < p.max_augment; ++done) {
-    const int top = __reduce_max_sync(kFull, lane < R ? load : 0);
-    const int low = __reduce_min_sync(kFull, lane < R ? load : INT_MAX);
-    if (low > top - 2) break;
-    unsigned from = 0;  // ranks with an expert that has a replica on this lane's rank
-    for (int i = 0; i < listed; ++i) from |= ((list_m[i] >> lane) & 1u) << list_r[i];
-    const unsigned roots = __ballot_sync(kFull, lane < R && load == top);
-    unsigned seen = roots, level = roots;
-    int parent = -1, target = -1;
-    while (level != 0 && target < 0) {
-      const unsigned edges = from & level;
-      const bool reached = lane < R && !((seen >> lane) & 1u) && edges != 0;
-      if (reached) parent = __ffs(edges) - 1;  // the lowest rank of the level
-      const unsigned next = __ballot_sync(kFull, reached);
-      const bool hit = reached && load <= top - 2;
-      if (__ballot_sync(kFull, hit) != 0)
-        target = static_cast<int>(
-            __reduce_min_sync(kFull, hit ? (static_cast<unsigned>(load) << 5) | lane : kFull) & 31u);
-      seen |= next;
-      level = next;
-    }
-    if (target < 0) break;
-    int b = target;
-    while (!((roots >> b) & 1u)) {  // move one expert along each edge, from the target back
-      const int a = __shfl_sync(kFull, parent, b);
-      int moved = -1;
-      for (int base = 0; base < listed && moved < 0; base += 32) {
-        const int j = base + lane;
-        const bool ok = j < listed && list_r[j] == a && ((list_m[j] >> b) & 1u);
-        const unsigned ballot = __ballot_sync(kFull, ok);
-        if (ballot != 0) moved = base + __ffs(ballot) - 1;  // the lowest expert id
+      for (int i = 0; i < listed; ++i) from |= ((list_m[i] >> lane) & 1u) << list_r[i];
+      const unsigned roots = __ballot_sync(kFull, lane < R && load == top);
+      unsigned seen = roots, level = roots;
+      int parent = -1, target = -1;
+      while (level != 0 && target < 0) {
+        const unsigned edges = from & level;
+        const bool reached = lane < R && !((seen >> lane) & 1u) && edges != 0;
+        if (reached) parent = __ffs(edges) - 1;  // the lowest rank of the level
+        const unsigned next = __ballot_sync(kFull, reached);
+        const bool hit = reached && load <= top - 2;
+        if (__ballot_sync(kFull, hit) != 0)
+          target = static_cast<int>(
+              __reduce_min_sync(kFull, hit ? (static_cast<unsigned>(load) << 5) | lane : kFull) & 31u);
+        seen |= next;
+        level = next;
       }
-      const int c = list_c[moved];
-      __syncwarp();
-      if (lane == 0) list_r[moved] = static_cast<unsigned char>(b);
-      if (lane == a) tok -= c;
-      if (lane == b) tok += c;
-      __syncwarp();
-      b = a;
-    }
-    if (lane == b) load -= 1;
-    if (lane == target) load += 1;
-  }
-
-  if (stop_here(4, out, entries, load + tok, start)) return;
-
-  // 5. slots: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1
-  for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
-  __syncwarp();
-  for (int base = 0; base < entries; base += 32 * kBatch) {
-    int slot[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = base + lane + 32 * j;
-      const int id = i < entries ? sid[i] : -1;
-      const unsigned m = id >= 0 ? msk[id] : 0u;
-      slot[j] = -1;
-      if (m != 0) {
-        const int r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
-        slot[j] = __ldg(p.slots + id * R + r);
+      if (target < 0) break;
+      int b = target;
+      while (!((roots >> b) & 1u)) {  // move one expert along each edge, from the target back
+        const int a = __shfl_sync(kFull, parent, b);
+        int moved = -1;
+        for (int base = 0; base < listed && moved < 0; base += 32) {
+          const int j = base + lane;
+          const bool ok = j < listed && list_r[j] == a && ((list_m[j] >> b) & 1u);
+          const unsigned ballot = __ballot_sync(kFull, ok);
+          if (ballot != 0) moved = base + __ffs(ballot) - 1;  // the lowest expert id
+        }
+        const int c = list_c[moved];
+        __syncwarp();
+        if (lane == 0) list_r[moved] = static_cast<unsigned char>(b);
+        if (lane == a) tok -= c;
+        if (lane == b) tok += c;
+        __syncwarp();
+        b = a;
       }
+      if (lane == b) load -= 1;
+      if (lane == target) load += 1;
     }
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int i = base + lane + 32 * j;
-      if (i < entries) out[i] = static_cast<Id>(slot[j]);
+    rank_key[lane] = (static_cast<unsigned>(load) << 16) | (static_cast<unsigned>(tok) << 5) | lane;
+#pragma unroll 1
+    for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  __syncthreads();
+  if (stop_here(4, out, entries, static_cast<int>(rank_key[lane]), start)) return;
+  if (stop_here(5, out, entries, static_cast<int>(rank_key[lane]), start)) return;
+
+  // 6. slots: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1
+#pragma unroll 1
+  for (int i = tid; i < entries; i += kThreads) {
+    const int id = known_id(static_cast<long long>(sids[i]), E);
+    const unsigned m = id >= 0 ? msk[id] & rank_bits : 0u;
+    int slot = -1;
+    if (m != 0) {
+      const int r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
+      slot = p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r);
     }
+    out[i] = static_cast<Id>(slot);
   }
   if (BD_CLOCK) {
-    __syncwarp();
-    if (lane == 0) out[0] = static_cast<Id>(clock64() - start);
+    __syncthreads();
+    if (tid == 0) out[0] = static_cast<Id>(clock64() - start);
   }
+}
+
+template <typename Id>
+int launch(const Params& p, int smem, cudaStream_t stream) {
+  if (smem > kDefaultLimit) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(balanced_dispatch_kernel<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  balanced_dispatch_kernel<Id><<<1, kThreads, smem, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
 
 extern "C" {
 
-// Bytes of dynamic shared memory a launch needs.
-int moeplace_balanced_dispatch_smem(int experts, int entries) {
-  const int cap = experts < entries ? experts : entries;
-  return 8 * experts + 13 * cap + 2 * entries;
+// Bytes of dynamic shared memory a launch needs; *stage_slots: whether the slot table is staged.
+int moeplace_balanced_dispatch_smem(int experts, int ranks, int entries, int id_bytes, int* stage_slots) {
+  const SmemLayout staged = smem_layout(experts, ranks, entries, id_bytes, true);
+  *stage_slots = BD_STAGE_SLOTS && staged.bytes <= kStageLimit;
+  return *stage_slots ? staged.bytes : smem_layout(experts, ranks, entries, id_bytes, false).bytes;
 }
 
 // Launch on ``stream``; returns a cudaError_t (0 on success). ids_are_64: int64 ids and out.
 int moeplace_balanced_dispatch(const void* ids, void* out, const int* masks, const int* slots,
                                const void* num_rows, int num_rows_is_64, int ids_are_64, int rows,
                                int k, int experts, int ranks, int max_augment, void* stream) {
-  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment};
-  const int smem = moeplace_balanced_dispatch_smem(experts, rows * k);
+  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0};
+  const int smem = moeplace_balanced_dispatch_smem(experts, ranks, rows * k, ids_are_64 ? 8 : 4,
+                                                   &p.stage_slots);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (ids_are_64)
-    balanced_dispatch_kernel<long long><<<1, 32, smem, s>>>(p);
-  else
-    balanced_dispatch_kernel<int><<<1, 32, smem, s>>>(p);
-  return static_cast<int>(cudaGetLastError());
+  return ids_are_64 ? launch<long long>(p, smem, s) : launch<int>(p, smem, s);
 }
 
 const char* moeplace_cuda_error_string(int err) {

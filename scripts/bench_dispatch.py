@@ -17,7 +17,9 @@ own input and output buffers; µs per call = median replay time / calls. Rows:
 
 With ``--phases``, builds of the CUDA kernel that stop after each of its phases show where the time
 goes, in SM cycles measured inside the kernel and in µs per call; the SM clock (NVML) during the
-replays is printed too.
+replays is printed too. ``--variant LABEL=SPEC`` (repeatable) adds a row for another build of the CUDA
+kernel: SPEC holds nvcc flags (``-DBD_THREADS=256``) and/or another source of the same C entry point
+(a ``.cu`` path, e.g. an earlier version from git), each checked like the others.
 
 Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (ids that differ: a column; 0 is
 right). A variant that fails is reported in its row and the others still run. Also reported:
@@ -25,6 +27,8 @@ augmenting paths per batch (mean, max, share at the cap of 16) and the mean over
 largest number of distinct experts a rank reads, under each rule, beside the exact per-step optimum.
 
     python3 scripts/bench_dispatch.py --sglang-wheel '.whl/sglang-*.whl' --out bench_dispatch.md --phases
+    git show df717cf:kernels/balanced_dispatch.cu > build/previous.cu   # the one-warp kernel
+    python3 scripts/bench_dispatch.py --kernels cuda --variant previous=build/previous.cu --variant '256 threads=-DBD_THREADS=256'
 """
 
 from __future__ import annotations
@@ -133,13 +137,28 @@ def max_distinct(slots: np.ndarray, ranks: int, physical: int) -> np.ndarray:
     return out
 
 
-PHASES = ((-1, "launch only"), (1, "1 loads, tokens per expert"), (2, "2 scan of the experts"), (3, "3 greedy"),
-          (4, "4 augmenting paths"), (0, "5 slots (whole kernel)"))
+PHASES = ((-1, "launch only"), (1, "1 loads (ids, masks, row count)"), (2, "2 tokens per expert"),
+          (3, "3 list of the multi-replica experts"), (4, "4 greedy"), (5, "5 augmenting paths"),
+          (0, "6 slots (whole kernel)"))
 
 
-def build_phase_variants(capability: tuple[int, int]) -> dict[int, object]:
-    """{stop: library}: benchmark builds of the CUDA kernel that end after each phase and report SM
-    cycles (``BD_STOP_AFTER``, ``BD_CLOCK`` in balanced_dispatch.cu), compiled side by side with nvcc."""
+def parse_variant(text: str) -> tuple[str, str | None, list[str]]:
+    """(label, source or None, nvcc flags) of ``--variant LABEL=SPEC``."""
+    label, sep, spec = text.partition("=")
+    if not sep or not label.strip() or not spec.split():
+        raise argparse.ArgumentTypeError(f"--variant takes LABEL=SPEC (nvcc flags and/or a .cu path), got {text!r}")
+    sources = [t for t in spec.split() if t.endswith(".cu")]
+    if len(sources) > 1:
+        raise argparse.ArgumentTypeError(f"--variant {label}: one .cu source at most, got {', '.join(sources)}")
+    if sources and not Path(sources[0]).is_file():
+        raise argparse.ArgumentTypeError(f"--variant {label}: no such file {sources[0]}")
+    return label.strip(), (sources[0] if sources else None), [t for t in spec.split() if not t.endswith(".cu")]
+
+
+def build_libraries(capability: tuple[int, int], builds: dict) -> dict:
+    """{key: library} for ``builds`` {key: (source or None for the shipped one, nvcc flags)}: benchmark
+    builds of the CUDA kernel (e.g. ``BD_STOP_AFTER``, ``BD_CLOCK`` in balanced_dispatch.cu), compiled
+    side by side with nvcc."""
     import subprocess
     import tempfile
 
@@ -150,17 +169,17 @@ def build_phase_variants(capability: tuple[int, int]) -> dict[int, object]:
         raise RuntimeError("no nvcc")
     folder = Path(tempfile.mkdtemp(prefix="bench-dispatch-"))
     jobs = {}
-    for stop, _ in PHASES:
-        path = folder / f"stop{stop}.so"
-        cmd = [nvcc, *bdc.NVCC_FLAGS, *bdc.arch_flags(capability), "-shared", "-Xcompiler", "-fPIC",
-               f"-DBD_STOP_AFTER={stop}", "-DBD_CLOCK=1", "-o", str(path), str(bdc.SOURCE)]
-        jobs[stop] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), path)
+    for n, (key, (source, flags)) in enumerate(builds.items()):
+        path = folder / f"build{n}.so"
+        cmd = [nvcc, *bdc.NVCC_FLAGS, *bdc.arch_flags(capability), "-shared", "-Xcompiler", "-fPIC", *flags,
+               "-o", str(path), str(source or bdc.SOURCE)]
+        jobs[key] = (subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), path)
     libraries = {}
-    for stop, (proc, path) in jobs.items():
+    for key, (proc, path) in jobs.items():
         _, err = proc.communicate()
         if proc.returncode:
-            raise RuntimeError(f"nvcc failed for BD_STOP_AFTER={stop}: {err.strip().splitlines()[:1]}")
-        libraries[stop] = bdc.DispatchLibrary(str(path))
+            raise RuntimeError(f"nvcc failed for {key}: {err.strip().splitlines()[:1]}")
+        libraries[key] = bdc.DispatchLibrary(str(path))
     return libraries
 
 
@@ -208,14 +227,17 @@ def measure(args) -> tuple[list[dict], dict]:
     physical = int(phy2log.shape[0])
     rows, meta = [], dict(sglang=version, torch=torch.__version__, device=torch.cuda.get_device_name(),
                           calls=args.calls, reps=args.reps, phases=[], sm_clock_mhz={})
-    phase_libs = {}
+    builds = {("variant", label): (source, flags) for label, source, flags in args.variant}
     if args.phases:
+        builds.update({("phase", stop): (None, [f"-DBD_STOP_AFTER={stop}", "-DBD_CLOCK=1"]) for stop, _ in PHASES})
+    libraries = {}
+    if builds:
         t0 = time.time()
         try:
-            phase_libs = build_phase_variants(torch.cuda.get_device_capability(device))
-            print(f"phase variants built ({time.time() - t0:.1f} s)", flush=True)
+            libraries = build_libraries(torch.cuda.get_device_capability(device), builds)
+            print(f"{len(builds)} benchmark builds ({time.time() - t0:.1f} s)", flush=True)
         except (OSError, RuntimeError) as exc:
-            print(f"no phase variants: {str(exc).splitlines()[0]}", flush=True)
+            print(f"no benchmark builds: {str(exc).splitlines()[0]}", flush=True)
     for tokens in args.tokens:
         batches = make_batches(args, layout, tokens)
         ids = [torch.from_numpy(b).to(device=device, dtype=torch.int32) for b in batches.ids]
@@ -228,6 +250,12 @@ def measure(args) -> tuple[list[dict], dict]:
                     balanced_dispatch(x, masks, slots, num_rows, o, backend=backend)
             return run
 
+        def build(library):
+            def run():
+                for x, o in zip(ids, outs):
+                    launch_cuda(library, x, masks, slots, num_rows, o, MAX_AUGMENT)
+            return run
+
         def dynamic():
             for c, x in enumerate(ids):
                 outs[c] = sgl._topk_ids_logical_to_physical_dynamic(x, info)
@@ -237,6 +265,7 @@ def measure(args) -> tuple[list[dict], dict]:
                 o.copy_(x)
 
         variants = [(f"moeplace {b}", moeplace(b)) for b in backends]
+        variants += [(f"moeplace cuda [{key[1]}]", build(lib)) for key, lib in libraries.items() if key[0] == "variant"]
         variants += [(f"sglang {version} dynamic", dynamic), ("copy (floor)", copy)]
         common = dict(tokens=tokens, entries=tokens * args.topk,
                       augments_mean=float(batches.augments.mean()), augments_max=int(batches.augments.max()),
@@ -260,11 +289,8 @@ def measure(args) -> tuple[list[dict], dict]:
                                                         else row["error"]), flush=True)
         if "cuda" in backends:
             meta["sm_clock_mhz"][tokens] = sm_clock_mhz(moeplace("cuda"))
-        for stop, label in PHASES if phase_libs else ():
-            def run_phase(library=phase_libs[stop]):
-                for x, o in zip(ids, outs):
-                    launch_cuda(library, x, masks, slots, num_rows, o, MAX_AUGMENT)
-
+        for stop, label in PHASES if ("phase", 0) in libraries else ():
+            run_phase = build(libraries["phase", stop])
             run_phase()
             torch.cuda.synchronize()
             cycles = float(np.median([o[0, 0].item() for o in outs]))
@@ -318,6 +344,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--phases", action="store_true",
                     help="also time builds of the CUDA kernel that stop after each phase (needs nvcc)")
+    ap.add_argument("--variant", action="append", default=[], type=parse_variant, metavar="LABEL=SPEC",
+                    help="also time another build of the CUDA kernel: nvcc flags and/or a .cu source of the "
+                         "same entry point, e.g. '256 threads=-DBD_THREADS=256' (repeatable; needs nvcc)")
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if any(t <= 0 or t % TOKENS_PER_STEP for t in args.tokens):

@@ -1,9 +1,9 @@
 """The balanced-dispatch kernels against ``moeplace.balanced.fast_rule_step``, bit for bit.
 
 GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA: both kernels (CUDA and Triton) over random
-layouts (1 to 32 ranks, up to 384 experts, 1 to R replicas, layouts that need many augmenting paths),
-K in 1/4/8, N in 1/9/64, -1 and out-of-range ids, padding rows, int64 ids, in place, and CUDA-graph
-capture replayed with new inputs. On the CPU: the Triton kernel in Triton's interpreter on small cases,
+layouts (1 to 32 ranks, up to 4096 experts, 1 to R replicas, layouts that need many augmenting paths),
+K in 1/4/8, N in 1/9/64/128, -1 and out-of-range ids, padding rows, int64 ids, in place, inputs that are
+views not 16-byte aligned, and CUDA-graph capture replayed with new inputs. On the CPU: the Triton kernel in Triton's interpreter on small cases,
 the input checks, and the fallback to Triton when the CUDA kernel cannot be built.
 """
 
@@ -133,6 +133,8 @@ def test_augment_cap_int64_and_sizes(backend):
              (make_case(4, 8, 3, 9, 8, "any"), dict(with_num_rows=False)),
              (make_case(5, 40, 8, 9, 4, "few"), dict(dtype=torch.int64, with_num_rows=False)),
              (make_case(6, 4096, 32, 128, 8, "two"), {}),     # 1024 entries, the most experts
+             (make_case(8, 4096, 32, 128, 8, "any"), dict(dtype=torch.int64)),   # > 48 KB of shared memory
+             (make_case(9, 384, 8, 128, 8, "few"), {}),       # more entries than the CUDA kernel's threads
              (make_case(7, 1, 1, 3, 1, "any"), {})]
     for case, options in cases:
         got, want = run_case(case, "cuda", backend, **options)
@@ -157,6 +159,27 @@ def test_placement_layout_in_place(backend):
         balanced_dispatch(ids, masks, slots, out=ids, backend=backend)
         want = expected(ids_np, layout.masks, layout.slots, len(ids_np), 16)
         np.testing.assert_array_equal(ids.cpu().numpy(), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows, k, ranks", [(9, 8, 8), (3, 5, 3), (64, 8, 16)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_unaligned_views(backend, rows, k, ranks):
+    """ids, masks, slots and num_rows as views one element into their storage (4-byte aligned only)."""
+    case = make_case(31 + rows, 384, ranks, rows, k, "any")
+    masks, slots = dispatch_tables(_layout(case["masks"], case["slots"]), "cuda")
+
+    def shifted(tensor: torch.Tensor) -> torch.Tensor:
+        view = torch.empty(tensor.numel() + 1, dtype=tensor.dtype, device="cuda")[1:].view(tensor.shape)
+        return view.copy_(tensor)
+
+    ids = shifted(torch.from_numpy(case["ids"]).to(device="cuda", dtype=torch.int32))
+    num_rows = shifted(torch.tensor(case["num_rows"], dtype=torch.int32, device="cuda"))
+    out = shifted(torch.full_like(ids, -7))
+    balanced_dispatch(ids, shifted(masks), shifted(slots), num_rows, out, backend=backend)
+    want = expected(case["ids"], case["masks"], case["slots"], case["num_rows"], 16)
+    np.testing.assert_array_equal(out.cpu().numpy(), want)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
