@@ -34,7 +34,7 @@ from moeplace.balanced import MAX_AUGMENT
 from moeplace_kernels import balanced_dispatch_cuda
 
 MAX_ENTRIES = 1024   # N * K: the load and token fields of the CUDA kernel's packed rank key are 11 bits wide
-MAX_EXPERTS = 4096   # shared memory of the CUDA kernel: 8E + 13 min(E, N*K) + 2 N*K bytes < 48 KB
+MAX_EXPERTS = 4096   # the tested bound; CUDA kernel: 8E + 9 min(E, N*K) + N*K*id bytes of shared memory
 MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
 UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
 BACKENDS = ("auto", "cuda", "triton")
