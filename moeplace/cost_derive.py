@@ -8,24 +8,40 @@ few physical terms, fitted once per GPU, so that any expert shape and weight for
 * ``a = us_per_byte * expert bytes``: a rank reads each distinct expert's weights once. Fitted
   through the origin on the files whose reads fill the GPU (bf16 and fp8; int4 is not read-bound in
   SGLang's w4a16 Triton kernel: its measured cost per weight is used instead).
-* ``c = launch_us + us_per_program * programs + extra[format]``: SGLang pads each local expert's
-  rows to whole ``BLOCK_SIZE_M`` blocks, so both GEMMs launch about ``local_slots * (BM-1)/BM``
-  row blocks times ``N / BN`` column blocks, most of which exit at once but still cost a launch
-  (137 µs with 384 local slots, 27 µs with 32). ``extra``: fp8's activation quantisation, int4's
-  dequantisation set-up, measured as what the bf16 terms leave unexplained.
+* ``c = launch_us + us_per_program * programs + extra[format]``: the fused MoE kernel's grid covers
+  SGLang's whole sorted-token buffer (``moe_align_block_size``): one row block per ``BLOCK_SIZE_M``
+  rows, times ``N / BN`` column blocks for each GEMM; most row blocks exit at once but still cost a
+  launch. SGLang sizes the buffer from the step's (token, k) pairs P (every rank sees all of them
+  with ``--moe-a2a-backend none``, other ranks' as -1) and the rank's local slots E:
+  ``P * BM`` rows when P < E + 1, else ``P + (E + 1) * (BM - 1)`` (``sglang_row_blocks``). So the
+  grid is the same for every rank of a step whatever its share, and grows with the step's tokens
+  until P reaches E + 1 (Kimi TP-MoE at 8 ranks, 384 slots: 72 row blocks at a 9-token verify step,
+  where the files' layout launched 360; all 385 buckets padded from 49 tokens on). ``extra``: fp8's
+  activation quantisation, int4's dequantisation set-up, measured as what the bf16 terms leave
+  unexplained.
+* The packaged files were measured with an earlier emulation layout (``Measured.sglang_layout``
+  False): a buffer of the rank's own pairs n plus ``local_slots * (BM - 1)`` rows, so their c paid
+  for ``local_slots * (BM - 1) / BM`` row blocks and their b for ``1 / BM`` of a row block per
+  pair. The calibration is fitted on the files as measured, then predicts SGLang's grid: a measured
+  line used for its own rank shape has its c and b moved by ``us_per_program`` x column blocks x
+  the row-block difference (``measured_line``).
 * When a step has more tokens than the rank has local experts (GPT-OSS under EP: 4 per rank),
   SGLang picks its large-block config (BM 64, BN 64, BK 32): few programs per expert, so a layer
   costs a fixed pipeline time per K step (``us_per_k_step``) and each extra expert only part of its
   reads (``read_share``); both from the files measured in that regime.
-* ``b``: the files' median (under 2% of a verify step's cost).
+* ``b``: the files' median once the row blocks of their layout are taken out (under 2% of a verify
+  step's cost).
 
 A rank shape that was measured itself (same hidden, intermediate, weight format, local slots) uses
-its measured line. ``BENCHMARKS.md`` ("Derived cost model") compares both with GPU replays.
+its measured line wherever SGLang runs the kernel config it was measured with (the file's fit
+covers that config's points). ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
+the cost model") compares both with GPU replays. Not counted: the output rows SGLang zeroes for
+other ranks' pairs (a few µs a layer at verify batch).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from importlib import resources
 from statistics import median
@@ -50,11 +66,28 @@ def sglang_default_config(step_tokens: int, local_experts: int, weights: str) ->
     return SMALL_M if step_tokens <= local_experts else LARGE_M
 
 
-def launched_programs(shape: ExpertShape, local_slots: int, config: tuple[int, int, int]) -> float:
-    """Programs both GEMMs launch for the padding rows: local_slots * (BM-1)/BM row blocks x column blocks."""
-    bm, bn, _ = config
-    columns = -(-2 * shape.intermediate // bn) + -(-shape.hidden // bn)
-    return local_slots * (bm - 1) / bm * columns
+def sglang_sorted_rows(step_pairs: int, local_slots: int, block_m: int) -> int:
+    """Rows of the sorted-token buffer SGLang 0.5.23's ``moe_align_block_size`` allocates.
+
+    step_pairs: ``topk_ids.numel()``, the step's tokens x top-k (every pair of the step: with
+    ``--moe-a2a-backend none`` each rank gets all of them, other ranks' as -1); local_slots: the
+    rank's experts (``num_experts``; SGLang adds a bucket for the -1 pairs). Rounded up to 4 for the
+    align kernel's int4 stores.
+    """
+    buckets = local_slots + 1
+    rows = step_pairs * block_m if step_pairs < buckets else step_pairs + buckets * (block_m - 1)
+    return -(-rows // 4) * 4
+
+
+def sglang_row_blocks(step_pairs: int, local_slots: int, block_m: int) -> int:
+    """Row blocks each GEMM of the fused MoE kernel launches: its grid covers the whole sorted buffer."""
+    return -(-sglang_sorted_rows(step_pairs, local_slots, block_m) // block_m)
+
+
+def column_blocks(shape: ExpertShape, config: tuple[int, int, int]) -> int:
+    """Column blocks of both GEMMs together: gate/up (N = 2I) and down (N = H)."""
+    bn = config[1]
+    return -(-2 * shape.intermediate // bn) + -(-shape.hidden // bn)
 
 
 def k_steps(shape: ExpertShape, config: tuple[int, int, int]) -> int:
@@ -65,13 +98,39 @@ def k_steps(shape: ExpertShape, config: tuple[int, int, int]) -> int:
 
 @dataclass(frozen=True)
 class Measured:
-    """One packaged cost file with the rank shape it was measured on."""
+    """One packaged cost file with the rank shape it was measured on.
+
+    top_k: the step's top-k the file was measured for (its provenance's ``top_k``; None for the
+    packaged files, measured before it mattered). sglang_layout: whether the file was measured with
+    SGLang's sorted-token buffer (``scripts/calibrate_cost.py`` writes ``"align_layout": "sglang"``
+    since it builds that buffer) rather than the earlier one (see the module docstring). Such a
+    file's sweep points each ran the grid of their own step; its c is read as the verify step's.
+    """
 
     name: str
     cost: CostModel
     shape: ExpertShape
     local_slots: int
     config: tuple[int, int, int]
+    top_k: int | None = None
+    sglang_layout: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sglang_layout and self.top_k is None:
+            raise MoeplaceError(f"{self.name}: measured with SGLang's layout but no top_k in its provenance")
+
+    @property
+    def row_blocks(self) -> float:
+        """Row blocks of the kernel's grid that the file's c paid for (at a verify step)."""
+        bm = self.config[0]
+        if self.sglang_layout:
+            return sglang_row_blocks(STEP_TOKENS * self.top_k, self.local_slots, bm)
+        return self.local_slots * (bm - 1) / bm
+
+    @property
+    def row_blocks_per_pair(self) -> float:
+        """Row blocks of the grid that the file's b paid for per pair on the rank."""
+        return 0.0 if self.sglang_layout else 1 / self.config[0]
 
 
 @dataclass(frozen=True)
@@ -86,8 +145,16 @@ class Calibration:
     us_per_weight: dict[str, float]     # formats whose cost is not their reads (int4)
     read_share: float                   # large-block config: share of an extra expert's reads paid
     us_per_k_step: float                # large-block config: fixed pipeline time per K step
-    b_us_per_token: float
+    b_us_per_token: float               # per pair, the grid's row blocks taken out
     files: tuple[Measured, ...]
+
+    def grid_us(self, shape: ExpertShape, config: tuple[int, int, int], row_blocks: float) -> float:
+        """µs of ``row_blocks`` row blocks of both GEMMs' grids (launches only)."""
+        return self.us_per_program * column_blocks(shape, config) * row_blocks
+
+    def net_b(self, m: Measured) -> float:
+        """A file's b without the grid row blocks its layout added per pair (not below 0)."""
+        return max(0.0, m.cost.b_us_per_token - self.grid_us(m.shape, m.config, m.row_blocks_per_pair))
 
 
 def packaged_measurements() -> list[Measured]:
@@ -101,8 +168,9 @@ def packaged_measurements() -> list[Measured]:
         s = prov["shape"]
         shape = ExpertShape(int(s["hidden"]), int(s["expert_intermediate"]), prov["dtype"], path.name)
         slots = int(s["local_slots"])
-        out.append(Measured(path.name, cost, shape, slots,
-                            sglang_default_config(STEP_TOKENS, slots, shape.weights)))
+        top_k = int(prov["top_k"]) if "top_k" in prov else None
+        out.append(Measured(path.name, cost, shape, slots, sglang_default_config(STEP_TOKENS, slots, shape.weights),
+                            top_k, prov.get("align_layout") == "sglang"))
     return out
 
 
@@ -117,11 +185,11 @@ def calibrate(files: list[Measured]) -> Calibration:
         raise MoeplaceError("calibrate: needs at least two bf16 files measured with small-block configs")
     x = np.array([m.shape.bytes for m in read_bound])
     us_per_byte = float(x @ np.array([m.cost.a_us_per_expert for m in read_bound]) / (x @ x))
-    progs = np.array([[1.0, launched_programs(m.shape, m.local_slots, m.config)] for m in bf16])
+    progs = np.array([[1.0, column_blocks(m.shape, m.config) * m.row_blocks] for m in bf16])
     (launch_us, us_per_program), *_ = np.linalg.lstsq(progs, np.array([m.cost.c_us for m in bf16]), rcond=None)
 
     def fixed(m: Measured) -> float:
-        return launch_us + us_per_program * launched_programs(m.shape, m.local_slots, m.config)
+        return launch_us + us_per_program * column_blocks(m.shape, m.config) * m.row_blocks
 
     extra: dict[str, list[float]] = {}
     per_weight: dict[str, list[float]] = {}
@@ -135,12 +203,12 @@ def calibrate(files: list[Measured]) -> Calibration:
                   if large_bf16 else 1.0)
     per_k = (float(np.mean([(m.cost.c_us - fixed(m)) / k_steps(m.shape, m.config) for m in large_bf16]))
              if large_bf16 else 0.0)
-    return Calibration(
+    cal = Calibration(
         gpu=files[0].cost.provenance["gpu"], us_per_byte=us_per_byte, launch_us=float(launch_us),
         us_per_program=float(us_per_program), extra_us={k: float(np.mean(v)) for k, v in extra.items()},
         us_per_weight={k: float(np.mean(v)) for k, v in per_weight.items()}, read_share=read_share,
-        us_per_k_step=per_k, b_us_per_token=float(median(m.cost.b_us_per_token for m in files)),
-        files=tuple(files))
+        us_per_k_step=per_k, b_us_per_token=0.0, files=tuple(files))
+    return replace(cal, b_us_per_token=float(median(cal.net_b(m) for m in files)))
 
 
 @lru_cache(maxsize=None)
@@ -152,15 +220,16 @@ def gpu_calibration(gpu: str = DEFAULT_GPU) -> Calibration:
     return calibrate(files)
 
 
-def formula_cost(cal: Calibration, shape: ExpertShape, local_slots: int,
-                 step_tokens: int = STEP_TOKENS) -> tuple[float, float, float]:
-    """(a, b, c) of the derived terms, without looking for a measured line."""
-    config = sglang_default_config(step_tokens, local_slots, shape.weights)
+def formula_cost(cal: Calibration, shape: ExpertShape, local_slots: int, top_k: int,
+                 step_tokens: int = STEP_TOKENS, config_tokens: int | None = None) -> tuple[float, float, float]:
+    """(a, b, c) of the derived terms for a step of ``step_tokens`` tokens of ``top_k`` pairs each,
+    without looking for a measured line; SGLang's kernel config for ``config_tokens`` (default: the step's)."""
+    config = sglang_default_config(config_tokens or step_tokens, local_slots, shape.weights)
     if shape.weights in cal.us_per_weight:
         a = cal.us_per_weight[shape.weights] * shape.num_weights
     else:
         a = cal.us_per_byte * shape.bytes
-    c = cal.launch_us + cal.us_per_program * launched_programs(shape, local_slots, config)
+    c = cal.launch_us + cal.grid_us(shape, config, sglang_row_blocks(step_tokens * top_k, local_slots, config[0]))
     c += cal.extra_us.get(shape.weights, 0.0)
     if config == LARGE_M:
         a *= cal.read_share
@@ -168,26 +237,51 @@ def formula_cost(cal: Calibration, shape: ExpertShape, local_slots: int,
     return a, cal.b_us_per_token, c
 
 
-def derive_cost_model(shape: ExpertShape, local_slots: int, gpu: str = DEFAULT_GPU,
-                      step_tokens: int = STEP_TOKENS) -> CostModel:
-    """The cost model of one rank holding ``local_slots`` experts of ``shape`` (one verify step)."""
+def measured_line(cal: Calibration, m: Measured, top_k: int,
+                  step_tokens: int = STEP_TOKENS) -> tuple[float, float, float]:
+    """(a, b, c) of a measured file for a step of ``step_tokens`` x ``top_k`` pairs: its line with the
+    grid moved from the layout it was measured with to SGLang's (c: the step's row blocks instead of
+    the file's; b: without the row blocks the file's layout added per pair)."""
+    rows = sglang_row_blocks(step_tokens * top_k, m.local_slots, m.config[0])
+    c = m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks)
+    return m.cost.a_us_per_expert, cal.net_b(m), c
+
+
+def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str = DEFAULT_GPU,
+                      step_tokens: int = STEP_TOKENS, config_tokens: int | None = None) -> CostModel:
+    """The cost model of one rank holding ``local_slots`` experts of ``shape``, for steps of
+    ``step_tokens`` tokens routed to ``top_k`` experts each (a verify step by default).
+
+    config_tokens: the tokens SGLang's kernel config is chosen for (default: ``step_tokens``). A
+    caller comparing batch sizes can hold it at one batch so that only the launch grid follows the
+    batch: the other configs are measured for few shapes (see BENCHMARKS.md, "Derived cost model").
+    """
     if local_slots < 1:
         raise MoeplaceError(f"a rank needs at least one expert slot, got {local_slots}")
+    if top_k < 1 or step_tokens < 1 or (config_tokens is not None and config_tokens < 1):
+        raise MoeplaceError(f"a step needs tokens and a top-k of at least 1, got {step_tokens} and {top_k}")
     cal = gpu_calibration(gpu)
     where = f"{gpu}, {shape.describe()}, {local_slots} per rank"
+    config = sglang_default_config(config_tokens or step_tokens, local_slots, shape.weights)
+    grid = f"SGLang's launch grid for {step_tokens} tokens x top-{top_k}"
+    if config_tokens and config_tokens != step_tokens:
+        grid += f", kernel config for {config_tokens}"
     for m in cal.files:
-        if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.local_slots) == \
-                (shape.hidden, shape.intermediate, shape.weights, local_slots) and step_tokens == STEP_TOKENS:
-            return CostModel(m.cost.a_us_per_expert, m.cost.b_us_per_token, m.cost.c_us,
-                             {**m.cost.provenance, "derived_from": m.name}, f"{where}: measured ({m.name})")
-    a, b, c = formula_cost(cal, shape, local_slots, step_tokens)
+        if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.local_slots, m.config) == \
+                (shape.hidden, shape.intermediate, shape.weights, local_slots, config):
+            a, b, c = measured_line(cal, m, top_k, step_tokens)
+            return CostModel(round(a, 4), round(b, 4), round(c, 3),
+                             {**m.cost.provenance, "derived_from": m.name, "top_k": top_k, "step_tokens": step_tokens,
+                              "config_tokens": config_tokens or step_tokens},
+                             f"{where}: measured ({m.name}; {grid})")
+    a, b, c = formula_cost(cal, shape, local_slots, top_k, step_tokens, config_tokens)
     prov = {"derived_from": [m.name for m in cal.files], "gpu": gpu, "weights": shape.weights,
             "shape": {"hidden": shape.hidden, "expert_intermediate": shape.intermediate,
-                      "local_slots": local_slots}, "step_tokens": step_tokens,
+                      "local_slots": local_slots}, "step_tokens": step_tokens, "top_k": top_k,
+            "config_tokens": config_tokens or step_tokens,
             "calibration": {"us_per_byte": cal.us_per_byte, "launch_us": cal.launch_us,
                             "us_per_program": cal.us_per_program, "extra_us": cal.extra_us,
                             "us_per_weight": cal.us_per_weight, "read_share": cal.read_share,
                             "us_per_k_step": cal.us_per_k_step}}
     return CostModel(round(a, 4), round(b, 4), round(c, 3), prov,
-                     f"{where}: derived from expert bytes ({len(cal.files)} measured files)")
-
+                     f"{where}: derived from expert bytes ({len(cal.files)} measured files; {grid})")

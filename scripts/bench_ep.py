@@ -49,9 +49,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+from calibrate_cost import align_layout, load_sglang_moe  # noqa: E402
 from replay_placement import (GPTOSS, TRACES, WorkIndex, fit_placements, index_workloads,  # noqa: E402
                               job_deadlines, load_test, load_trace, placement_label, predicted_us, replayed_ms,
-                              time_workloads, write_report)
+                              stale_jobs, time_workloads, write_report)
 
 # NVLink multicast stays off in NCCL, PyTorch and NVSHMEM (it can take a shared host's GPUs down).
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -65,7 +66,7 @@ def bench_tags(num_experts: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure parts: which slot each (token, k) pair goes to, and SGLang's block layout of one rank.
+# Pure parts: which slot each (token, k) pair goes to (SGLang's block layout: calibrate_cost.align_layout).
 
 def pair_slots(steps, layer: int, phy2log: np.ndarray | None, ranks: int, dispatch: str) -> np.ndarray:
     """[T, K] physical slot of every (token row, k) pair at one layer (-1 where the id is -1).
@@ -85,33 +86,6 @@ def local_ids(slots: np.ndarray, rank: int, slots_per_rank: int) -> np.ndarray:
     """[T, K] local slot of each pair on ``rank`` (rank r owns slots r*spr ... (r+1)*spr - 1), -1 elsewhere."""
     local = slots - rank * slots_per_rank
     return np.where((slots >= 0) & (local >= 0) & (local < slots_per_rank), local, -1)
-
-
-def align_layout(ids: np.ndarray, num_local: int, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """SGLang 0.5.23's ``moe_align_block_size`` of one rank: (sorted_ids, expert_ids, padded total).
-
-    ids: [T, K] local slots, -1 for pairs of other ranks. Pairs are grouped by bucket ``id + 1`` (bucket
-    0: the -1 pairs, whose blocks the kernel fills with zeros), each bucket padded to whole blocks of
-    ``block_m``; a pad holds the sentinel ``T*K``. Buffer sizes follow SGLang: ``numel * block_m`` when
-    ``numel < num_local + 1``, else ``numel + (num_local + 1) * (block_m - 1)``, rounded up to 4; the
-    kernel's grid covers the whole buffer (blocks past the total exit at once).
-    """
-    flat = ids.reshape(-1)
-    numel = flat.size
-    size = numel * block_m if numel < num_local + 1 else numel + (num_local + 1) * (block_m - 1)
-    size = -(-size // 4) * 4
-    sorted_ids = np.full(size, numel, np.int32)
-    expert_ids = np.full(-(-size // block_m), -1, np.int32)
-    bucket = flat + 1
-    counts = np.bincount(bucket, minlength=num_local + 1)
-    padded = -(-counts // block_m) * block_m
-    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
-    order = np.argsort(bucket, kind="stable")
-    rank_in_bucket = np.arange(numel) - np.concatenate([[0], np.cumsum(counts)[:-1]])[bucket[order]]
-    sorted_ids[starts[bucket[order]] + rank_in_bucket] = order
-    for b in np.flatnonzero(counts):
-        expert_ids[starts[b] // block_m: (starts[b] + padded[b]) // block_m] = b - 1
-    return sorted_ids, expert_ids, int(padded.sum())
 
 
 def rank_weights(w13: np.ndarray, w2: np.ndarray, phy2log: np.ndarray | None, rank: int, ranks: int):
@@ -548,7 +522,6 @@ def rank_main(rank: int, ranks: int, opts: dict) -> None:
         if cpu:
             experts = TorchExperts()
         else:
-            from calibrate_cost import load_sglang_moe
             sgl = load_sglang_moe(opts["sglang_wheel"])
             experts = TritonExperts(sgl)
         result = {"ranks": ranks, "backend": "gloo" if cpu else "nccl", "kernel": experts.version,
@@ -624,6 +597,8 @@ def run(args) -> None:
     if gpus != ranks:
         fail(f"{args.work} was prepared for {ranks} ranks; run it with --gpus {ranks} (or prepare again with "
              f"--gpus {gpus})")
+    if stale_jobs(meta["jobs"]):
+        fail(f"{args.work} was prepared before the emulation built SGLang's layout (no top_k); prepare it again")
     if torch.cuda.device_count() < gpus:
         fail(f"--gpus {gpus}: only {torch.cuda.device_count()} GPUs here")
     launch(gpus, {"cpu": False, "work": args.work, "out": args.out, "budget_s": args.budget_s,

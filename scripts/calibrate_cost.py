@@ -1,9 +1,12 @@
 """Calibrate moeplace's MoE cost model: time one EP rank's fused-MoE work on a GPU, then fit it.
 
 A rank's work in one step is a list of per-slot token counts ("counts": tokens sent to each local
-expert it must run). It is run the way SGLang 0.5.23's Triton MoE path runs it: ``moe_align``-style
-block padding, ``invoke_fused_moe_kernel`` (gate/up GEMM), SiLU-and-mul, ``invoke_fused_moe_kernel``
-(down GEMM, routed weight applied), with SGLang's own config lookup (tuned file, else its default).
+expert it must run). It is run the way SGLang 0.5.23's Triton MoE path runs it with
+``--moe-a2a-backend none``: every (token, k) pair of the step goes into ``moe_align_block_size``'s
+layout (the pairs of other ranks' experts as -1, whose blocks the kernel fills with zeros; SGLang's
+buffer size, so the kernel's grid is SGLang's), ``invoke_fused_moe_kernel`` (gate/up GEMM),
+SiLU-and-mul, ``invoke_fused_moe_kernel`` (down GEMM, routed weight applied), with SGLang's own
+config lookup (tuned file, else its default).
 The kernel module is loaded from the sglang wheel without installing SGLang (see ``load_sglang_moe``).
 A second path runs the same work as plain per-expert cuBLAS matmuls (torch) for comparison.
 
@@ -22,11 +25,16 @@ import argparse
 import datetime
 import importlib
 import json
+import sys
 import time
 import types
 from pathlib import Path
 
 import numpy as np
+
+# moeplace from this checkout, also on a GPU machine where it is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moeplace.cost_derive import sglang_sorted_rows  # noqa: E402
 
 COPIES = 4
 VERIFY_TOKENS = 9   # tokens in a verify step (1 + 8 draft tokens): the regime the cost files are fit for
@@ -35,11 +43,11 @@ VERIFY_TOKENS = 9   # tokens in a verify step (1 + 8 draft tokens): the regime t
 # rank sees; a sweep point of n (token, expert) pairs on one rank stands for a step of
 # T = n * STEP_TOKENS_PER_PAIR[shape] tokens (EP: pairs spread over R ranks, T = n * R / K; TP: T = n / K).
 STEP_TOKENS_PER_PAIR = {"kimi-ep": 8 / 8, "kimi-tp": 1 / 8, "gptoss-ep": 8 / 4, "gptoss-tp": 1 / 4}
-SHAPES = {
-    "kimi-ep": dict(hidden=7168, inter=2048, n_local=48),        # Kimi K2, EP 8: 384 / 8 experts a rank
-    "kimi-tp": dict(hidden=7168, inter=256, n_local=384),        # Kimi K2, TP 8: 1/8 of every expert
-    "gptoss-ep": dict(hidden=2880, inter=2880, n_local=4),       # GPT-OSS-20B, EP 8: 32 / 8
-    "gptoss-tp": dict(hidden=2880, inter=360, n_local=32),       # GPT-OSS-20B, TP 8
+SHAPES = {  # top_k: the model's experts per token (SGLang's buffer holds the step's tokens x top_k pairs)
+    "kimi-ep": dict(hidden=7168, inter=2048, n_local=48, top_k=8),     # Kimi K2, EP 8: 384 / 8 experts a rank
+    "kimi-tp": dict(hidden=7168, inter=256, n_local=384, top_k=8),     # Kimi K2, TP 8: 1/8 of every expert
+    "gptoss-ep": dict(hidden=2880, inter=2880, n_local=4, top_k=4),    # GPT-OSS-20B, EP 8: 32 / 8
+    "gptoss-tp": dict(hidden=2880, inter=360, n_local=32, top_k=4),    # GPT-OSS-20B, TP 8
 }
 
 
@@ -88,39 +96,55 @@ def load_sglang_moe(wheel: str | None):
 # ---------------------------------------------------------------------------------------------
 # One rank's MoE work (GPU side).
 
-def align_blocks(counts: list[int], n_local: int, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """SGLang's moe_align_block_size layout for rows grouped by slot (slot s owns the next counts[s] rows).
+def align_layout(ids: np.ndarray, num_local: int, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """SGLang 0.5.23's ``moe_align_block_size`` of one rank: (sorted_ids, expert_ids, padded total).
 
-    Returns (sorted_token_ids [numel + n_local*(block_m-1)], expert_ids [blocks], tokens after padding);
-    padding rows hold the sentinel ``numel``; blocks past the padded end hold -1.
+    ids: [T, K] local slots, -1 for pairs of other ranks. Pairs are grouped by bucket ``id + 1`` (bucket
+    0: the -1 pairs, whose blocks the kernel fills with zeros), each bucket padded to whole blocks of
+    ``block_m``; a pad holds the sentinel ``T*K``. The buffer has SGLang's size
+    (``moeplace.cost_derive.sglang_sorted_rows``); the kernel's grid covers all of it (blocks past the
+    padded total exit at once, their expert ids are -1).
     """
-    numel = max(1, sum(counts))
-    sorted_ids = np.full(numel + n_local * (block_m - 1), numel, np.int32)
-    expert_ids = np.full(-(-sorted_ids.size // block_m), -1, np.int32)
-    pos = row = 0
-    for slot, c in enumerate(counts):
-        if c == 0:
-            continue
-        sorted_ids[pos:pos + c] = np.arange(row, row + c)
-        blocks = -(-c // block_m)
-        expert_ids[pos // block_m: pos // block_m + blocks] = slot
-        pos += blocks * block_m
-        row += c
-    return sorted_ids, expert_ids, pos
+    flat = ids.reshape(-1)
+    numel = flat.size
+    size = sglang_sorted_rows(numel, num_local, block_m)
+    sorted_ids = np.full(size, numel, np.int32)
+    expert_ids = np.full(-(-size // block_m), -1, np.int32)
+    bucket = flat + 1
+    counts = np.bincount(bucket, minlength=num_local + 1)
+    padded = -(-counts // block_m) * block_m
+    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
+    order = np.argsort(bucket, kind="stable")
+    rank_in_bucket = np.arange(numel) - np.concatenate([[0], np.cumsum(counts)[:-1]])[bucket[order]]
+    sorted_ids[starts[bucket[order]] + rank_in_bucket] = order
+    for b in np.flatnonzero(counts):
+        expert_ids[starts[b] // block_m: (starts[b] + padded[b]) // block_m] = b - 1
+    return sorted_ids, expert_ids, int(padded.sum())
+
+
+def rank_pairs(counts: list[int], step_pairs: int) -> np.ndarray:
+    """[step_pairs, 1] local slot of each pair of the step: slot s for the next counts[s] pairs, then -1
+    for the pairs that go to other ranks."""
+    own = np.repeat(np.arange(len(counts)), counts)
+    if own.size > step_pairs:
+        raise ValueError(f"{own.size} pairs on the rank but only {step_pairs} in the step")
+    return np.concatenate([own, np.full(step_pairs - own.size, -1)])[:, None]
 
 
 class RankMoe:
     """Weights of ``COPIES`` EP ranks of one shape and dtype; ``work(counts)`` returns a launch closure.
 
+    top_k: the model's experts per token (a step of T tokens has T * top_k pairs in SGLang's layout).
     dtype: "bf16" | "fp8" (block [128, 128] weights, per-token-group activations, as Kimi K2 ships)
            | "int4" (weight-only, group 32, as Kimi K2 Thinking ships). path: "triton" | "torch".
     """
 
-    def __init__(self, sgl, hidden: int, inter: int, n_local: int, dtype: str = "bf16", path: str = "triton"):
+    def __init__(self, sgl, hidden: int, inter: int, n_local: int, top_k: int, dtype: str = "bf16",
+                 path: str = "triton"):
         import torch
         self.torch = torch
         self.kernels, self.cfgmod, _ = sgl
-        self.H, self.I, self.E, self.dtype, self.path = hidden, inter, n_local, dtype, path
+        self.H, self.I, self.E, self.top_k, self.dtype, self.path = hidden, inter, n_local, top_k, dtype, path
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.w13, self.w2, self.s13, self.s2 = [], [], [], []
         for _ in range(COPIES):
@@ -169,13 +193,14 @@ class RankMoe:
     def work(self, counts: list[int], config_m: int | None = None):
         """A closure that runs this rank's step (counts[s] tokens to local slot s) on every weight copy.
 
-        config_m: M that SGLang's config lookup sees (the step's token count); default: the pairs.
+        config_m: the step's tokens T: the M SGLang's config lookup sees, and T * top_k pairs in the
+        layout (the rank's own and, as -1, the rest). Default: the rank's pairs.
         """
         torch = self.torch
         import triton.language as tl
         n = max(1, sum(counts))
-        xs = [torch.randn(n, self.H, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
         if self.path == "torch":
+            xs = [torch.randn(n, self.H, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
             rows = [(s, int(np.sum(counts[:s])), c) for s, c in enumerate(counts) if c]
 
             def run_torch():
@@ -187,15 +212,19 @@ class RankMoe:
                         out[r0:r0 + c] = h @ self.w2[i][s].t()
             return run_torch
 
-        cfg = self.config(config_m or n)
-        sorted_ids, expert_ids, padded = align_blocks(counts, self.E, cfg["BLOCK_SIZE_M"])
+        config_m = config_m or n
+        cfg = self.config(config_m)
+        ids = rank_pairs(counts, max(n, config_m * self.top_k))   # one row per pair: the kernel runs top-k 1
+        pairs = ids.shape[0]
+        sorted_ids, expert_ids, padded = align_layout(ids, self.E, cfg["BLOCK_SIZE_M"])
+        xs = [torch.randn(pairs, self.H, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
         sorted_ids = torch.from_numpy(sorted_ids).cuda()
         expert_ids = torch.from_numpy(expert_ids).cuda()
         post = torch.tensor([padded], dtype=torch.int32, device="cuda")
-        topk_ids = torch.zeros(n, 1, dtype=torch.int32, device="cuda")
-        topk_w = torch.rand(n, 1, device="cuda")
-        c1 = torch.empty(n, 2 * self.I, device="cuda", dtype=torch.bfloat16)
-        c2 = torch.empty(n, self.H, device="cuda", dtype=torch.bfloat16)
+        topk_ids = torch.from_numpy(ids.astype(np.int32)).cuda()
+        topk_w = torch.rand(pairs, 1, device="cuda")
+        c1 = torch.empty(pairs, 2 * self.I, device="cuda", dtype=torch.bfloat16)
+        c2 = torch.empty(pairs, self.H, device="cuda", dtype=torch.bfloat16)
         q = dict(use_fp8_w8a8=self.dtype == "fp8", use_int8_w8a8=False, use_int8_w8a16=False,
                  use_int4_w4a16=self.dtype == "int4", per_channel_quant=False,
                  block_shape={"bf16": None, "fp8": [128, 128], "int4": [0, 32]}[self.dtype])
@@ -213,10 +242,12 @@ class RankMoe:
                 h, h_s = self._quant(h) if self.dtype == "fp8" else (h, None)
                 gemm(h, h_s, self.w2[i], self.s2[i], c2, True)
         run.last = (xs[-1], topk_w, c2)  # inputs and output of the last copy, for check()
+        run.step_pairs = pairs
         return run
 
     def check(self, counts: list[int]) -> float:
-        """Relative error of one run against an fp32 torch reference (bf16 and fp8 weights)."""
+        """Relative error of one run against an fp32 torch reference (bf16 and fp8 weights); the rows of
+        other ranks' pairs must come out zero."""
         torch = self.torch
         run = self.work(counts)
         x, w, out = run.last
@@ -225,7 +256,7 @@ class RankMoe:
         torch.cuda.synchronize()
         scale = 0.01 if self.dtype == "fp8" else 1.0
         w13, w2 = self.w13[-1].float() * scale, self.w2[-1].float() * scale
-        ref = torch.empty(out.shape, device="cuda")
+        ref = torch.zeros(out.shape, device="cuda")
         r0 = 0
         for s, c in enumerate(counts):
             if c:
@@ -233,7 +264,7 @@ class RankMoe:
                 h = torch.nn.functional.silu(h[:, :self.I]) * h[:, self.I:]
                 ref[r0:r0 + c] = (h @ w2[s].t()) * w[r0:r0 + c]
                 r0 += c
-        return float((out[:r0].float() - ref[:r0]).norm() / ref[:r0].norm())
+        return float((out.float() - ref).norm() / ref.norm())
 
 
 def graph_time_us(fn, reps: int) -> float:
@@ -320,8 +351,10 @@ def measure(args) -> None:
             for d, tokens in sweep_grid(grid):
                 counts = even_counts(d, tokens)
                 config_m = max(1, round(tokens * STEP_TOKENS_PER_PAIR[shape]))
-                us = graph_time_us(rank.work(counts, config_m), args.reps)
+                work = rank.work(counts, config_m)
+                us = graph_time_us(work, args.reps)
                 rows.append({"distinct": d, "tokens": tokens, "us": us, "config_m": config_m,
+                             "step_pairs": getattr(work, "step_pairs", None),
                              "config": rank.config(config_m) if path == "triton" else None})
             result["sweeps"][label] = {"shape": SHAPES[shape], "dtype": dtype, "path": path, "points": rows}
             print(f"{label}: {len(rows)} points in {time.time() - t0:.0f} s; "
@@ -399,6 +432,8 @@ def fit(args) -> None:
                 "kernel": (f"sglang {raw['sglang']} fused_moe_kernel via invoke_fused_moe_kernel (Triton "
                            f"{raw['triton']}), SGLang's config lookup; gate/up GEMM + SiLU-and-mul + down GEMM"),
                 "shape": {"hidden": s["hidden"], "expert_intermediate": s["inter"], "local_slots": s["n_local"]},
+                # sweeps that know their top-k ran SGLang's buffer (moeplace.cost_derive.Measured)
+                **({"align_layout": "sglang", "top_k": s["top_k"]} if "top_k" in s else {}),
                 "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
                         f"kernel config for a {VERIFY_TOKENS}-token step ({verify_cfg})"),
                 "fit_mean_rel_err": round(low["mean_rel_err"], 4), "fit_max_rel_err": round(low["max_rel_err"], 4),

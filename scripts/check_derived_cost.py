@@ -3,10 +3,12 @@
 Rebuilds the held-out steps and placements of ``scripts/replay_placement.py`` (same sizes and seeds),
 then predicts each EP placement's and TP-MoE's ms per step with four cost models:
 
-* ``file``: the packaged file measured on that exact rank shape (within 3.4% of the replay's measured
-  times, BENCHMARKS.md, "Cost model calibration and replay");
+* ``file``: the packaged file measured on that exact rank shape, as measured: the emulation's first
+  block layout, whose launch grid over-counts SGLang's when a rank has more slots than the step has
+  pairs (within 3.4% of the replay's measured times, which used the same layout; BENCHMARKS.md,
+  "Cost model calibration and replay");
 * ``derived``: what the commands use (``moeplace.cost_derive.derive_cost_model``; a measured rank
-  shape uses its file, so for these shapes it equals ``file`` except with redundant slots);
+  shape uses its file's line moved to SGLang's launch grid);
 * ``terms``: the derived terms alone, as an unmeasured shape would get them (``formula_cost``);
 * ``terms, own file left out``: the same, calibrated without the file of the shape predicted (for
   redundant slots: without the file of the same experts with no redundancy);
@@ -36,15 +38,15 @@ from moeplace.expert_shape import ExpertShape  # noqa: E402
 SHAPES = {"gptoss": ExpertShape(2880, 2880, "bf16", "GPT-OSS-20B"), "kimi": ExpertShape(7168, 2048, "bf16", "Kimi K2")}
 
 
-def models(shape: ExpertShape, slots: int, own: str, tp: bool = False) -> dict[str, CostModel | None]:
+def models(shape: ExpertShape, slots: int, top_k: int, own: str, tp: bool = False) -> dict[str, CostModel | None]:
     """The candidate models for one rank shape; ``own``: the packaged file of these experts."""
     cal = gpu_calibration()
     left_out = calibrate([m for m in cal.files if m.name != own])
     measured = next((m for m in cal.files if m.name == own and m.local_slots == slots), None)
     return {"file": measured.cost if measured else None,
-            "derived": derive_cost_model(shape, slots),
-            "terms": CostModel(*formula_cost(cal, shape, slots)),
-            "terms, own file left out": CostModel(*formula_cost(left_out, shape, slots)),
+            "derived": derive_cost_model(shape, slots, top_k),
+            "terms": CostModel(*formula_cost(cal, shape, slots, top_k)),
+            "terms, own file left out": CostModel(*formula_cost(left_out, shape, slots, top_k)),
             "early default": None if tp else CostModel()}
 
 
@@ -53,7 +55,7 @@ def main() -> None:
            ("kimi", "ep"): "cost_h200_bf16.json", ("kimi", "tp"): "cost_h200_bf16_tp8.json"}
     for name, cfg in TRACES.items():
         train, test, label = load_trace(name, GPTOSS)
-        L, E, scale = test.model.num_moe_layers, test.model.num_experts, cfg.get("layer_scale", 1)
+        L, E, K, scale = test.model.num_moe_layers, test.model.num_experts, test.model.top_k, cfg.get("layer_scale", 1)
         print(f"\n{label}: {test.num_steps} held-out steps; ms per step")
         print(f"{'placement':<24}" + "".join(f"{k:>27}" for k in ("file", "derived", "terms",
                                                                    "terms, own file left out", "early default")))
@@ -64,9 +66,9 @@ def main() -> None:
                 slots = phy2log.shape[1] // RANKS
                 ms = {k: None if m is None else scale * sum(ep_layer_cost(test, layer, phy2log[layer], RANKS, m)
                                                             for layer in range(L)).mean() / 1e3
-                      for k, m in models(SHAPES[name], slots, own[(name, "ep")]).items()}
+                      for k, m in models(SHAPES[name], slots, K, own[(name, "ep")]).items()}
                 rows.append((f"{alg}" + (f" +{red} redundant" if red else ""), ms))
-        tp_models = models(SHAPES[name].tp_slice(RANKS), E, own[(name, "tp")], tp=True)
+        tp_models = models(SHAPES[name].tp_slice(RANKS), E, K, own[(name, "tp")], tp=True)
         rows.append(("TP-MoE", {k: None if m is None else
                                 scale * sum(tp_layer_cost(test, layer, m) for layer in range(L)).mean() / 1e3
                                 for k, m in tp_models.items()}))
@@ -76,7 +78,7 @@ def main() -> None:
             print(f"{row:<24}" + "".join(f"{c:>27}" for c in cells))
     cal = gpu_calibration()
     print(f"\ncalibration ({cal.gpu}): {cal.us_per_byte * 1e6:.4f} µs/MB ({1e-6 / cal.us_per_byte:.2f} TB/s), "
-          f"launch {cal.launch_us:.1f} µs + {cal.us_per_program * 1e3:.2f} ns per padding program, "
+          f"launch {cal.launch_us:.1f} µs + {cal.us_per_program * 1e3:.2f} ns per program of the grid, "
           f"large blocks: {cal.read_share:.2f} of the reads + {cal.us_per_k_step:.3f} µs per K step, "
           f"extra {', '.join(f'{k} {v:.1f} µs' for k, v in cal.extra_us.items())}")
 

@@ -6,9 +6,10 @@ dispatch would give it (``moeplace.advise.slot_token_counts``: the ``dynamic`` r
 the step is the sum over layers. TP-MoE (every rank holds 1/N of every expert) is replayed the same
 way: one rank runs every activated expert at 1/N width.
 
-A rank's work is timed by the fused-MoE path of ``calibrate_cost.py`` (SGLang's Triton kernel). Its
-time depends only on the multiset of per-slot token counts (all experts have the same shape), so each
-distinct rank workload is timed once and reused wherever it recurs.
+A rank's work is timed by the fused-MoE path of ``calibrate_cost.py`` (SGLang's Triton kernel over
+SGLang's block layout of all the step's pairs, other ranks' as -1, so the kernel's grid is SGLang's).
+Its time depends only on the multiset of per-slot token counts (all experts have the same shape), so
+each distinct rank workload is timed once and reused wherever it recurs.
 
 Placements (``placement_specs``): contiguous, deepseek and stepaware without spare slots (dynamic
 rule), deepseek with E/4 spare slots (dynamic), and balanced dispatch on stepaware's balanced
@@ -55,14 +56,19 @@ def placement_specs(num_experts: int) -> list[tuple[str, str, int, str]]:
     ]
 
 
-def ep_shape(hidden: int, inter: int, slots_per_rank: int) -> dict:
+def ep_shape(hidden: int, inter: int, slots_per_rank: int, top_k: int) -> dict:
     """One EP rank's shape for ``calibrate_cost.RankMoe``: whole experts, ``slots_per_rank`` of them."""
-    return dict(hidden=hidden, inter=inter, n_local=slots_per_rank)
+    return dict(hidden=hidden, inter=inter, n_local=slots_per_rank, top_k=top_k)
 
 
-def tp_shape(hidden: int, inter: int, ranks: int, num_experts: int) -> dict:
+def tp_shape(hidden: int, inter: int, ranks: int, num_experts: int, top_k: int) -> dict:
     """One TP-MoE rank's shape: 1/ranks of every expert's intermediate dimension."""
-    return dict(hidden=hidden, inter=-(-inter // ranks), n_local=num_experts)
+    return dict(hidden=hidden, inter=-(-inter // ranks), n_local=num_experts, top_k=top_k)
+
+
+def stale_jobs(jobs: dict) -> list[str]:
+    """Jobs of a work.json prepared before the replay built SGLang's layout (their shapes lack top_k)."""
+    return [job for job, j in jobs.items() if "top_k" not in j["shape"]]
 
 
 def load_trace(name: str, gptoss_path: str, test_steps: int | None = None):
@@ -127,15 +133,15 @@ def index_workloads(index: WorkIndex, name: str, test, placements: dict, ranks: 
     the last steps of every placement alike.
     """
     from moeplace.advise import rank_work, slot_token_counts, work_key
-    L, E = test.model.num_moe_layers, test.model.num_experts
+    L, E, K = test.model.num_moe_layers, test.model.num_experts, test.model.top_k
     work, jobs, shapes = {}, {}, {}
     for tag, (phy2log, dispatch) in placements.items():
         spr = phy2log.shape[1] // ranks
-        jobs[tag], shapes[tag] = f"{name}-ep-{spr}", ep_shape(hidden, inter, spr)
+        jobs[tag], shapes[tag] = f"{name}-ep-{spr}", ep_shape(hidden, inter, spr, K)
         work[tag] = np.stack([rank_work(slot_token_counts(test, layer, phy2log[layer], ranks, dispatch), ranks)
                               for layer in range(L)], axis=1)             # [S, L, R, spr]
     # TP-MoE: one rank runs every activated expert (1/R wide) on all pairs of the step.
-    jobs["tp"], shapes["tp"] = f"{name}-tp{ranks}-{E}", tp_shape(hidden, inter, ranks, E)
+    jobs["tp"], shapes["tp"] = f"{name}-tp{ranks}-{E}", tp_shape(hidden, inter, ranks, E, K)
     tp_counts = np.zeros((test.num_steps, L, 1, E), np.int64)
     for layer in range(L):
         step_of_row, _, ids = test.layer(layer)
@@ -213,13 +219,17 @@ def time_workloads(sgl, shape: dict, keys: list, step_tokens: int, reps: int, de
 def measure(args) -> None:
     """GPU: time every distinct rank workload of every job (fused-MoE path, bf16)."""
     sys.path.insert(0, str(Path(__file__).parent))
-    import torch
-    from calibrate_cost import load_sglang_moe
-    sgl = load_sglang_moe(args.sglang_wheel)
     jobs = {}
     for d in args.work.split(","):
         jobs.update(json.loads((Path(d) / "work.json").read_text())["jobs"])
     wanted = [j for j in jobs if not args.jobs or j.split("-")[0] in args.jobs.split(",")]
+    if stale_jobs({j: jobs[j] for j in wanted}):
+        print(f"replay_placement: {args.work} was prepared before the replay built SGLang's layout (no top_k); "
+              "run prepare again", file=sys.stderr)
+        sys.exit(2)
+    import torch
+    from calibrate_cost import load_sglang_moe
+    sgl = load_sglang_moe(args.sglang_wheel)
     result = {"gpu": torch.cuda.get_device_name(), "sglang": sgl[2], "jobs": {}}
     ends = job_deadlines([len(jobs[j]["keys"]) for j in wanted], time.time(), args.budget_s)
     for job, end in zip(wanted, ends):
@@ -250,9 +260,9 @@ def predicted_us(name: str, test, tag: str, phy2log: np.ndarray | None, ranks: i
     E = test.model.num_experts
     layers = layers if layers is not None else range(test.model.num_moe_layers)
     if tag == "tp":
-        cost = derive_cost_model(shape.tp_slice(ranks), E)
+        cost = derive_cost_model(shape.tp_slice(ranks), E, test.model.top_k)
         return sum(tp_layer_cost(test, layer, cost) for layer in layers)
-    cost = derive_cost_model(shape, phy2log.shape[1] // ranks)
+    cost = derive_cost_model(shape, phy2log.shape[1] // ranks, test.model.top_k)
     return sum(ep_layer_cost(test, layer, phy2log[layer], ranks, cost, dispatch) for layer in layers)
 
 

@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.cost_derive import sglang_row_blocks, sglang_sorted_rows
 from moeplace.model import ModelSpec
 from moeplace.trace.synthetic import synthetic_steps
 
@@ -62,11 +63,13 @@ def align_oracle(ids: np.ndarray, num_local: int, bm: int) -> tuple[list[list[in
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 12), st.integers(1, 8), st.integers(1, 40), st.sampled_from([1, 4, 16, 64]), st.integers(0, 10**6))
 def test_align_layout_is_sglangs_bucket_layout(tokens, top_k, num_local, bm, seed) -> None:
+    """The layout bench_ep and the emulation share (calibrate_cost.align_layout); its buffer size
+    is checked against SGLang's own code in tests/test_cost_derive.py."""
     ids = np.random.default_rng(seed).integers(-1, num_local, size=(tokens, top_k))
     sorted_ids, expert_ids, padded = bench_ep.align_layout(ids, num_local, bm)
     numel = ids.size
-    size = numel * bm if numel < num_local + 1 else numel + (num_local + 1) * (bm - 1)
-    assert sorted_ids.size == -(-size // 4) * 4 and expert_ids.size == -(-sorted_ids.size // bm)
+    assert sorted_ids.size == sglang_sorted_rows(numel, num_local, bm)
+    assert expert_ids.size == sglang_row_blocks(numel, num_local, bm)
     blocks, experts = align_oracle(ids, num_local, bm)
     assert padded == len(blocks) * bm <= sorted_ids.size
     for b, (pairs, e) in enumerate(zip(blocks, experts)):

@@ -39,8 +39,9 @@ def test_report_uses_the_model_in_the_trace_header():
     code, out, err = invoke("report", SAMPLE, "--ranks", 8, "--json")
     assert code == 0, err
     cost = json.loads(out)["cost_model"]
-    gptoss = derive_cost_model(ExpertShape(2880, 2880, "bf16", "x"), 4)
-    assert (cost["a_us_per_expert"], cost["c_us"]) == (gptoss.a_us_per_expert, gptoss.c_us) == (6.598, 73.68)
+    gptoss = derive_cost_model(ExpertShape(2880, 2880, "bf16", "x"), 4, 4)   # 4 slots a rank, top-4
+    assert (cost["a_us_per_expert"], cost["c_us"]) == (gptoss.a_us_per_expert, gptoss.c_us)
+    assert gptoss.a_us_per_expert == 6.598 and gptoss.c_us == pytest.approx(73.68, abs=0.5)   # the measured line
     assert "gpt-oss-20b" in cost["source"] and not err
     code, out, _ = invoke("report", SAMPLE, "--ranks", 8)
     assert "cost model (MoE µs/step): NVIDIA H200, known model gpt-oss-20b: experts 2880x2880 bf16" in out
@@ -116,8 +117,10 @@ def test_advise_prints_both_cost_models(tmp_path):
     code, out, err = invoke("advise", tiny_npz(tmp_path / "t.npz"), "--ranks", 8, "--effort", 1e6,
                             "--model", _config(tmp_path, QWEN_LIKE))
     assert code == 0, err
-    assert "EP cost model: NVIDIA H200, --model" in out and "experts 2048x768 bf16, 4 per rank" in out
-    assert "TP cost model: NVIDIA H200, --model" in out and "experts 2048x96 bf16, 32 per rank" in out
+    assert "EP cost model at 9 tokens per step: NVIDIA H200, --model" in out
+    assert "TP cost model at 9 tokens per step: NVIDIA H200, --model" in out
+    assert "experts 2048x768 bf16, 4 per rank" in out and "experts 2048x96 bf16, 32 per rank" in out
+    assert "SGLang's launch grid for 9 tokens x top-4" in out
 
 
 def _config(tmp_path: Path, config: dict) -> Path:

@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from moeplace.cost_derive import (LARGE_M, SMALL_M, calibrate, derive_cost_model, formula_cost, gpu_calibration,
-                                  packaged_measurements, sglang_default_config)
+from moeplace.cost_derive import (FP8_BLOCK, LARGE_M, SMALL_M, STEP_TOKENS, Measured, calibrate, column_blocks,
+                                  derive_cost_model, formula_cost, gpu_calibration, packaged_measurements,
+                                  sglang_default_config, sglang_row_blocks, sglang_sorted_rows)
+from moeplace.errors import MoeplaceError
 from moeplace.expert_shape import GENERIC, KNOWN_MODELS, MXFP4_NOTE, ExpertShape, known_expert_shape
 from moeplace.model import ModelSpec
 from moeplace.model_config import expert_shape_from_hf_config
 
 FILES = {m.name: m for m in packaged_measurements()}
+TOP_K = {"cost_h200_bf16.json": 8, "cost_h200_fp8.json": 8, "cost_h200_int4.json": 8, "cost_h200_bf16_tp8.json": 8,
+         "cost_h200_bf16_gptoss.json": 4, "cost_h200_bf16_gptoss_tp8.json": 4}   # the models the files were for
 
 
 def test_every_packaged_file_names_its_rank_shape():
@@ -27,13 +34,26 @@ def test_every_packaged_file_names_its_rank_shape():
 
 @pytest.mark.parametrize("name", ["cost_h200_bf16.json", "cost_h200_bf16_tp8.json", "cost_h200_bf16_gptoss_tp8.json"])
 def test_fixed_terms_predict_a_left_out_file(name):
-    """Launch cost per padding program, fitted without one bf16 file, predicts that file's c within 3%;
-    the per-byte read cost fitted without the bf16 Kimi file (so from fp8 and the TP shapes) predicts its a."""
-    rest = [m for n, m in FILES.items() if n != name]
-    a, _, c = formula_cost(calibrate(rest), FILES[name].shape, FILES[name].local_slots)
-    assert c == pytest.approx(FILES[name].cost.c_us, rel=0.03)
+    """Launch cost per program, fitted without one bf16 file, predicts that file's c within 3% once the
+    prediction is moved back from SGLang's grid to the row blocks the file was measured with; the
+    per-byte read cost fitted without the bf16 Kimi file (so from fp8 and the TP shapes) predicts its a."""
+    m = FILES[name]
+    cal = calibrate([f for n, f in FILES.items() if n != name])
+    a, _, c = formula_cost(cal, m.shape, m.local_slots, TOP_K[name])
+    rows = sglang_row_blocks(STEP_TOKENS * TOP_K[name], m.local_slots, m.config[0])
+    assert c - cal.grid_us(m.shape, m.config, rows - m.row_blocks) == pytest.approx(m.cost.c_us, rel=0.03)
     if name == "cost_h200_bf16.json":
-        assert a == pytest.approx(FILES[name].cost.a_us_per_expert, rel=0.03)
+        assert a == pytest.approx(m.cost.a_us_per_expert, rel=0.03)
+
+
+def test_calibration_fits_the_files_as_measured():
+    """The packaged files ran the first emulation layout (local_slots x (BM-1)/BM padding row blocks);
+    the terms fitted on them are those BENCHMARKS.md records (22.7 µs + 1.33 ns a program)."""
+    cal = gpu_calibration()
+    assert not any(m.sglang_layout for m in FILES.values())
+    assert cal.launch_us == pytest.approx(22.7, abs=0.1) and cal.us_per_program * 1e3 == pytest.approx(1.33, abs=0.01)
+    kimi = FILES["cost_h200_bf16.json"]
+    assert kimi.row_blocks == 48 * 15 / 16 and kimi.row_blocks_per_pair == 1 / 16
 
 
 def test_per_byte_cost_holds_across_bf16_and_fp8():
@@ -44,34 +64,80 @@ def test_per_byte_cost_holds_across_bf16_and_fp8():
     assert 1 / cal.us_per_byte / 1e6 == pytest.approx(4.6, rel=0.1)   # TB/s: near the H200's 4.8 peak
 
 
-def test_measured_shapes_use_their_measurement():
-    for m in FILES.values():
-        cm = derive_cost_model(m.shape, m.local_slots)
-        assert (cm.a_us_per_expert, cm.b_us_per_token, cm.c_us) == \
-            (m.cost.a_us_per_expert, m.cost.b_us_per_token, m.cost.c_us)
-        assert f"measured ({m.name})" in cm.describe()
+@pytest.mark.parametrize("name", sorted(FILES))
+def test_measured_shapes_use_their_line_on_sglangs_grid(name):
+    """A measured rank shape keeps its a; its c moves by the launches of the row-block difference
+    between SGLang's grid at a verify step and the layout the file was measured with."""
+    m, cal, k = FILES[name], gpu_calibration(), TOP_K[name]
+    cm = derive_cost_model(m.shape, m.local_slots, k)
+    assert f"measured ({m.name}" in cm.describe() and cm.a_us_per_expert == m.cost.a_us_per_expert
+    rows = sglang_row_blocks(STEP_TOKENS * k, m.local_slots, m.config[0])
+    moved = cal.us_per_program * column_blocks(m.shape, m.config) * (rows - m.row_blocks)
+    assert cm.c_us == pytest.approx(m.cost.c_us + moved, abs=1e-3)
+    assert 0 <= cm.b_us_per_token <= m.cost.b_us_per_token
+    if name == "cost_h200_bf16_tp8.json":        # 384 slots, 72 pairs: 72 row blocks launched, not 360
+        assert rows == 72 and 40 < cm.c_us < 50 and m.cost.c_us > 130
+    else:                                        # fewer slots than pairs: both layouts within a few µs
+        assert abs(moved) < 3
+
+
+def test_sglang_layout_files_calibrate_alike():
+    """The same physics written as files measured with SGLang's layout (c and b moved to its grid at a
+    verify step) gives the same terms: the calibration reads each file's layout."""
+    cal = gpu_calibration()
+    twins = []
+    for name, m in FILES.items():
+        rows = sglang_row_blocks(STEP_TOKENS * TOP_K[name], m.local_slots, m.config[0])
+        cost = dataclasses.replace(m.cost, b_us_per_token=cal.net_b(m),
+                                   c_us=m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks))
+        twins.append(dataclasses.replace(m, cost=cost, top_k=TOP_K[name], sglang_layout=True))
+    again = calibrate(twins)
+    assert again.launch_us == pytest.approx(cal.launch_us, rel=0.05)
+    assert again.us_per_program == pytest.approx(cal.us_per_program, rel=0.05)
+    assert again.b_us_per_token == pytest.approx(cal.b_us_per_token, rel=1e-6)
+    with pytest.raises(MoeplaceError, match="no top_k"):
+        dataclasses.replace(twins[0], top_k=None)
+
+
+def test_grid_follows_the_steps_pairs():
+    """Kimi TP-MoE at 8 ranks (384 slots): the fixed cost grows with the step's tokens until its pairs
+    fill SGLang's 385 buckets (49 tokens x top-8), then only by 1/BM row block a pair."""
+    kimi, cal = FILES["cost_h200_bf16_tp8.json"], gpu_calibration()
+    c = {t: derive_cost_model(kimi.shape, 384, 8, step_tokens=t).c_us for t in (1, 9, 16, 48, 49, 96)}
+    assert c[1] < c[9] < c[16] < c[48] < c[49] < c[96]
+    per_row = cal.us_per_program * column_blocks(kimi.shape, kimi.config)
+    assert c[9] - c[1] == pytest.approx(per_row * (72 - 8), abs=1e-2)
+    assert c[96] - c[49] == pytest.approx(per_row * (sglang_row_blocks(768, 384, 16) - sglang_row_blocks(392, 384, 16)),
+                                          abs=1e-2)
+    assert derive_cost_model(kimi.shape, 384, 4).c_us < c[9]      # top-4: half the pairs
 
 
 def test_unmeasured_shapes_are_derived_and_ordered():
     qwen = ExpertShape(2048, 768, "bf16", "Qwen3-30B-A3B")
-    small, large = derive_cost_model(qwen, 16), derive_cost_model(qwen, 32)
+    small, large = derive_cost_model(qwen, 16, 8), derive_cost_model(qwen, 32, 8)
     assert "derived from expert bytes" in small.describe()
     assert 0 < small.a_us_per_expert == large.a_us_per_expert < FILES["cost_h200_bf16.json"].cost.a_us_per_expert
-    assert small.c_us < large.c_us          # more local slots launch more padding programs
+    assert small.c_us < large.c_us          # more local slots: more padding rows in SGLang's buffer
     kimi = FILES["cost_h200_bf16.json"]
-    redundant = derive_cost_model(kimi.shape, kimi.local_slots + 4)   # Kimi with 32 redundant slots over 8 ranks
+    measured = derive_cost_model(kimi.shape, kimi.local_slots, 8)
+    redundant = derive_cost_model(kimi.shape, kimi.local_slots + 4, 8)   # Kimi with 32 redundant slots over 8 ranks
     assert redundant.a_us_per_expert == pytest.approx(kimi.cost.a_us_per_expert, rel=0.01)
-    assert kimi.cost.c_us < redundant.c_us < kimi.cost.c_us * 1.1
-    fp8 = derive_cost_model(dataclasses.replace(kimi.shape, weights="fp8"), 52)
+    assert measured.c_us < redundant.c_us < measured.c_us * 1.1
+    fp8 = derive_cost_model(dataclasses.replace(kimi.shape, weights="fp8"), 52, 8)
     assert fp8.a_us_per_expert == pytest.approx(redundant.a_us_per_expert / 2, rel=0.01)
 
 
 def test_few_local_experts_use_the_large_block_terms():
     gptoss = FILES["cost_h200_bf16_gptoss.json"]
     assert gptoss.config == LARGE_M and sglang_default_config(9, 16, "bf16") == SMALL_M
-    five = derive_cost_model(gptoss.shape, 5)          # 8 redundant slots over 8 ranks: still 9 tokens > 5
+    four, five = derive_cost_model(gptoss.shape, 4, 4), derive_cost_model(gptoss.shape, 5, 4)   # 5: 8 spare slots
     assert five.a_us_per_expert == pytest.approx(gptoss.cost.a_us_per_expert, rel=0.01)
-    assert five.c_us == pytest.approx(gptoss.cost.c_us, rel=0.02)
+    assert five.c_us == pytest.approx(four.c_us, rel=0.02)
+
+
+def test_bad_step_is_one_clear_error():
+    with pytest.raises(MoeplaceError, match="top-k of at least 1"):
+        derive_cost_model(FILES["cost_h200_bf16.json"].shape, 48, 0)
 
 
 @pytest.mark.sglang
@@ -98,6 +164,66 @@ def test_kernel_config_rule_is_sglangs(tokens, local, weights, quant, block, tmp
         runtime_context.restore_context(state)
     assert sglang_default_config(tokens, local, weights) == \
         (config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"])
+
+
+def sglang_launches(monkeypatch, tokens: int, top_k: int, local: int, hidden: int, inter: int,
+                    config: dict) -> tuple[int, int]:
+    """(sorted buffer rows, programs of both GEMMs) as SGLang's own Python sizes them on this CPU.
+
+    SGLang's real ``moe_align_block_size`` allocates the buffers, its real ``invoke_fused_moe_kernel``
+    computes each GEMM's grid; only the GPU kernels they would launch are replaced by recorders (none
+    runs on a CPU). ids include -1 (other ranks' pairs), as under EP with --moe-a2a-backend none.
+    """
+    import torch
+    import triton.language as tl
+    from sglang.kernels.ops.moe import fused_moe_triton_kernels as kernels
+    from sglang.srt.layers.moe.moe_runner.triton_utils.moe_align_block_size import moe_align_block_size
+
+    align = sys.modules[moe_align_block_size.__module__]
+    grids: list[int] = []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: grids.append(grid(meta)[0])
+
+    monkeypatch.setattr(align, "sgl_moe_align_block_size", lambda *args: None, raising=False)
+    monkeypatch.setattr(kernels, "fused_moe_kernel", Launcher())
+    ids = torch.randint(-1, local, (tokens, top_k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    sorted_ids, expert_ids, post = moe_align_block_size(ids, config["BLOCK_SIZE_M"], local)
+    weights = torch.rand(tokens, top_k)
+    for a, b, c, k in ((torch.zeros(tokens, hidden), torch.zeros(local, 2 * inter, hidden),
+                        torch.zeros(tokens * top_k, 2 * inter), top_k),                       # gate/up
+                       (torch.zeros(tokens * top_k, inter), torch.zeros(local, hidden, inter),
+                        torch.zeros(tokens * top_k, hidden), 1)):                             # down
+        kernels.invoke_fused_moe_kernel(a.bfloat16(), b.bfloat16(), None, c.bfloat16(), None, None, None, weights,
+                                        ids, sorted_ids, expert_ids, post, k == 1, k, config, tl.bfloat16,
+                                        False, False, False, False, False, None)
+    return sorted_ids.numel(), sum(grids)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (9, 8), (9, 4), (16, 8), (48, 8), (49, 8), (64, 4)])
+@pytest.mark.parametrize("local", [1, 4, 32, 48, 192, 384])
+@pytest.mark.parametrize("block", [SMALL_M, LARGE_M, FP8_BLOCK])
+def test_launch_grid_is_sglangs(monkeypatch, tokens, top_k, local, block):
+    """Buffer rows and programs launched: ours against SGLang's own moe_align_block_size and
+    invoke_fused_moe_kernel (the shapes Kimi EP/TP and GPT-OSS run at 8 and 2 ranks, and the
+    boundaries where a step's pairs reach the local slots + 1)."""
+    shape = ExpertShape(96, 40, "bf16", "small")      # odd sizes: partial column blocks
+    config = dict(zip(("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K"), block), GROUP_SIZE_M=1)
+    rows, programs = sglang_launches(monkeypatch, tokens, top_k, local, shape.hidden, shape.intermediate, config)
+    assert rows == sglang_sorted_rows(tokens * top_k, local, block[0])
+    assert programs == sglang_row_blocks(tokens * top_k, local, block[0]) * column_blocks(shape, block)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 5000), st.integers(1, 600), st.sampled_from([1, 16, 64, 128]))
+def test_row_blocks_cover_every_pair_padded(pairs, local, bm):
+    """Property: SGLang's buffer holds every pair plus each non-empty bucket's padding (at most
+    min(pairs, local + 1) buckets), so its row blocks bound the blocks any layout of the step fills."""
+    rows = sglang_sorted_rows(pairs, local, bm)
+    assert rows % 4 == 0 and rows >= pairs + min(pairs, local + 1) * (bm - 1)
+    assert sglang_row_blocks(pairs, local, bm) * bm >= rows > (sglang_row_blocks(pairs, local, bm) - 1) * bm
 
 
 # ----------------------------------------------------------------------------- where the shape comes from

@@ -10,7 +10,7 @@ from moeplace.algorithms import PlacementProblem, solve
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import resolve_costing
 from moeplace.commands.options import trace_options
-from moeplace.costmodel import load_cost_model
+from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.optimize import DEFAULT_SAMPLE_STEPS
 
@@ -34,8 +34,9 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
 
     EP cost: the slowest rank per layer under DeepSeek EPLB and step-aware placements (the better one
     counts). TP-MoE: every rank runs every activated expert at 1/R width. Both cost models are derived
-    for the model's experts (shape from --model or the trace's model name; H200 measurements of SGLang's
-    fused MoE kernel) unless --cost-model / --tp-cost-model give files. Communication is not counted.
+    for the model's experts (shape from --model or the trace's model name, its top-k; H200 measurements
+    of SGLang's fused MoE kernel, with SGLang's launch grid for each batch size and the kernel config of
+    the trace's batch) unless --cost-model / --tp-cost-model give files. Communication is not counted.
     Batches of other sizes are built from the trace's own steps.
 
     \b
@@ -47,27 +48,35 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref,
                               derived_needed=not (cost_model_path and tp_cost_path))
-    ep_cost = costing.ep((model.num_experts + redundant) // ranks)
-    tp_cost = load_cost_model(tp_cost_path) if tp_cost_path else costing.tp(ranks, model.num_experts)
+    tp_file = load_cost_model(tp_cost_path) if tp_cost_path else None
     steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
         raise src.no_steps_error(mode)
     if steps.count_steps.size:
         raise MoeplaceError(f"{trace}: advise needs per-token routing (token rows); this trace has only counts")
+
+    sample = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(EVAL_STEPS, steps.num_steps))
+                                  .astype(np.int64)))
+    trace_batch = max(1, int(np.median(sample.num_tokens)))
+
+    def cost_models(batch: int) -> tuple[CostModel, CostModel]:
+        """(EP, TP-MoE) models for steps of ``batch`` tokens: SGLang's launch grid follows the batch, the
+        kernel config stays the trace's (other configs are measured for few shapes)."""
+        return (costing.ep((model.num_experts + redundant) // ranks, batch, trace_batch),
+                tp_file or costing.tp(ranks, model.num_experts, batch, trace_batch))
+
+    ep_cost, tp_cost = cost_models(trace_batch)
     fit = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(FIT_STEPS, steps.num_steps)).astype(np.int64)))
     placements = {}
     for name in ("deepseek", "stepaware"):
         click.echo(f"placing: {name}", err=True)
         placements[name] = solve(name, PlacementProblem(steps.model, fit, ranks, redundant=redundant,
                                                         dispatch=dispatch, cost_model=ep_cost, effort=effort))
-    sample = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(EVAL_STEPS, steps.num_steps))
-                                  .astype(np.int64)))
-    here = verdict(step_costs(sample, placements, ranks, ep_cost, tp_cost, dispatch),
-                   int(np.median(sample.num_tokens)))
+    here = verdict(step_costs(sample, placements, ranks, ep_cost, tp_cost, dispatch), trace_batch)
     grid = []
     for batch in BATCH_GRID:
         batches = resample_batches(steps, batch, EVAL_STEPS // 4)
-        grid.append(verdict(step_costs(batches, placements, ranks, ep_cost, tp_cost, dispatch), batch))
+        grid.append(verdict(step_costs(batches, placements, ranks, *cost_models(batch), dispatch), batch))
     flip = flip_batch(grid)
     if as_json:
         def row(v):
@@ -85,11 +94,17 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     for v in grid:
         click.echo(f"{v.batch:>11} {v.ep_us / 1e3:7.2f} {v.tp_us / 1e3:7.2f}   {v.winner.upper()} "
                    f"x{v.speedup:.2f}" + (f" ({v.ep_placement})" if v.winner == "ep" else ""))
+    changes = [(lo.winner, hi.winner) for lo, hi in zip(grid, grid[1:]) if lo.winner != hi.winner]
     if flip is None:
         click.echo(f"No flip between {BATCH_GRID[0]} and {BATCH_GRID[-1]} tokens per step.")
     else:
-        click.echo(f"The answer flips at about {flip:.0f} tokens per step "
-                   f"({grid[0].winner.upper()} below, {grid[-1].winner.upper()} above).")
+        below, above = changes[0]
+        click.echo(f"The answer flips at about {flip:.0f} tokens per step ({below.upper()} below, "
+                   f"{above.upper()} above" + (f"; it changes {len(changes) - 1} more time(s) further up" if
+                                               len(changes) > 1 else "") + ").")
     click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce).")
-    click.echo(f"EP cost model: {ep_cost.describe()}")
-    click.echo(f"TP cost model: {tp_cost.describe()}")
+    click.echo(f"EP cost model at {trace_batch} tokens per step: {ep_cost.describe()}")
+    click.echo(f"TP cost model at {trace_batch} tokens per step: {tp_cost.describe()}")
+    if not (cost_model_path and tp_cost_path):
+        click.echo(f"Other rows: the same models with SGLang's launch grid for their tokens x top-{model.top_k} "
+                   f"(kernel config kept at {trace_batch} tokens).")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import click
 
-from moeplace.cost_derive import derive_cost_model
+from moeplace.cost_derive import STEP_TOKENS, derive_cost_model
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.expert_shape import GENERIC, ExpertShape, known_expert_shape
@@ -20,18 +20,28 @@ from moeplace.model import ModelSpec
 
 @dataclass(frozen=True)
 class Costing:
-    """How a command costs a rank: a fixed model from a file, or one derived from ``shape``."""
+    """How a command costs a rank: a fixed model from a file, or one derived from ``shape``.
+
+    top_k: the model's experts per token (SGLang's launch grid follows the step's tokens x top-k).
+    """
 
     shape: ExpertShape
+    top_k: int
     fixed: CostModel | None = None
 
-    def ep(self, local_slots: int) -> CostModel:
-        """A rank holding ``local_slots`` expert slots (EP)."""
-        return self.fixed if self.fixed is not None else derive_cost_model(self.shape, local_slots)
+    def ep(self, local_slots: int, step_tokens: int = STEP_TOKENS, config_tokens: int | None = None) -> CostModel:
+        """A rank holding ``local_slots`` expert slots (EP), for steps of ``step_tokens`` tokens
+        (``derive_cost_model`` says what ``config_tokens`` holds)."""
+        if self.fixed is not None:
+            return self.fixed
+        return derive_cost_model(self.shape, local_slots, self.top_k, step_tokens=step_tokens,
+                                 config_tokens=config_tokens)
 
-    def tp(self, ranks: int, experts: int) -> CostModel:
-        """A rank holding 1/ranks of every one of ``experts`` experts (TP-MoE)."""
-        return derive_cost_model(self.shape.tp_slice(ranks), experts)
+    def tp(self, ranks: int, experts: int, step_tokens: int = STEP_TOKENS,
+           config_tokens: int | None = None) -> CostModel:
+        """A rank holding 1/ranks of every one of ``experts`` experts (TP-MoE), for steps of ``step_tokens``."""
+        return derive_cost_model(self.shape.tp_slice(ranks), experts, self.top_k, step_tokens=step_tokens,
+                                 config_tokens=config_tokens)
 
 
 def expert_shape_from_model_ref(model_ref: str, model: ModelSpec) -> ExpertShape:
@@ -64,7 +74,7 @@ def resolve_costing(model: ModelSpec, cost_model_path: str | None, model_ref: st
         if shape is GENERIC and derived_needed:
             click.echo(f"warning: the expert shape of model {model.name!r} is unknown (pass --model with its "
                        f"config.json, or --cost-model FILE); MoE µs use a {GENERIC.describe()}", err=True)
-    return Costing(shape, fixed)
+    return Costing(shape, model.top_k, fixed)
 
 
 def cost_model_line(models: dict[str, CostModel]) -> str:
