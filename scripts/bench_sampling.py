@@ -44,7 +44,9 @@ save_placement(out, result.placement)
 deepseek = next(e for e in result.evaluations if e.name == "deepseek").placement
 save_placement(out.replace(".json", ".deepseek.json"), deepseek)
 usage = resource.getrusage(resource.RUSAGE_SELF)
-print(json.dumps({"seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": usage.ru_maxrss / 1024,
+# VmHWM: this process's own peak RSS (ru_maxrss keeps the peak of the parent it was forked from)
+peak_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))
+print(json.dumps({"seconds": seconds, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_mb": peak_kb / 1024,
                   "fit_steps": result.fit_steps, "note": result.note}))
 """
 
