@@ -179,9 +179,9 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     pick = np.full((S, E), -1, np.int64)
     home = bits[single].argmax(axis=1)
     pick[:, single] = np.where(act[:, single], home, -1)
-    onehot = bits[single].astype(counts.dtype)
-    distinct = (act[:, single].astype(np.int64) @ bits[single].astype(np.int64))
-    tokens = counts[:, single] @ onehot
+    onehot = bits[single].astype(np.float64)      # BLAS; exact for counts below 2^53
+    distinct = (act[:, single] @ onehot).astype(np.int64)
+    tokens = (counts[:, single] @ onehot).astype(counts.dtype)
     for e in multi:                                                       # step 2, in expert order
         s = np.flatnonzero(act[:, e])
         if not s.size:

@@ -208,11 +208,16 @@ def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_
     R = placement.ranks
     for layer in range(steps.model.num_moe_layers):
         table = static_tables[layer] if static_tables is not None else None
-        balanced, optimum = balanced_loads(steps, layer, placement.phy2log[layer], R)
-        if dispatch == "balanced":
+        if placement.num_redundant == 0:
+            # one replica each: every rule sends an expert to its one rank, which is also the optimum
+            distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, "dynamic")
+            optimum = distinct.max(axis=1)
+        elif dispatch == "balanced":
+            balanced, optimum = balanced_loads(steps, layer, placement.phy2log[layer], R)
             distinct, tokens = balanced.distinct, balanced.tokens
         else:
             distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, dispatch, table)
+            optimum = balanced_loads(steps, layer, placement.phy2log[layer], R)[1]
         cost = cost_model.cost(distinct, tokens)
         step_max = distinct.max(axis=1)
         sums.max_distinct[layer] += step_max.sum()
