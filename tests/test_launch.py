@@ -274,3 +274,47 @@ def test_hugging_face_id_not_cached(tmp_path: Path, hf_cache: Path, placement_fi
                                     "--model-path", "openai/gpt-oss-20b", "--tp", "4", "--ep", "4"])
     assert_refused(tmp_path, code, stdout, stderr, "not in the Hugging Face cache")
     assert "huggingface-cli download openai/gpt-oss-20b config.json" in stderr
+
+
+# ----------------------------------------------------------------------------- balanced dispatch
+
+@pytest.fixture
+def balanced_file(tmp_path: Path) -> Path:
+    """A placement whose spare slots were placed for balanced dispatch (what `optimize --dispatch balanced` writes)."""
+    p = round_robin(SPEC, ranks=4, redundant=4)
+    p.metrics = {"dispatch": "balanced"}
+    path = tmp_path / "balanced.json"
+    save_placement(path, p)
+    return path
+
+
+def test_balanced_placement_turns_the_plugins_rule_on(model_dir: Path, balanced_file: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    code, stdout, stderr = run_cli(["launch", "--placement", str(balanced_file), "--dry-run", "--",
+                                    *sglang_args(model_dir)])
+    assert code == 0, stderr
+    assert stdout.startswith("MOEPLACE_DISPATCH=balanced ")
+    assert shlex.split(stdout)[2:4] == ["-m", "sglang.launch_server"]
+
+
+@pytest.mark.parametrize("extra, env, expect", [
+    ("--enable-dp-attention", None, "drop --enable-dp-attention"),
+    ("", "dynamic", "MOEPLACE_DISPATCH='dynamic'"),
+])
+def test_balanced_placement_refusals(tmp_path: Path, model_dir: Path, balanced_file: Path,
+                                     monkeypatch: pytest.MonkeyPatch, extra: str, env: str | None, expect: str) -> None:
+    if env is None:
+        monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    else:
+        monkeypatch.setenv("MOEPLACE_DISPATCH", env)
+    code, stdout, stderr = run_cli(["launch", "--placement", str(balanced_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, f"--tp 4 --ep 4 --ep-num-redundant-experts 4 {extra}")])
+    assert_refused(tmp_path, code, stdout, stderr, expect)
+
+
+def test_placement_for_sglangs_rule_adds_no_environment(model_dir: Path, placement_file: Path) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir)])
+    assert code == 0, stderr
+    assert "MOEPLACE_DISPATCH" not in stdout

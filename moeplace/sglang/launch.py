@@ -171,14 +171,16 @@ def read_placement(path: str | os.PathLike, spec: ModelSpec, layout: SglangLayou
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What ``moeplace launch`` will run: the checked placement, the file to write, the command."""
+    """What ``moeplace launch`` will run: the checked placement, the file to write, the command, and the
+    environment it adds (``MOEPLACE_DISPATCH=balanced`` for a placement made for balanced dispatch)."""
 
     placement: Placement
     sglang_file: Path
     command: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def shell(self) -> str:
-        return shlex.join(self.command)
+        return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [shlex.join(self.command)])
 
 
 def default_sglang_file(placement_path: str | os.PathLike) -> Path:
@@ -208,7 +210,22 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     placement = fit_placement(read_placement(placement_path, spec, layout), spec, layout)
     command = [python or sys.executable, "-m", "sglang.launch_server", *sglang_args,
                "--init-expert-location", str(target)]
-    return LaunchPlan(placement, target, command)
+    return LaunchPlan(placement, target, command, dispatch_env(placement, sglang_args))
+
+
+def dispatch_env(placement: Placement, sglang_args: Sequence[str]) -> dict[str, str]:
+    """``{"MOEPLACE_DISPATCH": "balanced"}`` for a placement whose spare slots were placed for balanced
+    dispatch (it needs the plugin's rule, and every rank must see the same router ids: no DP attention)."""
+    if placement.metrics.get("dispatch") != "balanced" or placement.num_redundant == 0:
+        return {}
+    if any(a == "--enable-dp-attention" or a.startswith("--enable-dp-attention=") for a in sglang_args):
+        raise MoeplaceError("the placement was made for balanced dispatch, which needs every rank to see the same "
+                            "router ids: drop --enable-dp-attention (attention in tensor parallel)")
+    chosen = os.environ.get("MOEPLACE_DISPATCH", "").strip()
+    if chosen and chosen != "balanced":
+        raise MoeplaceError(f"the placement was made for balanced dispatch but MOEPLACE_DISPATCH={chosen!r}; "
+                            "unset it or set it to balanced")
+    return {"MOEPLACE_DISPATCH": "balanced"}
 
 
 def require_sglang(python: str) -> None:
@@ -239,4 +256,4 @@ def exec_sglang(plan: LaunchPlan) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     # exec, not a child: signals, exit code and the terminal belong to SGLang directly.
-    os.execv(plan.command[0], plan.command)
+    os.execve(plan.command[0], plan.command, {**os.environ, **plan.env})
