@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 
 import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
+from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source
 from moeplace.commands.costing import Costing, cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.errors import MoeplaceError
@@ -101,10 +100,10 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     redundant = spare_slots(model, ranks, redundant, replica_memory, costing)
     check_ranks(src, ranks, redundant)
     cost_model = costing.ep((model.num_experts + redundant) // ranks)
-    with click.progressbar(length=model.num_moe_layers, label=f"{algorithm}: placing layers", file=sys.stderr) as bar:
-        result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
-                              seed, max_steps, effort, balance_floor, progress=bar.update,
-                              reference_cost_model=costing.ep(model.num_experts // ranks))
+    result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
+                          seed, max_steps, effort, balance_floor,
+                          progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
+                          reference_cost_model=costing.ep(model.num_experts // ranks))
     if sglang_out:   # first, so that a failure here leaves no placement file behind
         save_sglang(sglang_out, result.placement)
     save_placement(output, result.placement)
