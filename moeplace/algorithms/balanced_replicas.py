@@ -14,12 +14,14 @@ e is active, e's replicas lie in the intersection of the tight sets, and r lies 
 So the gain of every (expert, rank) pair over all steps is one matrix product, exact, and the search
 adds the best replica, updates the steps where that expert is active, and repeats:
 
-1. start from a placement without spare slots (stepaware's), each rank with R_spare / R free slots;
-2. add replicas one at a time by exact gain in E[optimum] on the fitted steps; among equal gains
-   prefer the pair that takes an expert out of more tight sets (progress toward a later gain), then
-   the busier expert, then the lower expert id and rank (deterministic).
+1. start from a placement without spare slots (``stepaware``'s), each rank with R_spare / R free slots;
+2. add replicas by exact gain in E[optimum] on a sample of the fitted steps, in rounds: one replica a
+   round where spare slots are few (several chosen against the same state can chase the same steps),
+   up to BATCH_MAX where they are many; among equal gains prefer the pair that takes an expert out of
+   every tight set of more steps that are not fragile (progress toward a later gain), then the busier
+   expert, then the lower expert id and rank (deterministic).
 
-The fast rule reaches the optimum on almost every step (BENCHMARKS.md), so this is what SGLang gets.
+The fast rule reached the optimum on every step measured (BENCHMARKS.md), so this is what SGLang gets.
 Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets).
 """
 
@@ -178,9 +180,10 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         # A pair's score changes where its step's tight sets changed, or where its expert is a chosen
         # one (its mask changed); every pair of a chosen expert lies in ``hit``.
         changed = (new_fragile != fragile[hit]) | (new_inter != inter[hit]) | (new_union != union[hit])
-        pairs = _ranges(first_pair[hit], first_pair[hit + 1] - first_pair[hit])
-        pairs = pairs[np.repeat(changed, first_pair[hit + 1] - first_pair[hit]) | np.isin(pair_expert[pairs], experts)]
-        score -= contribution(pairs)
+        lengths = first_pair[hit + 1] - first_pair[hit]
+        pairs = _ranges(first_pair[hit], lengths)
+        pairs = pairs[np.repeat(changed, lengths) | np.isin(pair_expert[pairs], experts)]
+        score -= contribution(pairs)              # with the old masks, then with the new ones
         for e, r in chosen:
             masks[e] |= rank_bits[r]
             room[r] -= 1
@@ -210,9 +213,8 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, steps: Routin
 def masks_to_phy2log(masks: np.ndarray, ranks: int, slots_per_rank: int) -> np.ndarray:
     """phy2log [P]: each rank's experts in id order, from replica masks [E] (each rank holding exactly
     ``slots_per_rank`` experts)."""
-    E = masks.shape[0]
     on = ((masks[:, None] >> np.arange(ranks)) & 1).astype(bool)       # [E, R]
     if np.any(on.sum(axis=0) != slots_per_rank):
         raise MoeplaceError("replica masks do not fill every rank's slots exactly")
-    rank, expert = np.nonzero(on.T)                                     # rank-major, experts ascending
-    return np.arange(E)[expert]
+    _, expert = np.nonzero(on.T)                                        # rank-major, experts ascending
+    return expert
