@@ -4,8 +4,6 @@ driven with SGLang's real ExpertLocationDispatchInfo built from our placement fi
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from moeplace.balanced import fast_rule_step, replica_layout
 from moeplace.model_config import model_spec_from_folder
 from moeplace.placement import Placement, save_sglang
 from moeplace.trace.synthetic import synthetic_steps
+from test_plugin import assert_load_plugins
 from test_sglang_export import TINY_DSV3, publish
 
 torch = pytest.importorskip("torch")
@@ -179,16 +178,10 @@ def test_bad_settings_stop_the_plugin_with_one_line(monkeypatch, capsys, env, me
     assert not HookRegistry._hooks.get("sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical")
 
 
-def test_plugin_registers_the_hook_through_sglang(tmp_path):
-    code = ("import os\n"
-            "os.environ['MOEPLACE_DISPATCH'] = 'balanced'\n"
-            "from sglang.srt.plugins import load_plugins\n"
-            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
-            "load_plugins()\n"
-            "from moeplace.sglang import balanced_dispatch as bd\n"
-            "assert bd._DISPATCH is not None and bd._DISPATCH.config.max_tokens == 64\n"
-            "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n"
-            "import sglang.srt.layers.moe.topk as topk\n"
-            "assert topk.topk_ids_logical_to_physical.__wrapped__ is not None\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_plugin_registers_the_hook_through_sglang():
+    assert_load_plugins({"MOEPLACE_DISPATCH": "balanced"},
+                        "from moeplace.sglang import balanced_dispatch as bd\n"
+                        "assert bd._DISPATCH is not None and bd._DISPATCH.config.max_tokens == 64\n"
+                        "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n"
+                        "import sglang.srt.layers.moe.topk as topk\n"
+                        "assert topk.topk_ids_logical_to_physical.__wrapped__ is not None\n")

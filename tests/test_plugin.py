@@ -39,19 +39,24 @@ def test_features_from_env(monkeypatch):
     assert enabled_features() == ["trace", "kv_sort"]
 
 
+def assert_load_plugins(env: dict[str, str], checks: str) -> None:
+    """SGLang's own load_plugins() in a fresh Python with ``env`` set, then ``checks`` (code) must pass."""
+    code = ("import os\n"
+            f"os.environ.update({env!r})\n"
+            "from sglang.srt.plugins import load_plugins\n"
+            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "load_plugins()\n" + checks)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
 def test_sglang_load_plugins_registers_the_tracer(tmp_path):
     """SGLang's own load_plugins() finds the entry point and the tracer's hooks land in HookRegistry."""
     pytest.importorskip("sglang")
-    code = ("import os\n"
-            f"os.environ['MOEPLACE_TRACE_DIR'] = {str(tmp_path)!r}\n"
-            "from sglang.srt.plugins import load_plugins\n"
-            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
-            "load_plugins()\n"
-            "from moeplace.sglang import tracer\n"
-            "assert tracer._TRACER is not None\n"
-            "assert tracer.SELECT_EXPERTS in HookRegistry._patched, sorted(HookRegistry._patched)\n"
-            "assert tracer.MODEL_RUNNER_FORWARD in HookRegistry._patched\n"
-            "import sglang.srt.layers.moe.topk as topk\n"
-            "assert topk.select_experts.__wrapped__ is not None\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert_load_plugins({"MOEPLACE_TRACE_DIR": str(tmp_path)},
+                        "from moeplace.sglang import tracer\n"
+                        "assert tracer._TRACER is not None\n"
+                        "assert tracer.SELECT_EXPERTS in HookRegistry._patched, sorted(HookRegistry._patched)\n"
+                        "assert tracer.MODEL_RUNNER_FORWARD in HookRegistry._patched\n"
+                        "import sglang.srt.layers.moe.topk as topk\n"
+                        "assert topk.select_experts.__wrapped__ is not None\n")

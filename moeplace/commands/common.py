@@ -11,7 +11,6 @@ from typing import Any, Iterator
 import click
 import numpy as np
 
-from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.trace import modes as M
 from moeplace.trace.load import Trace, open_trace
 from moeplace.trace.steps import RoutingSteps
@@ -26,10 +25,6 @@ def open_source(trace: str, window: int, top_k: int | None) -> Trace:
 
 def warn_damage(shard: Path, why: str) -> None:
     click.echo(f"warning: {shard}: {why}; the rest of that shard was skipped", err=True)
-
-
-def cost_model_from(path: str | None) -> CostModel:
-    return load_cost_model(path) if path else CostModel()
 
 
 def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, label: str = "reading"

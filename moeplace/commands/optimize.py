@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
@@ -19,9 +18,14 @@ from moeplace.report import comparison_rows, evaluate, format_table, plot_contex
 BASELINE = "deepseek"   # optimize's table compares against DeepSeek EPLB fitted on the same steps
 
 
+def slot_gb(model: ModelSpec, costing: Costing) -> float:
+    """GB (1e9 bytes) of expert weights one slot per GPU holds: one expert in every MoE layer."""
+    return model.num_moe_layers * costing.shape.bytes / 1e9
+
+
 def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing) -> float:
-    """Extra expert weights per GPU that ``redundant`` spare slots hold, in GB (1e9 bytes)."""
-    return redundant / ranks * model.num_moe_layers * costing.shape.bytes / 1e9
+    """Extra expert weights per GPU that ``redundant`` spare slots hold, in GB."""
+    return redundant / ranks * slot_gb(model, costing)
 
 
 def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_memory: float | None,
@@ -31,11 +35,11 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
         return redundant or 0
     if redundant is not None:
         raise click.UsageError("give --redundant or --replica-memory, not both")
-    per_gpu = int(replica_memory * 1e9 // (model.num_moe_layers * costing.shape.bytes))
+    per_gpu = int(replica_memory // slot_gb(model, costing))
     per_gpu = min(per_gpu, model.num_experts - model.num_experts // ranks)   # a rank never holds an expert twice
     if per_gpu < 1:
-        one = model.num_moe_layers * costing.shape.bytes / 1e9
-        raise click.BadParameter(f"{replica_memory:g} GB per GPU holds no spare slot: one costs {one:.2f} GB "
+        raise click.BadParameter(f"{replica_memory:g} GB per GPU holds no spare slot: one costs "
+                                 f"{slot_gb(model, costing):.2f} GB "
                                  f"({costing.shape.describe()})", param_hint="--replica-memory")
     return per_gpu * ranks
 
@@ -100,10 +104,11 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     redundant = spare_slots(model, ranks, redundant, replica_memory, costing)
     check_ranks(src, ranks, redundant)
     cost_model = costing.ep((model.num_experts + redundant) // ranks)
+    today_cost = costing.ep(model.num_experts // ranks)   # the reference row's ranks hold no spare slot
     result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                           seed, max_steps, effort, balance_floor,
                           progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
-                          reference_cost_model=costing.ep(model.num_experts // ranks))
+                          reference_cost_model=today_cost)
     if sglang_out:   # first, so that a failure here leaves no placement file behind
         save_sglang(sglang_out, result.placement)
     save_placement(output, result.placement)
@@ -128,8 +133,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                    f"{replica_gb(model, ranks, redundant, costing):.2f} GB of extra expert weights per GPU "
                    f"({costing.shape.describe()})")
     click.echo(format_table(rows, baseline))
-    models = {e.name: costing.ep(model.num_experts // ranks) if e.name == TODAY else cost_model
-              for e in result.evaluations}
+    models = {e.name: today_cost if e.name == TODAY else cost_model for e in result.evaluations}
     click.echo(cost_model_line(models))
     click.echo(f"wrote {output}" + (f" and {sglang_out}" if sglang_out else "")
                + (f"; plots in {plot_dir}" if plots else ""))
