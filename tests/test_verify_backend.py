@@ -92,35 +92,13 @@ def test_mask_layout_follows_sglang_verify_mask():
     backend = _bare_backend()
     attach(backend)
     state = backend._moeplace_verify
-    assert state.mask_layout() == "qlen_only"
+    assert backend._verify_mask is None  # attach leaves SGLang's mask alone
+    assert state.mask_layout() == "full"
     backend._verify_mask = maybe_create_verify_mask(  # what SGLang allocates on its own
         is_draft_runner=False, skip_prefill=False, max_bs=2, max_context_len=16,
         num_draft_tokens=3, device="cpu", is_read=True, dtype=torch.uint8)
     expected = {"QLEN_ONLY": "qlen_only", "FULL_MASK": "full"}[backend._verify_mask.mode.name]
     assert state.mask_layout() == expected
-    backend._verify_mask = None
-    assert state.mask_layout() == "full"
-
-
-def test_attach_offers_qlen_only_to_sglang_eager_path():
-    """SGLang's verify_mask property names QLEN_ONLY; its buffer never fits, so SGLang allocates."""
-    from moeplace.sglang.verify_backend import attach
-
-    backend = _bare_backend()
-    attach(backend)
-    vm = backend.verify_mask  # SGLang's own property
-    assert vm.mode.name == "QLEN_ONLY" and vm.is_read and not vm.fits(1)
-
-
-def test_no_qlen_only_for_an_fp8_kv_pool():
-    import types
-
-    import torch
-    from moeplace.sglang.verify_backend import attach
-
-    backend = _bare_backend(token_to_kv_pool=types.SimpleNamespace(dtype=torch.float8_e4m3fn))
-    attach(backend)
-    assert backend.verify_mask is None
 
 
 def _graph_ready_backend(**attrs):
@@ -135,9 +113,13 @@ def _graph_ready_backend(**attrs):
 
 
 @pytest.mark.parametrize("hooked", [False, True])
-def test_graph_state_gets_a_qlen_only_mask_sized_d_by_d(monkeypatch, hooked):
-    """SGLang's real init_cuda_graph_state: FULL_MASK of max_bs x D x (context + D) cells
-    unless the hook is on, then QLEN_ONLY of max_bs x D x D."""
+def test_graph_state_keeps_sglang_full_mask_and_takes_an_ngram_capture(monkeypatch, hooked):
+    """SGLang's real init_cuda_graph_state gives FULL_MASK of max_bs x D x (context + D) cells,
+    hooked or not, and the NGRAM worker's capture mask (D x (1 + D) per request, seq_len 1) fits
+    it as SGLang copies it in ``_update_target_verify_buffers``. A QLEN_ONLY buffer (max_bs x D x D)
+    failed that copy in a live server: 648 vs 720 cells at batch 8 x 9 drafts."""
+    import torch
+    from sglang.srt.speculative.ngram_info import NgramVerifyInput
     from moeplace.sglang import verify_backend
 
     cls = triton_backend.TritonAttnBackend
@@ -150,15 +132,28 @@ def test_graph_state_gets_a_qlen_only_mask_sized_d_by_d(monkeypatch, hooked):
         monkeypatch.setenv(verify_backend.ENV_FLAG, "1")
         verify_backend.install()
         verify_backend.attach(backend)
-    backend.init_cuda_graph_state(4, 4 * 3)
+    max_bs, drafts = 8, 3
+    backend.init_cuda_graph_state(max_bs, max_bs * drafts)
     vm = backend.verify_mask
+    assert vm.mode.name == "FULL_MASK" and vm.buffer.numel() == max_bs * drafts * (1000 + drafts)
     if hooked:
-        assert vm.mode.name == "QLEN_ONLY" and vm.buffer.numel() == 4 * 3 * 3
-        assert backend._moeplace_verify.max_bs == 4
-    else:
-        assert vm.mode.name == "FULL_MASK" and vm.buffer.numel() == 4 * 3 * (1000 + 3)
-    assert vm.fits(4) and not vm.fits(5)
+        assert backend._moeplace_verify.max_bs == max_bs
+        assert backend._moeplace_verify.mask_layout() == "full"
+    ngram = NgramVerifyInput(custom_mask=torch.ones(max_bs * drafts * (1 + drafts), dtype=torch.bool),
+                             draft_token_num=drafts)
+    custom_mask = vm.buffer
+    custom_mask[: ngram.custom_mask.shape[0]] = ngram.custom_mask  # SGLang's own statement
+    assert int(custom_mask.sum()) == ngram.custom_mask.numel()
     monkeypatch.delattr(cls, verify_backend._INSTALLED_ATTR, raising=False)
+
+
+def _qlen_only_mask():
+    """SGLang's QLEN_ONLY verify mask (its CPU layout), which SGLang's GPU kernels cannot read."""
+    import torch
+    from sglang.srt.layers.attention.verify_mask import VerifyMask
+    from sglang.srt.speculative.eagle_utils import TreeMaskMode
+
+    return VerifyMask(buffer=torch.zeros(0, dtype=torch.uint8), mode=TreeMaskMode.QLEN_ONLY, max_bs=0)
 
 
 def test_seam_refuses_what_it_cannot_serve():
@@ -167,6 +162,7 @@ def test_seam_refuses_what_it_cannot_serve():
 
     backend = _bare_backend()
     attach(backend)
+    backend._verify_mask = _qlen_only_mask()
     q = torch.zeros(3, 2, 576, dtype=torch.bfloat16)
     k = torch.zeros(3, 1, 576, dtype=torch.bfloat16)
     v = torch.zeros(3, 1, 512, dtype=torch.bfloat16)
@@ -194,8 +190,9 @@ _SEAM_SCRIPT = textwrap.dedent("""
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
     backend = _bare_backend()
     attach(backend)
-    if {layout!r} == "full":
-        backend._verify_mask = None  # as SGLang leaves it when nothing was offered
+    if {layout!r} == "qlen_only":
+        from test_verify_backend import _qlen_only_mask
+        backend._verify_mask = _qlen_only_mask()
     c = make_case(2, [3, 3], 2, [5, 40], tree="binary", layout={layout!r}, device="cpu")
     o = torch.full((6, 2, 512), float("nan"), dtype=torch.bfloat16)
     ran = backend.verify_shared_kv_fwd(

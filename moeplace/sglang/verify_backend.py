@@ -9,11 +9,12 @@ has a verify seam: when ``use_verify_shared_kv`` is set it calls ``verify_shared
 ``extend_attention_fwd`` when that returns False. We fill the seam with
 ``moeplace_verify_fwd`` for MLA models; everything else stays SGLang's Triton backend.
 
-The verify mask: SGLang's tree builder writes the layout that the target backend's
-``verify_mask`` names, and the Triton backend names FULL_MASK, ``draft x (context + draft)``
-cells per request, allocated for the captured max batch and filled every verify step. Once
-the kernel serves every verify call we hand SGLang a QLEN_ONLY mask instead (``draft x draft``
-per request): the kernel reads only the tree part anyway.
+The verify mask: we read whatever layout SGLang's tree builder wrote, as the backend's
+``verify_mask`` names it (FULL_MASK, ``draft x (context + draft)`` cells per request, on GPUs;
+the kernel reads only the tree columns). We never swap in a smaller layout: NGRAM builds its
+FULL_MASK without asking the backend and copies it into the captured buffer, so a QLEN_ONLY
+buffer broke the target-verify graph capture (seen in a live server: 648 vs 720 cells at
+batch 8 x 9 drafts).
 
 Enabled only when ``MOEPLACE_VERIFY_KERNEL=1`` (checked by ``install``). torch, triton and
 SGLang are imported inside the functions: ``import moeplace`` never imports them.
@@ -56,9 +57,7 @@ def install() -> None:
         orig_graph_state(self, max_bs, max_num_tokens, *args, **kwargs)
         state = getattr(self, "_moeplace_verify", None)
         if state is not None:
-            # Workspace for the largest captured batch, before any capture starts.
-            state.reserve(max_bs)
-            state.offer_qlen_only(max_bs)
+            state.reserve(max_bs)  # workspace for the largest captured batch, before any capture
 
     TritonAttnBackend.__init__ = __init__
     TritonAttnBackend.init_cuda_graph_state = init_cuda_graph_state
@@ -78,7 +77,6 @@ def attach(backend: Any) -> bool:
     backend._moeplace_verify = state
     backend.use_verify_shared_kv = True
     backend.verify_shared_kv_fwd = state.forward
-    state.offer_qlen_only(0)  # eager verify: SGLang allocates a QLEN_ONLY mask per step
     return True
 
 
@@ -105,25 +103,6 @@ class VerifyState:
             op = MlaVerify(num_heads, self.max_draft, self.max_bs, device=self.backend.device)
             self.ops[num_heads] = op
         return op
-
-    def offer_qlen_only(self, max_bs: int) -> None:
-        """Give the backend a QLEN_ONLY ``VerifyMask`` preallocated for ``max_bs`` requests.
-
-        Only for a bf16 KV pool: an fp8 one goes to SGLang's kernel, which reads FULL_MASK.
-        With ``max_bs`` 0 the buffer never fits and SGLang allocates ``bs x D x D`` per step.
-        """
-        import torch
-        from sglang.srt.layers.attention.verify_mask import VerifyMask, tree_mask_numel
-        from sglang.srt.speculative.eagle_utils import TreeMaskMode
-
-        pool = getattr(self.backend, "token_to_kv_pool", None)
-        if getattr(pool, "dtype", torch.bfloat16) != torch.bfloat16:
-            return
-        mode = TreeMaskMode.QLEN_ONLY
-        numel = tree_mask_numel(mode, max_bs, self.max_draft, 0)
-        self.backend._verify_mask = VerifyMask(
-            buffer=torch.zeros(numel, dtype=torch.uint8, device=self.backend.device),
-            mode=mode, max_bs=max_bs)
 
     def mask_layout(self) -> str:
         """'qlen_only' when the backend's verify buffer is laid out D x D, else 'full'."""
