@@ -65,14 +65,19 @@ def hooked(server):
 
     from moeplace.sglang import balanced_dispatch as bd
 
+    from sglang.srt.eplb import expert_location as el
+
     original = eld.topk_ids_logical_to_physical
+    original_placement = el.compute_initial_expert_location_metadata
     HookRegistry.reset()
     state = bd.install(bd.DispatchConfig("balanced", max_tokens=16))
     HookRegistry.apply_hooks()
     yield state, topk, original
-    wrapped = eld.topk_ids_logical_to_physical
-    eld.topk_ids_logical_to_physical = original
-    _propagate_patch(wrapped, original, eld)
+    for module, name, fn in ((eld, "topk_ids_logical_to_physical", original),
+                             (el, "compute_initial_expert_location_metadata", original_placement)):
+        wrapped = getattr(module, name)
+        setattr(module, name, fn)
+        _propagate_patch(wrapped, fn, module)
     HookRegistry.reset()
 
 
@@ -157,6 +162,30 @@ def test_dp_attention_is_refused_with_one_line(hooked, server):
     assert state.checked
 
 
+def test_a_server_with_nothing_to_choose_stops_at_start(hooked, server, capsys):
+    """SGLang's own start-up placement code, hooked: spares pass; EP 1 or no second replica stop the
+    server with one line (SGLang would never call the remap there: the rule would be silently off)."""
+    import dataclasses
+
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb import expert_location as el
+
+    from moeplace.sglang import balanced_dispatch as bd
+
+    placement, rc = server
+    meta = el.compute_initial_expert_location_metadata(ModelConfig.from_server_args(rc.get_server_args()),
+                                                       moe_ep_rank=0)   # through the hook: no stop
+    assert meta.ep_size == RANKS and bd.nothing_to_choose(meta) is None
+    single = dataclasses.replace(meta, logical_to_all_physical_map_num_valid=torch.ones_like(
+        meta.logical_to_all_physical_map_num_valid))
+    for metadata, words in ((dataclasses.replace(meta, ep_size=1), "expert parallelism of size 1"),
+                            (single, "no expert has a second replica")):
+        with pytest.raises(SystemExit) as stop:
+            bd.check_placement(metadata)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and words in err[0] and "MOEPLACE_DISPATCH" in err[0]
+
+
 @pytest.mark.parametrize("env, message", [
     ({"MOEPLACE_DISPATCH": "fastest"}, "MOEPLACE_DISPATCH must be one of balanced"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "lots"}, "must be a positive integer"),
@@ -183,5 +212,6 @@ def test_plugin_registers_the_hook_through_sglang():
                         "from moeplace.sglang import balanced_dispatch as bd\n"
                         "assert bd._DISPATCH is not None and bd._DISPATCH.config.max_tokens == 64\n"
                         "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n"
+                        "assert bd.PLACEMENT in HookRegistry._patched\n"
                         "import sglang.srt.layers.moe.topk as topk\n"
                         "assert topk.topk_ids_logical_to_physical.__wrapped__ is not None\n")

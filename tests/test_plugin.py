@@ -60,3 +60,45 @@ def test_sglang_load_plugins_registers_the_tracer(tmp_path):
                         "assert tracer.MODEL_RUNNER_FORWARD in HookRegistry._patched\n"
                         "import sglang.srt.layers.moe.topk as topk\n"
                         "assert topk.select_experts.__wrapped__ is not None\n")
+
+
+BLOCKED = ("import os, sys\n"
+           "for k in list(os.environ):\n"
+           "    k.startswith('MOEPLACE_') and os.environ.pop(k)\n"
+           "os.environ.update({env!r})\n"
+           "sys.modules[{blocked!r}] = None   # an import error inside SGLang, as a broken install has\n"
+           "from sglang.srt.plugins import load_plugins\n"
+           "load_plugins()\n"
+           "print('served without the feature')\n")
+
+
+@pytest.mark.parametrize("env, blocked, switch", [
+    # a HookRegistry target whose module cannot be imported: SGLang logs it and goes on
+    ({"MOEPLACE_TRACE": "1"}, "sglang.srt.model_executor.model_runner", "MOEPLACE_TRACE"),
+    ({"MOEPLACE_KV_SORT": "1"}, "sglang.srt.mem_cache.kv_cache_configurator", "MOEPLACE_KV_SORT"),
+    ({"MOEPLACE_DISPATCH": "balanced"}, "sglang.srt.eplb.expert_location_dispatch", "MOEPLACE_DISPATCH"),
+    # a feature whose install itself fails: SGLang logs "Failed to execute general plugin" and goes on
+    ({"MOEPLACE_VERIFY_KERNEL": "1"}, "sglang.srt.layers.attention.triton_backend", "MOEPLACE_VERIFY_KERNEL"),
+])
+def test_a_feature_that_cannot_hook_stops_the_process_with_one_line(tmp_path, env, blocked, switch):
+    """SGLang's own load_plugins() would serve on without the feature; the plugin stops it instead."""
+    pytest.importorskip("sglang")
+    env = {**env, "MOEPLACE_TRACE_DIR": str(tmp_path)} if switch == "MOEPLACE_TRACE" else env
+    res = subprocess.run([sys.executable, "-c", BLOCKED.format(env=env, blocked=blocked)],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 2 and "served without the feature" not in res.stdout, res.stderr[-3000:]
+    ours = [line for line in res.stderr.splitlines() if line.startswith("moeplace:")]
+    assert len(ours) == 1 and switch in ours[0] and "stopping" in ours[0], res.stderr[-3000:]
+    assert blocked in ours[0] or "ModuleNotFoundError" in ours[0] or "ImportError" in ours[0], ours[0]
+
+
+def test_every_feature_applies_through_sglang_load_plugins(tmp_path):
+    """All features on at once: every target they register is patched, and nothing stops."""
+    pytest.importorskip("sglang")
+    assert_load_plugins({"MOEPLACE_TRACE_DIR": str(tmp_path), "MOEPLACE_KV_SORT": "1",
+                         "MOEPLACE_DISPATCH": "balanced", "MOEPLACE_VERIFY_KERNEL": "1",
+                         "MOEPLACE_KV_STATS": str(tmp_path / "kv.json")},
+                        "assert set(HookRegistry._hooks) <= HookRegistry._patched, "
+                        "set(HookRegistry._hooks) - HookRegistry._patched\n"
+                        "from sglang.srt.layers.attention.triton_backend import TritonAttnBackend\n"
+                        "assert TritonAttnBackend._moeplace_verify_installed\n")

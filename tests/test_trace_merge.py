@@ -21,9 +21,9 @@ def _steps(seed: int, rank: int = 0, n_steps: int = 3) -> RoutingSteps:
     return RoutingSteps.from_topk(MODEL, ids, sizes, 2, rank)
 
 
-def _write(folder, rank: int, ep: int, tp: int, seed: int) -> RoutingSteps:
+def _write(folder, rank: int, ep: int, tp: int, seed: int, **attention) -> RoutingSteps:
     steps = _steps(seed, rank)
-    header = TraceHeader(MODEL, "moeplace-tracer", ep_size=ep, tp_size=tp, ranks=[rank])
+    header = TraceHeader(MODEL, "moeplace-tracer", ep_size=ep, tp_size=tp, ranks=[rank], **attention)
     with ShardWriter(folder / f"t-r{rank:03d}-00000", header) as w:
         w.append(steps)
     return steps
@@ -36,6 +36,34 @@ def test_plain_tp_keeps_one_rank(tmp_path):
     assert res.steps == a.num_steps and res.ranks_kept == [0] and len(res.shards_skipped) == 1
     merged = concat_steps(list(TraceReader(res.out)))
     np.testing.assert_array_equal(merged.topk_ids, a.topk_ids)
+
+
+@pytest.mark.parametrize("dp, groups, kept", [(1, [0, 0, 0, 0], [0]), (2, [0, 0, 1, 1], [0, 2]),
+                                               (4, [0, 1, 2, 3], [0, 1, 2, 3])])
+def test_ranks_of_one_attention_group_are_kept_once(tmp_path, capsys, dp, groups, kept):
+    """EP 4 under tensor-parallel attention: every rank of an attention group routed the group's tokens
+    (the headers say which group); one rank each is kept, and the output says so."""
+    seeds = {g: 10 + g for g in groups}
+    written = [_write(tmp_path, r, ep=4, tp=4, seed=seeds[g], attn_dp_size=dp, attn_dp_rank=g)
+               for r, g in enumerate(groups)]
+    out = tmp_path / "o" / "m.mptrace"
+    main(["trace", "merge", str(tmp_path), "-o", str(out)])
+    said = capsys.readouterr().out
+    merged = concat_steps(list(TraceReader(out)))
+    assert merged.num_steps == sum(written[r].num_steps for r in kept)
+    assert sorted(set(merged.ranks.tolist())) == kept
+    if len(kept) < len(groups):
+        assert f"kept rank(s) {kept}" in said and "same tokens" in said
+    else:
+        assert "same tokens" not in said
+
+
+def test_without_attention_in_the_headers_identical_ranks_are_found_by_content(tmp_path):
+    """Shards of an older tracer (no attention fields), EP 2: the same steps on both ranks."""
+    a = _write(tmp_path, 0, ep=2, tp=2, seed=5)
+    _write(tmp_path, 1, ep=2, tp=2, seed=5)
+    res = merge_traces([tmp_path], tmp_path / "o" / "m.mptrace")
+    assert res.ranks_kept == [0] and res.steps == a.num_steps and "identical first" in res.same_tokens
 
 
 def test_ep_keeps_all_ranks(tmp_path):

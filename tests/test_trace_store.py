@@ -20,7 +20,7 @@ from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
-from moeplace.trace.store import CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_chunks, write_trace
+from moeplace.trace.store import UNFINISHED, CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_chunks, write_trace
 
 CHUNK_HEAD = 16  # b"MPCK", u32 length, u32 crc, u32 num_steps
 
@@ -164,18 +164,18 @@ def test_folder_of_shards_reads_as_one(tmp_path):
             w.append(steps.take(np.arange(0, 3)))
             w.append(steps.take(np.arange(3, steps.num_steps)))
         parts.append((name, steps))
-    # A shard still being written (.part) is not read unless asked for.
+    # A shard never finished (.part) is read, its whole chunks, with a note; or left out when asked.
     with ShardWriter(tmp_path / "run-r002-00000", TraceHeader(model, "moeplace-tracer", ranks=[2])) as w:
         w.append(_mixed_steps(model, rng, 2, 0))
         partial = w.partial_path
-        back, reader = _read_all(tmp_path)
+        back, reader = _read_all(tmp_path, include_partial=False)
         assert [p.name for p in reader.shards] == sorted(name + ".mptrace" for name, _ in parts)
-        assert reader.header.ranks == [0, 1]
+        assert reader.header.ranks == [0, 1] and not reader.damaged
         expected = concat_steps([s for _, s in sorted(parts)])
         _assert_same_steps(expected, back)
-        with_partial, reader = _read_all(tmp_path, include_partial=True)
+        with_partial, reader = _read_all(tmp_path)
         assert partial in reader.shards and with_partial.num_steps == expected.num_steps + 2
-        assert reader.header.ranks == [0, 1, 2]
+        assert reader.header.ranks == [0, 1, 2] and reader.damaged == [(partial, UNFINISHED)]
 
 
 def test_folder_with_shards_of_other_models_is_rejected(tmp_path):

@@ -79,7 +79,9 @@ def write_rank_shards(env: dict[str, str], model_path: str, passes: int = 120) -
     from moeplace.sglang.plugin import enabled_features
     from moeplace.sglang.tracer import Layout, RoutingTracer, TracerConfig
 
-    old = {k: os.environ.get(k) for k in env}
+    from moeplace.sglang.tracer import LAUNCHER_ENV
+
+    old = {k: os.environ.get(k) for k in [*env, "MOEPLACE_TRACE_PREFIX", LAUNCHER_ENV]}
     os.environ.update(env)
     try:
         assert enabled_features() == ["trace"]
@@ -123,6 +125,7 @@ def test_walkthrough_runs(page, tmp_path, monkeypatch):
         assert result.exit_code == 0, (words, result.output)
         if words[1:3] == ["trace", "merge"]:
             assert result.stdout.startswith("wrote run1.mptrace: 131 steps from 1 shard(s), ranks [0]")
+            assert "dropped rank(s) [1, 2, 3, 4, 5, 6, 7]: they routed the same tokens" in result.stdout
         if words[1] in ("report", "optimize", "advise"):
             assert "warning" not in result.stderr
             assert "experts 7168x2048 fp8" in result.stdout

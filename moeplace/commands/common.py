@@ -14,6 +14,7 @@ import numpy as np
 from moeplace.trace import modes as M
 from moeplace.trace.load import Trace, open_trace
 from moeplace.trace.steps import RoutingSteps
+from moeplace.trace.store import UNFINISHED
 
 
 def open_source(trace: str, window: int, top_k: int | None) -> Trace:
@@ -24,7 +25,8 @@ def open_source(trace: str, window: int, top_k: int | None) -> Trace:
 
 
 def warn_damage(shard: Path, why: str) -> None:
-    click.echo(f"warning: {shard}: {why}; the rest of that shard was skipped", err=True)
+    rest = "" if why == UNFINISHED else "; the rest of that shard was skipped"
+    click.echo(f"warning: {shard}: {why}{rest}", err=True)
 
 
 def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, label: str = "reading"

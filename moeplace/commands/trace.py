@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import click
+import numpy as np
 
 from moeplace.commands.common import Progress, warn_damage
 from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.load import DEFAULT_WINDOW, open_trace
-from moeplace.trace.steps import RoutingSteps
+from moeplace.trace.steps import RoutingSteps, concat_steps
 from moeplace.trace.store import (SHARD_SUFFIX, TraceHeader, TraceReader, shard_identity, split_chunks,
                                   write_chunks)
 from moeplace.trace.synthetic import SHAPES, SyntheticRouting, synthetic_chunks
@@ -28,9 +29,10 @@ class MergeResult:
     out: Path
     steps: int = 0
     shards_used: list[str] = field(default_factory=list)
-    shards_skipped: list[str] = field(default_factory=list)  # duplicate TP ranks
+    shards_skipped: list[str] = field(default_factory=list)  # ranks that routed the same tokens as a kept one
     ranks_kept: list[int] = field(default_factory=list)
     damaged: list[str] = field(default_factory=list)
+    same_tokens: str = ""   # why ranks were dropped, if any
 
 
 def _shard_readers(inputs: list[Path], include_partial: bool, out: Path) -> list[tuple[Path, TraceReader]]:
@@ -69,12 +71,13 @@ def _identities(shard: Path, reader: TraceReader) -> list[str]:
     return [x for x in [shard_identity(shard), *reader.headers[0].merged_from] if x]
 
 
-def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, include_partial: bool = False) -> MergeResult:
+def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, include_partial: bool = True) -> MergeResult:
     """Join shards of one capture into one shard at ``out`` (written to a temp name, then renamed).
 
-    Plain TP (every header says ep_size 1, tp_size > 1): every rank routed the same tokens, so only
-    the lowest rank's shards are kept. With EP or DP attention ranks route different tokens: all kept.
-    Ids come out logical; steps are ordered rank by rank, each rank in its own time order. A merge
+    Ranks that routed the same tokens (no DP attention: tensor-parallel attention, with or without
+    EP) are kept once (``drop_same_token_ranks``); with DP attention each group's tokens are its own.
+    A folder's ``.part`` shards (never finished: a server killed hard) are read unless
+    ``include_partial`` is False, their whole chunks only. Ids come out logical; steps are ordered rank by rank, each rank in its own time order. A merge
     that would hold no step (every shard empty or cut before its first whole chunk) writes nothing.
     """
     out = Path(out)
@@ -84,27 +87,20 @@ def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, includ
         if r.model != first.model:
             raise FormatError(shard, f"shard is for model {r.model.name!r} ({r.model.num_experts} experts, "
                                      f"layers {len(r.model.moe_layers)}), the first for {first.model.name!r}")
-    headers = [r.header for _, r in readers]
-    plain_tp = all(h.ep_size == 1 and h.tp_size > 1 for h in headers)
-    if plain_tp:
-        keep_rank = min(min(h.ranks) for h in headers)
-        chosen = [(s, r) for s, r in readers if r.header.ranks == [keep_rank]]
-        skipped = [s for s, r in readers if r.header.ranks != [keep_rank]]
-    else:
-        chosen, skipped = readers, []
+    chosen, skipped, dedup_note = drop_same_token_ranks(readers)
     maps = {json.dumps(h.physical_to_logical_map) for _, r in chosen for h in [r.header]}
     p2l = chosen[0][1].header.physical_to_logical_map if len(maps) == 1 else None
-    notes = [f"merged from {len(chosen)} shard(s)"]
-    if plain_tp:
-        notes.append(f"plain TP: kept rank {keep_rank} only (ranks route the same tokens)")
+    notes = [f"merged from {len(chosen)} shard(s)"] + ([dedup_note] if dedup_note else [])
     if len(maps) > 1:
         notes.append("the physical-to-logical map changed during capture (ids are logical)")
     parts = [x for shard, reader in chosen for x in _identities(shard, reader)]
     header = TraceHeader(model=first.model, source="moeplace trace merge", id_space="logical",
                          physical_to_logical_map=p2l, ep_size=first.ep_size, tp_size=first.tp_size,
                          nodes=first.nodes, ranks=sorted({x for _, r in chosen for x in r.header.ranks}),
+                         attn_dp_size=first.attn_dp_size,
                          notes="; ".join(notes + ([first.notes] if first.notes else [])), merged_from=parts)
-    result = MergeResult(out, shards_skipped=[str(s) for s in skipped], ranks_kept=header.ranks)
+    result = MergeResult(out, shards_skipped=[str(s) for s in skipped], ranks_kept=header.ranks,
+                         same_tokens=dedup_note)
 
     def chunks() -> Iterator[RoutingSteps]:
         for shard, reader in chosen:
@@ -120,6 +116,65 @@ def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, includ
     # id_space logical + a map is a record of the placement in force; the writer validates nothing here.
     result.out = write_or_explain(out, header, chunks())
     return result
+
+
+# Steps compared when the headers do not say how the ranks' attention was split.
+FINGERPRINT_STEPS = 64
+
+
+def drop_same_token_ranks(readers: list[tuple[Path, TraceReader]]
+                          ) -> tuple[list[tuple[Path, TraceReader]], list[Path], str]:
+    """Keep one rank of every group of ranks that routed the same tokens: (kept, dropped shards, note).
+
+    Without DP attention every rank runs the router over the batch's tokens (tensor-parallel attention,
+    EP or not), so merging every rank counts each step once per rank. The tracer's headers say which
+    attention DP group a rank belongs to (``attn_dp_rank``); for shards without it (older tracers,
+    other writers) the ranks whose first ``FINGERPRINT_STEPS`` steps are identical are one group.
+    Shards holding several ranks (merged traces) are kept as they are.
+    """
+    by_rank: dict[int, list[tuple[Path, TraceReader]]] = {}
+    for shard, reader in readers:
+        if len(reader.header.ranks) == 1:
+            by_rank.setdefault(reader.header.ranks[0], []).append((shard, reader))
+    if len(by_rank) < 2:
+        return readers, [], ""
+    headers = [r.header for group in by_rank.values() for _, r in group]
+    if all(h.attn_dp_size is not None and h.attn_dp_rank is not None for h in headers):
+        group_of = {rank: group[0][1].header.attn_dp_rank for rank, group in by_rank.items()}
+        how = "the same attention group (tensor-parallel attention, from the shard headers)"
+    else:
+        group_of = {rank: _first_steps_fingerprint(group) for rank, group in by_rank.items()}
+        how = f"identical first {FINGERPRINT_STEPS} steps"
+    keep = {min(r for r in by_rank if group_of[r] == g) for g in set(group_of.values())}
+    if len(keep) == len(by_rank):
+        return readers, [], ""
+    dropped_ranks = sorted(set(by_rank) - keep)
+    kept = [(s, r) for s, r in readers if len(r.header.ranks) != 1 or r.header.ranks[0] in keep]
+    dropped = [s for s, r in readers if len(r.header.ranks) == 1 and r.header.ranks[0] not in keep]
+    note = (f"kept rank(s) {sorted(keep)}, dropped rank(s) {dropped_ranks}: they routed the same tokens "
+            f"({how})")
+    return kept, dropped, note
+
+
+def _first_steps_fingerprint(group: list[tuple[Path, TraceReader]]) -> bytes:
+    """The first FINGERPRINT_STEPS steps of one rank's shards (in name order): modes, sizes and ids."""
+    parts: list[RoutingSteps] = []
+    have = 0
+    for _, reader in sorted(group, key=lambda x: x[0].name):
+        for steps in reader:
+            parts.append(steps)
+            have += steps.num_steps
+            if have >= FINGERPRINT_STEPS:
+                break
+        if have >= FINGERPRINT_STEPS:
+            break
+    if not parts:
+        return b""
+    steps = concat_steps(parts)
+    n = min(FINGERPRINT_STEPS, steps.num_steps)
+    head = steps.take(np.arange(n))
+    return b"".join(a.tobytes() for a in (head.modes, head.num_tokens, head.token_offsets, head.topk_ids,
+                                           head.counts))
 
 
 def write_or_explain(out: Path, header: TraceHeader, chunks: Iterable[RoutingSteps],
@@ -139,25 +194,30 @@ def trace() -> None:
 @trace.command()
 @click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Merged trace file (.mptrace).")
-@click.option("--include-partial", is_flag=True,
-              help="Also read *.mptrace.part shards left by a crash (their cut tails are skipped).")
+@click.option("--skip-partial", is_flag=True,
+              help="Leave out *.mptrace.part shards (never finished: a server killed hard, or one still "
+                   "running). By default their whole chunks are read, with a warning.")
+@click.option("--include-partial", is_flag=True, hidden=True)   # the default since .part shards are read
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def merge(shards: tuple[str, ...], out: str, include_partial: bool, as_json: bool) -> None:
+def merge(shards: tuple[str, ...], out: str, skip_partial: bool, include_partial: bool, as_json: bool) -> None:
     """Join the shards of one capture (all ranks) into one trace.
+
+    Give the whole trace folder: ranks that routed the same tokens (every rank, unless the server ran
+    DP attention) are kept once, and the output says which were dropped.
 
     \b
     Example:
       moeplace trace merge moeplace-traces/ -o kimi-run1.mptrace
     """
-    res = merge_traces(list(shards), out, include_partial)
+    res = merge_traces(list(shards), out, include_partial=not skip_partial)
     if as_json:
         click.echo(json.dumps({**res.__dict__, "out": str(res.out)}, indent=1))
         return
     click.echo(f"wrote {res.out}: {res.steps} steps from {len(res.shards_used)} shard(s), ranks {res.ranks_kept}")
-    if res.shards_skipped:
-        click.echo(f"skipped {len(res.shards_skipped)} shard(s) of other TP ranks (same tokens)")
+    if res.same_tokens:
+        click.echo(f"{res.same_tokens}; skipped {len(res.shards_skipped)} shard(s)")
     for d in res.damaged:
-        click.echo(f"warning: damaged tail skipped: {d}", err=True)
+        click.echo(f"warning: {d}", err=True)
 
 
 @trace.command()

@@ -20,6 +20,10 @@ busiest rank reads as few distinct experts as possible (``moeplace.balanced``; t
   overlap never share one. Rows past the forward's ``num_token_non_padded`` are padding: the rule
   ignores them, and SGLang masks them afterwards.
 * Draft models (no dispatch info) and ``--ep-dispatch-algorithm lp`` keep SGLang's behaviour.
+* A server with nothing to choose stops at start, with one line: expert parallelism of size 1 (one GPU
+  holds every expert) or no expert with a second replica. SGLang then never calls the remap at all
+  (or only with single replicas), so the rule would be silently off. Checked where SGLang builds its
+  initial expert placement (``compute_initial_expert_location_metadata``, an AFTER hook).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 logger = logging.getLogger("moeplace.dispatch")
 
 TARGET = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
+PLACEMENT = "sglang.srt.eplb.expert_location.compute_initial_expert_location_metadata"
 RULES = ("balanced",)
 DEFAULT_MAX_TOKENS = 64
 MAX_KERNEL_RANKS = 32
@@ -171,6 +176,29 @@ def configuration_problem(info: Any) -> str | None:
     return None
 
 
+def nothing_to_choose(metadata: Any) -> str | None:
+    """Why a server with this initial placement gives the rule no replica to choose, else None."""
+    if metadata is None:
+        return "SGLang built no expert placement"
+    if int(metadata.ep_size) < 2:
+        return ("this server runs expert parallelism of size 1 (one GPU holds every expert, so there "
+                "is no replica to choose); use --ep-size 2 or more with spare slots")
+    if int(metadata.logical_to_all_physical_map_num_valid.max()) < 2:
+        return ("no expert has a second replica (start with spare slots: a placement from "
+                "`moeplace optimize --dispatch balanced --redundant R`, through `moeplace launch`)")
+    return None
+
+
+def check_placement(metadata: Any, *args: Any, **kwargs: Any) -> None:
+    """AFTER hook on SGLang's initial expert placement: stop a server where the rule has nothing to do."""
+    problem = nothing_to_choose(metadata)
+    if problem:
+        print(f"moeplace: MOEPLACE_DISPATCH=balanced cannot run here: {problem}; "
+              f"unset MOEPLACE_DISPATCH to serve with SGLang's own dispatch", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return None
+
+
 def ep_size() -> int:
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
 
@@ -206,5 +234,6 @@ def install(config: DispatchConfig | None = None) -> BalancedDispatch:
             raise SystemExit(2) from None
     _DISPATCH = BalancedDispatch(config)
     HookRegistry.register(TARGET, _DISPATCH, HookType.AROUND)
+    HookRegistry.register(PLACEMENT, check_placement, HookType.AFTER)
     logger.info("moeplace balanced dispatch on (up to %d rows a batch)", config.max_tokens)
     return _DISPATCH

@@ -26,9 +26,19 @@ How it stays cheap and CUDA-graph safe
   drop the chunk, count it and back off; they never reach the server.
 * Shards are ``{MOEPLACE_TRACE_DIR}/{prefix}-r{rank:03d}-{seq:05d}.mptrace`` (``.part`` while written);
   a new one starts every ``MOEPLACE_TRACE_SHARD_MB`` (256) or when the physical-to-logical map
-  changes. ``moeplace trace merge DIR -o OUT`` joins the ranks' shards.
-* ``close()`` (atexit) drains what is left and renames the shard; a shard cut by a crash stays as
-  ``*.mptrace.part``, whose cut chunk the reader detects and skips.
+  changes. ``moeplace trace merge DIR -o OUT`` joins the ranks' shards. The first process to read the
+  configuration (SGLang's launcher) fixes the prefix in ``MOEPLACE_TRACE_PREFIX``, so every process it
+  starts writes under the same one.
+* Durable: the drain thread wakes every ``poll_seconds`` and writes passes that waited longer than
+  ``flush_seconds`` even when no new pass comes, so a hard kill (SIGKILL, out of memory) loses at most
+  the last seconds; the whole chunks of a ``.part`` it leaves are read (with a warning).
+* Clean stops: SGLang ends its scheduler processes with SIGKILL (``kill_process_tree``), so nothing in
+  them runs at exit. A BEFORE hook on ``kill_process_tree`` in the launcher first asks every rank's
+  tracer to finish (a ``.{prefix}.stop`` file in the trace folder, seen by the drain threads within
+  ``poll_seconds``); each writes what it holds, renames its shard and removes its
+  ``.{prefix}-r{rank}.live`` file; the launcher waits for those (at most ``STOP_WAIT_SECONDS``), then
+  SGLang kills. SIGTERM and SIGINT of the server both end there. ``close()`` (atexit) does the same
+  for a process that exits by itself.
 
 Known limits: two-batch overlap runs the router twice per pass (the second micro-batch overwrites
 the first's rows); under CUDA-graph replay the token count is the batch's (``input_ids``), padded
@@ -55,6 +65,7 @@ from moeplace.trace.store import ShardWriter, TraceHeader
 logger = logging.getLogger("moeplace.tracer")
 
 DEFAULT_DIR = "moeplace-traces"
+LAUNCHER_ENV = "MOEPLACE_TRACE_LAUNCHER_PID"  # the process whose children write the shards
 
 
 @dataclass
@@ -68,19 +79,51 @@ class TracerConfig:
     flush_seconds: float = 2.0
     shard_bytes: int = 256 << 20
     prefix: str = "trace"
+    poll_seconds: float = 0.5  # the drain thread's wake-up: idle flushes and stop requests
+
+    @property
+    def stop_file(self) -> Path:
+        """Written by the launcher before SGLang kills the ranks: finish your shards now."""
+        return self.out_dir / f".{self.prefix}.stop"
+
+    def live_file(self, rank: int) -> Path:
+        """Present while rank ``rank``'s tracer may still write (removed once its shard is whole)."""
+        return self.out_dir / f".{self.prefix}-r{rank:03d}.live"
 
     @classmethod
     def from_env(cls) -> "TracerConfig":
+        """The ``MOEPLACE_TRACE_*`` variables; ValueError names a bad one. Fixes the prefix for child processes."""
         env = os.environ
         out = env.get("MOEPLACE_TRACE_DIR") or DEFAULT_DIR
+        prefix = env.get("MOEPLACE_TRACE_PREFIX") or f"trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        if not prefix.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ValueError(f"MOEPLACE_TRACE_PREFIX must be letters, digits, '-', '_' or '.', got {prefix!r}")
+        env["MOEPLACE_TRACE_PREFIX"] = prefix  # the processes this one starts share it
+        env.setdefault(LAUNCHER_ENV, str(os.getpid()))  # ... and know who started them
         cfg = cls(Path(out),
-                  max_tokens=int(env.get("MOEPLACE_TRACE_MAX_TOKENS", 128)),
-                  capacity=int(env.get("MOEPLACE_TRACE_SLOTS", 256)),
-                  flush_steps=int(env.get("MOEPLACE_TRACE_FLUSH_STEPS", 64)),
-                  shard_bytes=int(float(env.get("MOEPLACE_TRACE_SHARD_MB", 256)) * (1 << 20)),
-                  prefix=env.get("MOEPLACE_TRACE_PREFIX", f"trace-{time.strftime('%Y%m%d-%H%M%S')}"))
+                  max_tokens=_env_number("MOEPLACE_TRACE_MAX_TOKENS", 128, int),
+                  capacity=_env_number("MOEPLACE_TRACE_SLOTS", 256, int),
+                  flush_steps=_env_number("MOEPLACE_TRACE_FLUSH_STEPS", 64, int),
+                  flush_seconds=_env_number("MOEPLACE_TRACE_FLUSH_SECONDS", 2.0, float),
+                  shard_bytes=int(_env_number("MOEPLACE_TRACE_SHARD_MB", 256, float) * (1 << 20)),
+                  prefix=prefix)
         cfg.flush_steps = max(1, min(cfg.flush_steps, cfg.capacity // 2))
+        cfg.poll_seconds = min(cfg.poll_seconds, cfg.flush_seconds)
         return cfg
+
+
+def _env_number(name: str, default: float, kind: type) -> Any:
+    """A positive number from the environment (ValueError names the variable)."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not (value > 0) or value == float("inf"):
+        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {raw!r}")
+    return value
 
 
 @dataclass
@@ -99,6 +142,8 @@ class Layout:
     tp_size: int = 1
     nodes: int = 1
     rank: int = 0
+    attn_dp_size: int | None = None  # data-parallel attention groups (1: every rank routes the same tokens)
+    attn_dp_rank: int | None = None
 
 
 class RoutingTracer:
@@ -134,7 +179,9 @@ class RoutingTracer:
         self._shard_seq = 0
         self._backoff_until = 0.0
         self._closed = False
-        self._lock = threading.Lock()
+        self._stopping = False  # set once the shard is being finished: later passes are not kept
+        self._event: Any = None  # recorded after each pass's ring copy (the drain waits on it)
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------ forward-side (hot path)
 
@@ -157,7 +204,7 @@ class RoutingTracer:
 
     def end_pass(self, mode: int, batch_tokens: int) -> None:
         """After the forward returns (outside any CUDA graph). batch_tokens: tokens of the batch."""
-        if not self._ready:
+        if not self._ready or self._stopping:
             return
         torch = self._torch
         rows, self._rows = self._rows, -1
@@ -176,7 +223,7 @@ class RoutingTracer:
             torch.index_select(self.stage_counts, 0, self._moe_idx, out=self.ring_counts[slot])
             self.stage_counts.zero_()
             self._cpos += 1
-            self._pending.append(("c", slot, mode, n, 0))
+            entry = ("c", slot, mode, n, 0)
         else:
             if self._pos - self._released >= self.config.capacity:
                 self.dropped_steps += 1  # ring full: the drain is behind; never wait
@@ -186,7 +233,11 @@ class RoutingTracer:
             self._pos += 1
             kept = min(n, self.config.max_tokens)
             self.truncated_steps += kept < n
-            self._pending.append(("t", slot, mode, n, kept))
+            entry = ("t", slot, mode, n, kept)
+        if self._event is not None:
+            self._event.record()  # on the forward's stream, after this pass's copies
+        with self._lock:
+            self._pending.append(entry)
         if len(self._pending) >= self.config.flush_steps or \
                 time.monotonic() - self._last_flush > self.config.flush_seconds:
             self._hand_over()
@@ -209,6 +260,8 @@ class RoutingTracer:
         self.stage_counts = torch.zeros((H, self.layout.num_slots), dtype=torch.int32, device=self.device)
         self._ccap = max(8, self.config.capacity // 16)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._event = torch.cuda.Event() if self._side is not None else None
+        self._mark_live()
         self._thread = threading.Thread(target=self._drain_loop, name="moeplace-tracer", daemon=True)
         self._thread.start()
         self._ready = True
@@ -228,21 +281,39 @@ class RoutingTracer:
     # ------------------------------------------------------------ hand-over and drain
 
     def _hand_over(self) -> None:
-        """Give the pending passes to the drain thread with an event marking their copies done."""
-        if not self._pending:
-            return
-        event = None
-        if self.device.type == "cuda":
-            event = self._torch.cuda.Event()
-            event.record()  # on the forward's current stream, after the ring copies
-        batch, self._pending = self._pending, []
-        self._last_flush = time.monotonic()
-        try:
-            self._queue.put_nowait((batch, event))
-        except queue.Full:
-            # The writer is behind: drop these passes rather than wait.
-            self.dropped_steps += len(batch)
-            self._release(batch)
+        """Give the pending passes to the drain thread (forward side: never waits)."""
+        with self._lock:  # take and queue in one step: the drain thread sees batches in pass order
+            batch, self._pending = self._pending, []
+            self._last_flush = time.monotonic()
+            if not batch:
+                return
+            try:
+                self._queue.put_nowait(batch)
+                return
+            except queue.Full:
+                pass
+        # The writer is behind: drop these passes rather than wait.
+        self.dropped_steps += len(batch)
+        self._release(batch)
+
+    def _take_all(self) -> tuple[list[list[tuple]], bool]:
+        """Every queued batch, then the passes still pending, in pass order (drain thread);
+        and whether ``close`` asked to stop."""
+        batches, closing = [], False
+        with self._lock:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                closing |= item is None
+                if item:
+                    batches.append(item)
+            if self._pending:
+                batches.append(self._pending)
+                self._pending = []
+            self._last_flush = time.monotonic()
+        return batches, closing
 
     def _release(self, batch: list[tuple]) -> None:
         with self._lock:
@@ -250,20 +321,39 @@ class RoutingTracer:
             self._creleased += sum(1 for b in batch if b[0] == "c")
 
     def _drain_loop(self) -> None:
+        """Write handed-over batches; on every wake also the passes an idle server left waiting; finish
+        the shard when the launcher asks (its stop file) or ``close`` does (None in the queue)."""
+        cfg = self.config
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch, event = item
             try:
-                arrays = self._fetch(batch, event)
-            except Exception:  # a tracer bug must never take the server down
-                logger.exception("moeplace tracer: could not read the ring; %d passes dropped", len(batch))
-                self.dropped_steps += len(batch)
-                self._release(batch)
-                continue
+                item = self._queue.get(timeout=cfg.poll_seconds)
+            except queue.Empty:
+                item = []
+            stop = item is None or cfg.stop_file.exists()
+            if item:
+                self._drain(item)
+            if stop:
+                self._stopping = True  # the forward side keeps no more passes
+            if stop or time.monotonic() - self._last_flush > cfg.flush_seconds:
+                batches, closing = self._take_all()
+                for batch in batches:
+                    self._drain(batch)
+                stop |= closing
+            if stop:
+                self._close_writer()
+                self._unmark_live()
+                return
+
+    def _drain(self, batch: list[tuple]) -> None:
+        try:
+            arrays = self._fetch(batch, self._event)
+        except Exception:  # a tracer bug must never take the server down
+            logger.exception("moeplace tracer: could not read the ring; %d passes dropped", len(batch))
+            self.dropped_steps += len(batch)
             self._release(batch)
-            self._write(arrays, len(batch))
+            return
+        self._release(batch)
+        self._write(arrays, len(batch))
 
     def _fetch(self, batch: list[tuple], event: Any) -> dict[str, np.ndarray]:
         """Copy the batch's ring slots to host and build one chunk's arrays (ids physical or logical)."""
@@ -318,6 +408,7 @@ class RoutingTracer:
             model=model, source="moeplace-tracer", id_space="physical" if physical else "logical",
             physical_to_logical_map=np.asarray(p2l)[list(self._moe_layers)].tolist() if physical else None,
             ep_size=lay.ep_size, tp_size=lay.tp_size, nodes=lay.nodes, ranks=[lay.rank],
+            attn_dp_size=lay.attn_dp_size, attn_dp_rank=lay.attn_dp_rank,
             notes=f"live capture; passes with more than {self.config.max_tokens} router rows kept as counts")
 
     def _write(self, arrays: dict[str, np.ndarray], n: int) -> None:
@@ -373,13 +464,56 @@ class RoutingTracer:
             self._closed = True
             return
         self._closed = True
-        self._hand_over()
-        self._queue.put(None)
-        if self._thread is not None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)  # the drain thread takes what is pending, finishes the shard and ends
             self._thread.join(timeout)
-        self._close_writer()
+        else:
+            self._close_writer()
+            self._unmark_live()
         if self.dropped_steps:
             logger.warning("moeplace tracer: %d passes dropped (ring full or disk errors)", self.dropped_steps)
+
+    def _mark_live(self) -> None:
+        try:
+            self.config.out_dir.mkdir(parents=True, exist_ok=True)
+            self.config.live_file(self.layout.rank).touch()
+        except OSError as e:  # the shards will fail too, and be counted; never raise into the server
+            logger.warning("moeplace tracer: cannot write to %s (%s)", self.config.out_dir, e)
+
+    def _unmark_live(self) -> None:
+        try:
+            self.config.live_file(self.layout.rank).unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+STOP_WAIT_SECONDS = 20.0
+
+
+def finish_shards(config: TracerConfig, wait: float = STOP_WAIT_SECONDS) -> list[str]:
+    """Ask every rank's tracer under ``config``'s prefix to finish its shard; wait until all have.
+
+    Returns the live files still present when ``wait`` ran out (ranks whose ``.part`` stays).
+    """
+    live = lambda: sorted(p.name for p in config.out_dir.glob(f".{config.prefix}-r*.live"))  # noqa: E731
+    if not live():
+        return []
+    try:
+        config.stop_file.touch()
+    except OSError as e:
+        logger.warning("moeplace tracer: cannot ask the ranks to finish their shards (%s)", e)
+        return live()
+    deadline = time.monotonic() + wait
+    try:
+        while live() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        left = live()
+        config.stop_file.unlink(missing_ok=True)
+    if left:
+        logger.warning("moeplace tracer: %d rank(s) did not finish their shards within %.0f s: %s",
+                       len(left), wait, ", ".join(left))
+    return left
 
 
 def _same_map(a: Any, b: Any) -> bool:
@@ -417,6 +551,7 @@ def describe_sglang(num_experts_hint: int | None = None) -> Layout:
         rank = dist.get_rank() if dist.is_initialized() else 0
     except Exception:
         pass
+    dp_size, dp_rank = _attention_dp()
     from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
     from sglang.srt.layers.moe.topk import is_expert_remapping_enabled
 
@@ -424,12 +559,27 @@ def describe_sglang(num_experts_hint: int | None = None) -> Layout:
     if meta is not None:
         p2l = meta.physical_to_logical_map_cpu.numpy() if is_expert_remapping_enabled() else None
         return Layout(name, meta.num_layers, meta.num_logical_experts, meta.num_physical_experts, p2l,
-                      ep, tp, nodes, rank)
+                      ep, tp, nodes, rank, dp_size, dp_rank)
     from sglang.srt.runtime_context import process_model_config
 
     layers = int(getattr(process_model_config().hf_text_config, "num_hidden_layers", 0) or 0)
     E = int(num_experts_hint or 0)
-    return Layout(name, layers, E, E, None, ep, tp, nodes, rank)
+    return Layout(name, layers, E, E, None, ep, tp, nodes, rank, dp_size, dp_rank)
+
+
+def _attention_dp() -> tuple[int | None, int | None]:
+    """(attention DP groups, this rank's group) from SGLang's parallel context; None where unknown.
+
+    Ranks of one attention DP group route the same tokens (their attention is tensor-parallel), so
+    ``trace merge`` keeps one rank per group.
+    """
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        par = get_parallel()
+        return int(par.attn_dp_size), int(par.attn_dp_rank)
+    except Exception:  # noqa: BLE001 (an older or partly set-up context)
+        return None, None
 
 
 def after_select_experts(result: Any, hidden_states: Any = None, router_logits: Any = None,
@@ -464,8 +614,27 @@ def around_model_runner_forward(original: Callable, runner: Any, forward_batch: 
     return output
 
 
+def before_kill_process_tree(parent_pid: int | None = None, *args: Any, **kwargs: Any) -> None:
+    """BEFORE hook on SGLang's ``kill_process_tree`` in the launcher: let the ranks finish their shards.
+
+    SGLang SIGKILLs the scheduler processes on every stop (SIGTERM, SIGINT, a failed start); their
+    tracers finish first (``finish_shards``). Only in the process that started them (the launcher,
+    named by ``MOEPLACE_TRACE_LAUNCHER_PID``) and only when it kills its own children.
+    """
+    tracer = _TRACER
+    if tracer is None or parent_pid not in (None, os.getpid()) or \
+            os.environ.get(LAUNCHER_ENV) != str(os.getpid()):
+        return None
+    try:
+        finish_shards(tracer.config)
+    except Exception:  # never stand in the way of a shutdown
+        logger.exception("moeplace tracer: finishing the ranks' shards failed")
+    return None
+
+
 SELECT_EXPERTS = "sglang.srt.layers.moe.topk.select_experts"
 MODEL_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+KILL_PROCESS_TREE = "sglang.srt.utils.common.kill_process_tree"
 
 
 def install(config: TracerConfig | None = None,
@@ -484,6 +653,7 @@ def install(config: TracerConfig | None = None,
     _TRACER = tracer
     HookRegistry.register(SELECT_EXPERTS, after_select_experts, HookType.AFTER)
     HookRegistry.register(MODEL_RUNNER_FORWARD, around_model_runner_forward, HookType.AROUND)
+    HookRegistry.register(KILL_PROCESS_TREE, before_kill_process_tree, HookType.BEFORE)
     atexit.register(tracer.close)
     logger.info("moeplace tracer: recording router top-k ids to %s", config.out_dir)
     return tracer

@@ -54,6 +54,10 @@ class TraceHeader:
     tp_size: int = 1
     nodes: int = 1
     ranks: list[int] = field(default_factory=lambda: [0])
+    # Attention data parallelism at capture (None: not recorded). Ranks of one attention DP group
+    # route the same tokens; with attn_dp_size 1 every rank does (tensor-parallel attention).
+    attn_dp_size: int | None = None
+    attn_dp_rank: int | None = None
     aggregate_only: bool = False
     created: str = field(default_factory=lambda: _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     notes: str = ""
@@ -93,6 +97,9 @@ class TraceHeader:
                 raise FormatError(path, "physical_to_logical_map holds ids outside the model's experts")
         return header
 
+
+# The note ``TraceReader.damaged`` holds for a ``.part`` shard it reads.
+UNFINISHED = "never finished by its writer (a server killed hard, or one still writing); its whole chunks are read"
 
 CHUNK_ARRAYS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
 
@@ -261,10 +268,12 @@ class TraceReader:
     """Streams the chunks of a trace (a shard file or a folder of shards) with bounded memory.
 
     Ids come back logical: physical ids are mapped through each shard's physical_to_logical_map.
-    ``damaged`` lists (shard, reason) for every shard whose tail was cut or corrupt.
+    ``damaged`` lists (shard, reason) for every shard whose tail was cut or corrupt, and for every
+    ``.part`` shard read (one its writer never finished: a server killed hard, or one still writing).
+    A folder's ``.part`` shards are read unless ``include_partial`` is False.
     """
 
-    def __init__(self, path: str | os.PathLike, include_partial: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, include_partial: bool = True) -> None:
         self.path = Path(path)
         if self.path.is_dir():
             patterns = [f"*{SHARD_SUFFIX}"] + ([f"*{SHARD_SUFFIX}{PARTIAL_SUFFIX}"] if include_partial else [])
@@ -302,6 +311,7 @@ class TraceReader:
     def __iter__(self) -> Iterator[RoutingSteps]:
         self.damaged.clear()  # each pass reports what it found, once
         for path, header in zip(self.shards, self.headers):
+            self._note_unfinished(path)
             p2l = np.asarray(header.physical_to_logical_map, np.int64) if header.id_space == "physical" else None
             for payload, num_steps in self._payloads(path):
                 steps = self._decode(path, header, payload, p2l)
@@ -316,6 +326,7 @@ class TraceReader:
         pass that counts steps costs the reading of the file, not the decoding of its ids."""
         self.damaged.clear()
         for path, header in zip(self.shards, self.headers):
+            self._note_unfinished(path)
             for payload, num_steps in self._payloads(path):
                 modes = _leading_modes(payload, num_steps)
                 if modes is None:   # not laid out as our writers do: decode it all
@@ -324,6 +335,10 @@ class TraceReader:
                     self.damaged.append((path, "chunk header disagrees with its payload"))
                     break
                 yield modes
+
+    def _note_unfinished(self, path: Path) -> None:
+        if path.name.endswith(SHARD_SUFFIX + PARTIAL_SUFFIX):
+            self.damaged.append((path, UNFINISHED))
 
     def _payloads(self, path: Path) -> Iterator[tuple[bytes, int]]:
         """(CRC-checked compressed payload, steps its header claims) of each whole chunk of one shard;
