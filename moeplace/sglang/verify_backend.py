@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from typing import Any
 
 ENV_FLAG = "MOEPLACE_VERIFY_KERNEL"
@@ -83,6 +84,8 @@ def attach(backend: Any) -> bool:
 class VerifyState:
     """Per-backend kernel objects (one per head count) and the fallback rules."""
 
+    announced = False
+
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.max_draft = int(backend.num_draft_tokens)
@@ -93,7 +96,11 @@ class VerifyState:
         """Allocate workspaces for batches up to ``max_bs`` (call outside graph capture)."""
         self.max_bs = max(self.max_bs, max_bs)
         self.ops.clear()
-        self._op(int(self.backend.num_head))
+        op = self._op(int(self.backend.num_head))
+        if not VerifyState.announced:   # one line per process: the kernel is on, and which build serves
+            VerifyState.announced = True
+            print(f"moeplace verify kernel on: {op.backend} backend, {op.num_heads} heads x {self.max_draft} "
+                  f"drafts, batches up to {self.max_bs}", file=sys.stderr, flush=True)
 
     def _op(self, num_heads: int) -> Any:
         op = self.ops.get(num_heads)

@@ -1,0 +1,614 @@
+"""Prove every moeplace plugin feature inside live SGLang servers on this GPU machine.
+
+Starts real SGLang 0.5.23 servers as subprocesses (DeepSeek-V3-shaped dummy model, TP 1, CUDA graphs,
+NGRAM speculative decoding with 9-token drafts), drives them with requests, stops them the way
+operators do (SIGTERM, SIGINT) and checks, in the servers themselves:
+
+  trace     MOEPLACE_TRACE=1: shards whole after SIGTERM and after SIGINT (no .part); `trace merge`
+            and `report --mode verify` read them; recorded verify passes = the server's own count
+            (the responses' spec_verify_ct), none dropped
+  capture   `moeplace capture` against the same server's recorder (per_token) gives the tracer's steps
+  verify    MOEPLACE_VERIFY_KERNEL=1 with NGRAM trees and with chains: starts with CUDA graphs and
+            serves; greedy outputs against the same requests with the variable unset (share of equal
+            tokens); verify-attention GPU time per step in the server (SGLang's profiler) against
+            SGLang's Triton backend; the kernels' outputs on the same inputs against fp32
+  kv_sort   MOEPLACE_KV_SORT=1 under churn: healthy after it; KV allocation runs (MOEPLACE_KV_STATS)
+            beside the same churn without it
+  launch    `moeplace launch --placement` starts the server, SGLang's --init-expert-location loading
+            the map (the tracer's shard header records the map in force); another model's placement
+            is refused before SGLang starts
+  dispatch  MOEPLACE_DISPATCH=balanced on one GPU (EP 1: no replica to choose) stops the server with
+            one line
+  hooks     a feature whose hook SGLang cannot apply stops the server with one line naming it
+
+Run on the GPU machine from the project root, SGLang installed as ../shared/device-sglang says:
+
+    source .sgl-device/install.sh && pip install --no-deps --no-build-isolation -e .
+    python3 scripts/live_sglang_check.py --out result.json
+
+The servers that serve run side by side on the one GPU (each capped by --max-total-tokens); the GPU
+timings run while the others are idle. Writes ``--out`` as JSON: {"project_head", "sglang_version",
+"sgl_kernel_version", "gpu", "checks": [{"name", "ok", "detail", "figures"}]}; exit code 0 when every
+check is ok, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTS = 9
+ATTENTION_KERNELS = {  # kernel name prefixes of verify attention, per backend
+    "triton": ("_fwd_kernel",),
+    "moeplace": ("split_kernel", "combine_kernel", "_verify_split_kernel", "_verify_merge_kernel"),
+}
+MAIN_KERNEL = {"triton": ("_fwd_kernel",), "moeplace": ("split_kernel", "_verify_split_kernel")}
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    figures: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------------- servers
+
+class Server:
+    """One SGLang server process (its own process group), its log and its requests' answers."""
+
+    def __init__(self, name: str, port: int, argv: list[str], env: dict[str, str], work: Path) -> None:
+        self.name, self.port, self.argv, self.work = name, port, argv, work
+        self.env = {**os.environ, **env}
+        self.log_path = work / f"{name}.log"
+        self.proc: subprocess.Popen | None = None
+        self.answers: list[dict] = []
+        self.greedy: list[dict] = []   # the answers to the requests every server gets
+        self.started = 0.0
+        self.ready_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "Server":
+        self.started = time.monotonic()
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     cwd=self.work, start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_ready(self, timeout: float) -> None:
+        """Until /health answers 200; RuntimeError (with the log's tail) if the process ends first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} before serving: "
+                                   + tail(self.log()))
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        self.ready_s = time.monotonic() - self.started
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f} s: " + tail(self.log()))
+
+    def wait_exit(self, timeout: float) -> int | None:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, sig: int, timeout: float = 120.0) -> tuple[int | None, float]:
+        """Send ``sig`` to the launcher (as `kill` or a process manager does); (exit code, seconds)."""
+        t0 = time.monotonic()
+        self.proc.send_signal(sig)
+        rc = self.wait_exit(timeout)
+        return rc, time.monotonic() - t0
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def post(self, path: str, body: dict | None, timeout: float = 600.0) -> Any:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+        return json.loads(raw) if raw.strip().startswith((b"{", b"[")) else raw.decode()
+
+    def generate(self, input_ids: list[int], max_new_tokens: int) -> dict:
+        """One greedy request; keeps its answer (output ids and SGLang's meta_info)."""
+        answer = self.post("/generate", {"input_ids": input_ids, "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True}})
+        self.answers.append(answer)
+        return answer
+
+    def generate_all(self, prompts: list[list[int]], max_new_tokens: list[int], workers: int = 8) -> list[dict]:
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(self.generate, prompts, max_new_tokens))
+
+    def verify_passes_served(self) -> int:
+        """The server's own count: every answer's spec_verify_ct (verify passes it took part in)."""
+        return sum(int(a["meta_info"].get("spec_verify_ct", 0)) for a in self.answers)
+
+
+def tail(text: str, lines: int = 25) -> str:
+    return " | ".join(text.strip().splitlines()[-lines:])
+
+
+def server_argv(model: Path, port: int, extra: list[str], launch: list[str] | None = None) -> list[str]:
+    """``python -m sglang.launch_server`` (or ``moeplace launch ... --``) with the flags that serve here."""
+    common = ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+              "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+              "--mem-fraction-static", "0.5", "--max-total-tokens", "20000", "--context-length", "4096",
+              "--disable-radix-cache", "--disable-prefill-cuda-graph", "--cuda-graph-max-bs-decode", "8",
+              "--max-running-requests", "8", "--skip-server-warmup",
+              "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS),
+              "--port", str(port), *extra]
+    if launch is not None:
+        return [*MOEPLACE, "launch", *launch, "--", *common]
+    return [sys.executable, "-m", "sglang.launch_server", *common]
+
+
+MOEPLACE = [sys.executable, "-c", "from moeplace.cli import main; main()"]
+
+
+def moeplace(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*MOEPLACE, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------------------- traffic
+
+def prompts(rng: random.Random, n: int, lo: int, hi: int, vocab: int = 32000) -> list[list[int]]:
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def equal_token_share(a: list[dict], b: list[dict]) -> tuple[float, list[int]]:
+    """Share of equal output tokens position by position, and each request's first difference (-1: none)."""
+    same = total = 0
+    first = []
+    for x, y in zip(a, b):
+        xs, ys = x["output_ids"], y["output_ids"]
+        n = max(len(xs), len(ys))
+        eq = [i < len(xs) and i < len(ys) and xs[i] == ys[i] for i in range(n)]
+        same += sum(eq)
+        total += n
+        first.append(next((i for i, e in enumerate(eq) if not e), -1))
+    return (same / total if total else 0.0), first
+
+
+def profile_attention(server: Server, backend: str, layers: int, work: Path, rng: random.Random) -> dict:
+    """GPU time of verify attention per verify pass, from SGLang's own profiler over steady verify traffic."""
+    out = work / f"profile-{server.name}"
+    out.mkdir(exist_ok=True)
+    long_prompts = prompts(rng, 8, 24, 40)
+    with ThreadPoolExecutor(9) as pool:
+        running = [pool.submit(server.generate, p, 2000) for p in long_prompts]
+        time.sleep(2.0)   # every request prefilled and verifying
+        server.post("/start_profile", {"output_dir": str(out), "num_steps": 40, "activities": ["GPU"]})
+        for r in running:
+            r.result()
+    files = []
+    deadline = time.monotonic() + 120
+    while not files and time.monotonic() < deadline:
+        files = sorted(out.glob("*.trace.json.gz"))
+        time.sleep(0.5)
+    if not files:
+        raise RuntimeError(f"no profile written to {out}")
+    time.sleep(1.0)
+    with gzip.open(files[0], "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    attn = [e for e in kernels if e["name"].startswith(ATTENTION_KERNELS[backend])]
+    main = [e for e in attn if e["name"].startswith(MAIN_KERNEL[backend])]
+    passes = len(main) / layers
+    if not passes:
+        raise RuntimeError(f"no {backend} verify-attention kernel in the profile "
+                           f"(kernels seen: {sorted({e['name'][:40] for e in kernels})[:12]})")
+    total = sum(e["dur"] for e in attn)
+    return {"attention_us_per_pass": round(total / passes, 2), "passes_profiled": passes,
+            "kernels": sorted({e["name"][:60] for e in attn})}
+
+
+def attention_outputs_agree(heads: int, ctx: list[int]) -> dict:
+    """Our kernel and SGLang's Triton extend kernel on the same verify inputs, both against fp32."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import torch
+    from bench_verify import make_problem, run_ours, run_sglang_extend
+    from sglang.kernels.ops.attention import extend_attention
+
+    from moeplace_kernels.mla_verify_api import MlaVerify
+    from moeplace_kernels.mla_verify_ref import mla_verify_ref
+
+    torch.manual_seed(0)
+    p = make_problem(ctx, heads, DRAFTS, shuffle=True)
+    op = MlaVerify(heads, DRAFTS, len(ctx))
+    ours = torch.empty(len(ctx) * DRAFTS, heads, 512, dtype=torch.bfloat16, device="cuda")
+    theirs = torch.empty_like(ours)
+    run_ours(p, op, ours)()
+    run_sglang_extend(extend_attention, p, theirs)()
+    ref, _ = mla_verify_ref(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"], p["kv_indptr"],
+                            p["kv_indices"], 576 ** -0.5, p["mask_qlen"], "qlen_only")
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
+    return {"backend": op.backend, "heads": heads, "contexts": ctx, "moeplace_vs_fp32": rel(ours, ref),
+            "sglang_triton_vs_fp32": rel(theirs, ref), "moeplace_vs_sglang_triton": rel(ours, theirs)}
+
+
+# ----------------------------------------------------------------------------------------- checks
+
+def read_steps(path: Path):
+    from moeplace.trace.load import open_trace
+    from moeplace.trace.steps import concat_steps
+
+    trace = open_trace(path)
+    return concat_steps(list(trace.chunks())), trace.header
+
+
+def check_trace(servers: list[tuple[Server, str, dict]], work: Path) -> Check:
+    """servers: (server, how it was stopped, its stop figures)."""
+    from moeplace.trace import modes as M
+
+    figures, problems = {}, []
+    for server, how, stop in servers:
+        folder = server.work / f"traces-{server.name}"
+        parts = sorted(p.name for p in folder.glob("*.part"))
+        whole = sorted(p.name for p in folder.glob("*.mptrace"))
+        merged = work / f"{server.name}-merged.mptrace"
+        merge = moeplace("trace", "merge", str(folder), "-o", str(merged), cwd=work)
+        report = moeplace("report", str(merged), "--ranks", "1", "--mode", "verify", cwd=work)
+        fig = {"stopped_by": how, **stop, "shards": len(whole), "part_files": parts,
+               "merge_rc": merge.returncode, "report_rc": report.returncode}
+        if merge.returncode == 0:
+            steps, _ = read_steps(merged)
+            verify = M.mode_mask(steps.modes, "verify")
+            fig["verify_passes_recorded"] = int(verify.sum())
+            fig["request_passes_recorded"] = int(steps.num_tokens[verify].sum() // DRAFTS)
+            fig["request_passes_served"] = server.verify_passes_served()
+            fig["prefill_passes_recorded"] = int(M.mode_mask(steps.modes, "prefill").sum())
+            if fig["request_passes_recorded"] != fig["request_passes_served"]:
+                problems.append(f"{server.name}: {fig['request_passes_recorded']} request-verify passes "
+                                f"recorded, the server served {fig['request_passes_served']}")
+        else:
+            problems.append(f"{server.name}: trace merge failed: {merge.stderr.strip()[-300:]}")
+        if report.returncode != 0:
+            problems.append(f"{server.name}: report --mode verify failed: {report.stderr.strip()[-300:]}")
+        if parts or not whole:
+            problems.append(f"{server.name}: after {how} {len(whole)} whole shard(s), .part left: {parts}")
+        if stop.get("exit_code") is None:
+            problems.append(f"{server.name}: did not exit within the stop timeout after {how}")
+        figures[server.name] = fig
+    ok = not problems
+    detail = "; ".join(problems) if problems else (
+        "shards whole after SIGTERM and SIGINT; merge and report read them; every verify pass the servers "
+        "counted is in the trace")
+    return Check("trace", ok, detail, figures)
+
+
+def check_capture(server: Server, captured: Path, cap: subprocess.CompletedProcess, work: Path) -> Check:
+    from moeplace.trace import modes as M
+
+    if cap.returncode != 0:
+        return Check("capture", False, f"moeplace capture failed (exit {cap.returncode}): "
+                                       f"{cap.stderr.strip()[-400:]}")
+    cap_steps, _ = read_steps(captured)
+    traced, _ = read_steps(work / f"{server.name}-merged.mptrace")
+    pick = lambda s: np.flatnonzero(M.mode_mask(s.modes, "verify"))  # noqa: E731
+    c_idx, t_idx = pick(cap_steps), pick(traced)
+    if not len(c_idx):
+        return Check("capture", False, "the capture holds no verify step", {"capture_steps": cap_steps.num_steps})
+    key = lambda s, i: s.topk_ids[s.token_offsets[i]:s.token_offsets[i + 1]].tobytes()  # noqa: E731
+    traced_keys = [key(traced, i) for i in t_idx]
+    first = key(cap_steps, c_idx[0])
+    start = next((j for j, k in enumerate(traced_keys) if k == first), None)
+    if start is None:
+        return Check("capture", False, "the capture's first verify step is not among the tracer's",
+                     {"capture_verify_steps": len(c_idx)})
+    equal = sum(start + n < len(traced_keys) and key(cap_steps, i) == traced_keys[start + n]
+                for n, i in enumerate(c_idx))
+    figures = {"capture_verify_steps": len(c_idx), "equal_to_tracer_steps": equal,
+               "tracer_verify_steps": len(t_idx), "aligned_at_tracer_step": start}
+    ok = equal == len(c_idx)
+    return Check("capture", ok, f"{equal} of {len(c_idx)} captured verify steps equal the tracer's, in order",
+                 figures)
+
+
+def check_verify(pairs: list[tuple[str, Server, Server]], timings: dict, agree: dict) -> Check:
+    figures, problems = {"attention_outputs_same_inputs": agree}, []
+    for label, base, ours in pairs:
+        share, first = equal_token_share(base.greedy, ours.greedy)
+        t_base, t_ours = timings.get(base.name, {}), timings.get(ours.name, {})
+        fig = {"equal_token_share": round(share, 4), "first_difference_per_request": first,
+               "ready_s": {"triton": round(base.ready_s or 0, 1), "moeplace": round(ours.ready_s or 0, 1)},
+               "triton": t_base, "moeplace": t_ours}
+        if t_base.get("attention_us_per_pass") and t_ours.get("attention_us_per_pass"):
+            fig["speedup_vs_triton"] = round(t_base["attention_us_per_pass"] / t_ours["attention_us_per_pass"], 3)
+        figures[label] = fig
+        if "moeplace verify kernel on" not in ours.log():
+            problems.append(f"{label}: the server never said the kernel was on")
+        if share < 0.99:
+            problems.append(f"{label}: {share:.1%} of greedy tokens equal (under 99%)")
+    # Outputs differ only where the kernels' outputs differ: the same-input comparison says how much.
+    if problems and all("under 99%" in p for p in problems) and \
+            agree["moeplace_vs_fp32"] <= 1.5 * agree["sglang_triton_vs_fp32"] + 1e-3:
+        detail = ("; ".join(problems) + f": on the same inputs both kernels are as close to fp32 "
+                  f"(moeplace {agree['moeplace_vs_fp32']:.1e}, SGLang {agree['sglang_triton_vs_fp32']:.1e}); "
+                  "the random-weight model's near-ties turn rounding into other tokens")
+        return Check("verify", True, detail, figures)
+    return Check("verify", not problems, "; ".join(problems) or
+                 "starts with CUDA graphs and serves trees and chains; greedy outputs equal SGLang's Triton "
+                 "backend's", figures)
+
+
+def check_kv_sort(plain: Server, sorted_: Server, healthy: bool) -> Check:
+    stats = {}
+    for name, server in (("without_sort", plain), ("with_sort", sorted_)):
+        path = server.work / f"kv-{server.name}.json"
+        stats[name] = json.loads(path.read_text()) if path.exists() else None
+    problems = []
+    if not healthy:
+        problems.append("the server with the sort did not answer after the churn")
+    if not stats["with_sort"] or not stats["with_sort"].get("need_sort"):
+        problems.append("the sorted server's allocator did not report need_sort")
+    if not stats["without_sort"] or stats["without_sort"].get("need_sort"):
+        problems.append("the baseline server's allocator stats are missing or sorted")
+    return Check("kv_sort", not problems, "; ".join(problems) or
+                 "healthy after the churn; KV allocation runs with and without the sort beside each other",
+                 stats)
+
+
+def check_launch(server: Server, placement: Path, refusal: subprocess.CompletedProcess, refusal_s: float) -> Check:
+    from moeplace.placement import load_placement
+
+    placement_map = np.asarray(load_placement(placement).phy2log)
+    shard = next(iter(sorted((server.work / f"traces-{server.name}").glob("*.mptrace"))), None)
+    problems, figures = [], {"refusal_rc": refusal.returncode, "refusal_s": round(refusal_s, 1),
+                             "refusal_stderr": refusal.stderr.strip()[-400:]}
+    if shard is None:
+        problems.append("no trace shard to read the map in force from")
+    else:
+        from moeplace.trace.store import TraceReader
+
+        header = TraceReader(shard).headers[0]
+        in_force = np.asarray(header.physical_to_logical_map) if header.physical_to_logical_map else None
+        figures["map_in_force_equals_file"] = bool(in_force is not None and np.array_equal(in_force, placement_map))
+        figures["identity_map"] = bool(np.array_equal(placement_map, np.tile(np.arange(placement_map.shape[1]),
+                                                                              (placement_map.shape[0], 1))))
+        if not figures["map_in_force_equals_file"]:
+            problems.append("the map SGLang used is not the placement's")
+    lines = [x for x in refusal.stderr.strip().splitlines() if x.strip()]
+    if refusal.returncode != 2 or len(lines) != 1 or "Traceback" in refusal.stderr:
+        problems.append(f"another model's placement: exit {refusal.returncode}, {len(lines)} stderr line(s)")
+    return Check("launch", not problems, "; ".join(problems) or
+                 "SGLang started with the placement's map in force (reversed slot order, as written); "
+                 "another model's placement refused in one line before SGLang started", figures)
+
+
+def check_refused_start(name: str, server: Server, rc: int | None, needle: str) -> Check:
+    log = server.log()
+    ours = [line for line in log.splitlines() if line.startswith("moeplace:")]
+    figures = {"exit_code": rc, "seconds": round(time.monotonic() - server.started, 1), "lines": ours[:3]}
+    ok = rc not in (None, 0) and len(ours) == 1 and needle in ours[0]
+    detail = ours[0] if ours else f"no moeplace line; log tail: {tail(log, 8)}"
+    return Check(name, ok, detail if ok else f"exit {rc}: {detail}", figures)
+
+
+# ----------------------------------------------------------------------------------------- run
+
+def versions(head: str | None) -> dict:
+    out = {}
+    for mod, key in (("sglang", "sglang_version"), ("sgl_kernel", "sgl_kernel_version")):
+        try:
+            out[key] = __import__(mod).__version__
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"not importable: {e}"
+    try:
+        out["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                     "--format=csv,noheader"], capture_output=True, text=True,
+                                    timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out["gpu"] = "unknown"
+    if head is None:
+        try:
+            head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                  text=True, timeout=30).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            head = None
+    out["project_head"] = head or "unknown"
+    return out
+
+
+def guarded(checks: list[Check], name: str, fn: Callable[[], Check]) -> None:
+    try:
+        checks.append(fn())
+    except Exception as e:  # noqa: BLE001 (one broken check must not hide the others)
+        checks.append(Check(name, False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-2000:]}))
+
+
+def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
+    rng = random.Random(0)
+    config = json.loads((model / "config.json").read_text())
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    checks: list[Check] = []
+
+    # The kernel is built once here (the servers then load it from the cache), and checked on the
+    # verify step's own shapes against SGLang's Triton kernel and fp32.
+    agree = attention_outputs_agree(heads, [300, 517, 64, 1200, 900, 33, 410, 250])
+
+    # Placements for `launch`: this model's (reversed slot order, so SGLang's map is visibly the file's)
+    # and another model's.
+    synth = moeplace("trace", "synth", "--model", str(model / "config.json"), "--steps", "2000",
+                     "-o", "synth.mptrace", cwd=work)
+    assert synth.returncode == 0, synth.stderr
+    fit = moeplace("optimize", "synth.mptrace", "--ranks", "1", "--mode", "verify", "-o", "fitted.json", cwd=work)
+    assert fit.returncode == 0, fit.stderr
+    data = json.loads((work / "fitted.json").read_text())
+    data["physical_to_logical_map"] = [row[::-1] for row in data["physical_to_logical_map"]]
+    (work / "placement.json").write_text(json.dumps(data))
+    other = moeplace("trace", "synth", "--shape", "gpt-oss-20b", "--steps", "300", "-o", "other.mptrace", cwd=work)
+    assert other.returncode == 0, other.stderr
+    assert moeplace("optimize", "other.mptrace", "--ranks", "1", "-o", "other.json", cwd=work).returncode == 0
+
+    block = work / "blocked"
+    block.mkdir(exist_ok=True)
+    (block / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['sglang.srt.model_executor.model_runner'] = None  # an ImportError inside SGLang\n")
+
+    def traced(name: str) -> dict:
+        return {"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / f"traces-{name}"),
+                "MOEPLACE_KV_STATS": str(work / f"kv-{name}.json")}
+
+    recorder = ["--expert-distribution-recorder-mode", "per_token", "--expert-distribution-recorder-buffer-size", "-1"]
+    trees = ["--speculative-ngram-max-bfs-breadth", "4"]
+    chain = ["--speculative-ngram-max-bfs-breadth", "1"]
+    s_trees = Server("trees-triton", port + 1, server_argv(model, port + 1, trees + recorder,
+                                                           launch=["--placement", "placement.json"]),
+                     {**traced("trees-triton"), "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR": str(work / "dumps")}, work)
+    s_trees_k = Server("trees-moeplace", port + 2, server_argv(model, port + 2, trees),
+                       {**traced("trees-moeplace"), "MOEPLACE_VERIFY_KERNEL": "1", "MOEPLACE_KV_SORT": "1"}, work)
+    s_chain = Server("chain-triton", port + 3, server_argv(model, port + 3, chain), {}, work)
+    s_chain_k = Server("chain-moeplace", port + 4, server_argv(model, port + 4, chain),
+                       {"MOEPLACE_VERIFY_KERNEL": "1"}, work)
+    s_hooks = Server("hooks", port + 5, server_argv(model, port + 5, []),
+                     {"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / "traces-hooks"),
+                      "PYTHONPATH": f"{block}:{os.environ.get('PYTHONPATH', '')}"}, work)
+    s_dispatch = Server("dispatch-ep1", port + 6, server_argv(model, port + 6, []),
+                        {"MOEPLACE_DISPATCH": "balanced"}, work)
+    serving = [s_trees, s_trees_k, s_chain, s_chain_k]
+    everyone = serving + [s_hooks, s_dispatch]
+    (work / "dumps").mkdir(exist_ok=True)
+    try:
+        for s in everyone:
+            s.start()
+            time.sleep(2.0)   # stagger the starts: each sizes its memory against what the others took
+        t0 = time.monotonic()
+        refusal = moeplace("launch", "--placement", "other.json", "--",
+                           *server_argv(model, port + 7, [])[3:], cwd=work)
+        refusal_s = time.monotonic() - t0
+        guarded(checks, "hooks", lambda: check_refused_start(
+            "hooks", s_hooks, s_hooks.wait_exit(startup), "MOEPLACE_TRACE is set but"))
+        for s in serving:
+            s.wait_ready(startup)
+        print(f"servers ready: {[(s.name, round(s.ready_s, 1)) for s in serving]}", flush=True)
+
+        greedy_prompts = prompts(rng, 8, 64, 256)
+        with ThreadPoolExecutor(4) as pool:   # the same 8 requests at once on each server
+            for s, answers in zip(serving, pool.map(lambda s: s.generate_all(greedy_prompts, [128] * 8), serving)):
+                s.greedy = answers
+        print("greedy requests done", flush=True)
+
+        # capture: SGLang's recorder over a window of traffic on the launched server
+        cap_path = work / "capture.mptrace"
+        cap = subprocess.Popen([*MOEPLACE, "capture", "--url", s_trees.url,
+                                "--seconds", "6", "--dump-dir", str(work / "dumps"), "-o", str(cap_path)],
+                               cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2.0)
+        s_trees.generate_all(prompts(rng, 4, 32, 64), [48] * 4)
+        cap_out, cap_err = cap.communicate(timeout=300)
+        captured = subprocess.CompletedProcess(cap.args, cap.returncode, cap_out, cap_err)
+        print(f"capture done (exit {cap.returncode})", flush=True)
+
+        # churn: many short requests of mixed length, the same on the servers with and without the sort
+        churn = prompts(rng, 160, 16, 1024)
+        churn_new = [rng.randint(4, 48) for _ in churn]
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda s: s.generate_all(churn, churn_new), (s_trees, s_trees_k)))
+        healthy = bool(s_trees_k.generate(prompts(rng, 1, 16, 16)[0], 16)["output_ids"])
+        time.sleep(3.0)   # the KV stats and the tracers' idle flush are on disk
+        print("churn done", flush=True)
+
+        timings = {}
+        for s, backend in ((s_trees, "triton"), (s_trees_k, "moeplace"), (s_chain, "triton"),
+                           (s_chain_k, "moeplace")):
+            try:
+                timings[s.name] = profile_attention(s, backend, layers, work, rng)
+            except Exception as e:  # noqa: BLE001
+                timings[s.name] = {"error": f"{type(e).__name__}: {e}"}
+        print(f"profiles: {json.dumps(timings)[:600]}", flush=True)
+
+        stops = {}
+        for s, sig in ((s_trees, signal.SIGTERM), (s_trees_k, signal.SIGINT), (s_chain, signal.SIGTERM),
+                       (s_chain_k, signal.SIGTERM)):
+            rc, secs = s.stop(sig)
+            stops[s.name] = {"exit_code": rc, "stop_s": round(secs, 1)}
+        dispatch_rc = s_dispatch.wait_exit(max(1.0, startup - (time.monotonic() - s_dispatch.started)))
+
+        guarded(checks, "trace", lambda: check_trace([(s_trees, "SIGTERM", stops[s_trees.name]),
+                                                      (s_trees_k, "SIGINT", stops[s_trees_k.name])], work))
+        guarded(checks, "capture", lambda: check_capture(s_trees, cap_path, captured, work))
+        guarded(checks, "verify", lambda: check_verify([("trees", s_trees, s_trees_k),
+                                                        ("chains", s_chain, s_chain_k)], timings, agree))
+        guarded(checks, "kv_sort", lambda: check_kv_sort(s_trees, s_trees_k, healthy))
+        guarded(checks, "launch", lambda: check_launch(s_trees, work / "placement.json", refusal, refusal_s))
+        guarded(checks, "dispatch", lambda: check_refused_start(
+            "dispatch", s_dispatch, dispatch_rc, "MOEPLACE_DISPATCH=balanced cannot run here"))
+    finally:
+        for s in everyone:
+            s.kill()
+    return checks
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=ROOT / ".sgl-device" / "models" / "dsv3-384e-small",
+                    help="a DeepSeek-V3-architecture model folder (config.json; weights are dummy)")
+    ap.add_argument("--out", type=Path, default=Path("result.json"), help="where to write the JSON result")
+    ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temp folder)")
+    ap.add_argument("--port", type=int, default=31000, help="first of the 8 ports the servers take")
+    ap.add_argument("--startup-timeout", type=float, default=360.0, help="seconds a server may take to start")
+    ap.add_argument("--head", default=None,
+                    help="the project's commit, where the copy has no .git (default: git rev-parse)")
+    args = ap.parse_args()
+    if not (args.model / "config.json").is_file():
+        print(f"error: {args.model}: no config.json (build .sgl-device with ../shared/device-sglang/build.sh)",
+              file=sys.stderr)
+        return 2
+    work = args.work or Path(tempfile.mkdtemp(prefix="moeplace-live-"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        checks = run(args.model.resolve(), work.resolve(), args.port, args.startup_timeout)
+    except Exception as e:  # noqa: BLE001 (the result says what broke)
+        checks = [Check("setup", False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-3000:]})]
+    result = {**versions(args.head), "model": str(args.model), "seconds": round(time.monotonic() - started, 1),
+              "checks": [asdict(c) for c in checks]}
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=str))
+    os.replace(tmp, args.out)
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"{c.name:{width}}  {'ok  ' if c.ok else 'FAIL'}  {c.detail[:300]}")
+    return 0 if checks and all(c.ok for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
