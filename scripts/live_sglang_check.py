@@ -56,6 +56,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTS = 9
+PROFILE_STEPS = 40
 ATTENTION_KERNELS = {  # kernel name prefixes of verify attention, per backend
     "triton": ("_fwd_kernel",),
     "moeplace": ("split_kernel", "combine_kernel", "_verify_split_kernel", "_verify_merge_kernel"),
@@ -78,7 +79,7 @@ class Server:
 
     def __init__(self, name: str, port: int, argv: list[str], env: dict[str, str], work: Path) -> None:
         self.name, self.port, self.argv, self.work = name, port, argv, work
-        self.env = {**os.environ, **env}
+        self.env = {**os.environ, "SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS": "8", **env}
         self.log_path = work / f"{name}.log"
         self.proc: subprocess.Popen | None = None
         self.answers: list[dict] = []
@@ -206,23 +207,24 @@ def equal_token_share(a: list[dict], b: list[dict]) -> tuple[float, list[int]]:
 
 
 def profile_attention(server: Server, backend: str, layers: int, work: Path, rng: random.Random) -> dict:
-    """GPU time of verify attention per verify pass, from SGLang's own profiler over steady verify traffic."""
+    """GPU time of verify attention per verify pass, from SGLang's own profiler over steady verify traffic.
+
+    The profile is asked for before the requests, by stage: SGLang starts its decode-stage profile at
+    the first decode batch of all 8 requests (SGLANG_PROFILE_BY_STAGE_DECODE_MIN_BS, set on the
+    servers), so no prefill is in it.
+    """
     out = work / f"profile-{server.name}"
     out.mkdir(exist_ok=True)
-    long_prompts = prompts(rng, 8, 24, 40)
-    with ThreadPoolExecutor(9) as pool:
-        running = [pool.submit(server.generate, p, 2000) for p in long_prompts]
-        time.sleep(2.0)   # every request prefilled and verifying
-        server.post("/start_profile", {"output_dir": str(out), "num_steps": 40, "activities": ["GPU"]})
-        for r in running:
-            r.result()
-    files = []
-    deadline = time.monotonic() + 120
+    server.post("/start_profile", {"output_dir": str(out), "num_steps": PROFILE_STEPS, "activities": ["GPU"],
+                                   "profile_by_stage": True})
+    server.generate_all(prompts(rng, 8, 24, 40), [1500] * 8)
+    files: list[Path] = []
+    deadline = time.monotonic() + 60
     while not files and time.monotonic() < deadline:
-        files = sorted(out.glob("*.trace.json.gz"))
+        files = sorted(out.glob("*-DECODE.trace.json.gz"))
         time.sleep(0.5)
     if not files:
-        raise RuntimeError(f"no profile written to {out}")
+        raise RuntimeError(f"no decode-stage profile written to {out}: {sorted(p.name for p in out.iterdir())}")
     time.sleep(1.0)
     with gzip.open(files[0], "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -450,6 +452,8 @@ def guarded(checks: list[Check], name: str, fn: Callable[[], Check]) -> None:
         checks.append(fn())
     except Exception as e:  # noqa: BLE001 (one broken check must not hide the others)
         checks.append(Check(name, False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-2000:]}))
+    c = checks[-1]
+    print(f"check {c.name}: {'ok' if c.ok else 'FAIL'}: {c.detail[:400]}", flush=True)
 
 
 def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
@@ -534,7 +538,7 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
         s_trees.generate_all(prompts(rng, 4, 32, 64), [48] * 4)
         cap_out, cap_err = cap.communicate(timeout=300)
         captured = subprocess.CompletedProcess(cap.args, cap.returncode, cap_out, cap_err)
-        print(f"capture done (exit {cap.returncode})", flush=True)
+        print(f"capture done (exit {cap.returncode}): {cap_out.strip()[-300:]} {cap_err.strip()[-1500:]}", flush=True)
 
         # churn: many short requests of mixed length, the same on the servers with and without the sort
         churn = prompts(rng, 160, 16, 1024)
@@ -554,11 +558,12 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
                 timings[s.name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"profiles: {json.dumps(timings)[:600]}", flush=True)
 
-        stops = {}
-        for s, sig in ((s_trees, signal.SIGTERM), (s_trees_k, signal.SIGINT), (s_chain, signal.SIGTERM),
-                       (s_chain_k, signal.SIGTERM)):
-            rc, secs = s.stop(sig)
-            stops[s.name] = {"exit_code": rc, "stop_s": round(secs, 1)}
+        how = ((s_trees, signal.SIGTERM), (s_trees_k, signal.SIGINT), (s_chain, signal.SIGTERM),
+               (s_chain_k, signal.SIGTERM))
+        with ThreadPoolExecutor(len(how)) as pool:   # as a process manager stops a node's servers
+            stopped = list(pool.map(lambda x: x[0].stop(x[1]), how))
+        stops = {s.name: {"exit_code": rc, "stop_s": round(secs, 1)} for (s, _), (rc, secs) in zip(how, stopped)}
+        print(f"stopped: {stops}", flush=True)
         dispatch_rc = s_dispatch.wait_exit(max(1.0, startup - (time.monotonic() - s_dispatch.started)))
 
         guarded(checks, "trace", lambda: check_trace([(s_trees, "SIGTERM", stops[s_trees.name]),
