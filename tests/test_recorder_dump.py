@@ -178,6 +178,19 @@ def test_bad_files_give_one_line_errors(tmp_path, real_dumps):
         read_recorder_dump(tmp_path / "missing.pt")
 
 
+@pytest.mark.parametrize("mode", ["per_token", "per_pass"])
+def test_a_recording_without_passes_is_one_line(tmp_path, real_dumps, mode):
+    """Seen live: `capture` started recording after the traffic had ended; the dump held no record."""
+    from moeplace.sglang.recorder_dump import read_recorder_dump
+
+    data = torch.load(next((real_dumps / mode).glob("*.pt")), weights_only=True)
+    data["records"] = []
+    empty = tmp_path / "expert_distribution_recorder_1.0_0.pt"
+    torch.save(data, empty)
+    with pytest.raises(FormatError, match="recorded no forward pass"):
+        read_recorder_dump(empty)
+
+
 def test_roundtrip_through_trace_file(tmp_path, real_dumps):
     from moeplace.sglang.recorder_dump import read_recorder_dump
     from moeplace.trace.store import TraceReader, write_trace

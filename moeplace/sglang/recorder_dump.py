@@ -200,6 +200,9 @@ def _from_records(loaded: list[tuple[Path, dict]], kind: str, model: ModelSpec |
                 raise FormatError(path, f"record {i} has no global_physical_count")
             records.append((int(rec.get("forward_pass_id", i)), int(rec.get("rank", 0)), path, rec))
     records.sort(key=lambda r: (r[0], r[1]))
+    if not records:
+        raise FormatError(path0, "the recorder recorded no forward pass (no traffic reached the server "
+                                 "between start and stop of the recording)")
     if kind == "per_pass":
         return _per_pass(path0, records, p2l, E, model, top_k)
     return _per_token(path0, records, p2l, E, model)
