@@ -21,10 +21,19 @@ operators do (SIGTERM, SIGINT) and checks, in the servers themselves:
             one line
   hooks     a feature whose hook SGLang cannot apply stops the server with one line naming it
 
+With ``--gpus 2`` (two GPUs of one host, the Kimi-expert-shaped model): expert parallelism (TP 2, EP 2,
+``--moe-a2a-backend none``, NGRAM) with DeepSeek EPLB, stepaware and balanced-with-spares placements
+fitted on SYNTHETIC routing, started through ``moeplace launch``, and TP-MoE beside them, two servers at a
+time: the map SGLang loaded equals the file on both ranks; both ranks' recorded slot choices are equal on
+every pass (the tracer keeps physical ids); the dispatch kernel runs in the replayed graphs; decode tokens
+per second and MoE time per pass against the cost model's prediction; `launch` refuses another EP size,
+another model and DP attention with balanced dispatch, and the server itself refuses the latter.
+
 Run on the GPU machine from the project root, SGLang installed as ../shared/device-sglang says:
 
-    source .sgl-device/install.sh && pip install --no-deps --no-build-isolation -e .
+    source .sgl-device/install.sh && python3 -m pip install --no-deps --no-build-isolation .
     python3 scripts/live_sglang_check.py --out result.json
+    python3 scripts/live_sglang_check.py --gpus 2 --model .sgl-device/models/kimi-k2-shaped-2moe --out ep2.json
 
 The servers that serve run side by side on the one GPU (each capped by --max-total-tokens); the GPU
 timings run while the others are idle. Writes ``--out`` as JSON: {"project_head", "sglang_version",
@@ -170,15 +179,20 @@ def tail(text: str, lines: int = 25) -> str:
     return " | ".join(text.strip().splitlines()[-lines:])
 
 
-def server_argv(model: Path, port: int, extra: list[str], launch: list[str] | None = None) -> list[str]:
-    """``python -m sglang.launch_server`` (or ``moeplace launch ... --``) with the flags that serve here."""
-    common = ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
-              "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
-              "--mem-fraction-static", "0.5", "--max-total-tokens", "20000", "--context-length", "4096",
-              "--disable-radix-cache", "--disable-prefill-cuda-graph", "--cuda-graph-max-bs-decode", "8",
-              "--max-running-requests", "8", "--skip-server-warmup",
-              "--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS),
-              "--port", str(port), *extra]
+def sglang_args(model: Path, port: int, extra: list[str], speculative: bool = True) -> list[str]:
+    """``sglang.launch_server`` flags that serve here (dummy weights, CUDA graphs, NGRAM 9-token drafts)."""
+    spec = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(DRAFTS)] if speculative else []
+    return ["--model-path", str(model), "--load-format", "dummy", "--skip-tokenizer-init",
+            "--attention-backend", "triton", "--sampling-backend", "pytorch", "--grammar-backend", "none",
+            "--mem-fraction-static", "0.5", "--max-total-tokens", "20000", "--context-length", "4096",
+            "--disable-radix-cache", "--disable-prefill-cuda-graph", "--cuda-graph-max-bs-decode", "8",
+            "--max-running-requests", "8", "--skip-server-warmup", *spec, "--port", str(port), *extra]
+
+
+def server_argv(model: Path, port: int, extra: list[str], launch: list[str] | None = None,
+                speculative: bool = True) -> list[str]:
+    """The server's command: ``python -m sglang.launch_server`` or ``moeplace launch ... --``."""
+    common = sglang_args(model, port, extra, speculative)
     if launch is not None:
         return [*MOEPLACE, "launch", *launch, "--", *common]
     return [sys.executable, "-m", "sglang.launch_server", *common]
@@ -552,8 +566,7 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
             s.start()
             time.sleep(2.0)   # stagger the starts: each sizes its memory against what the others took
         t0 = time.monotonic()
-        refusal = moeplace("launch", "--placement", "other.json", "--",
-                           *server_argv(model, port + 7, [])[3:], cwd=work)
+        refusal = moeplace("launch", "--placement", "other.json", "--", *sglang_args(model, port + 7, []), cwd=work)
         refusal_s = time.monotonic() - t0
         guarded(checks, "hooks", lambda: check_refused_start(
             "hooks", s_hooks, s_hooks.wait_exit(startup), "MOEPLACE_TRACE is set but"))
@@ -621,6 +634,187 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
     return checks
 
 
+# ----------------------------------------------------------------------------------------- 2 GPUs (EP)
+
+EP_LAYOUTS = ("deepseek", "stepaware", "balanced", "tp-moe")
+
+
+def rank_choices(folder: Path) -> dict[int, list[bytes]]:
+    """Per rank, each recorded pass's physical ids as bytes (the replicas that rank's router chose)."""
+    from moeplace.trace.store import TraceReader
+
+    by_rank: dict[int, list[bytes]] = {}
+    for _, raw in TraceReader(folder).raw_chunks():
+        rank = int(raw["ranks"][0]) if len(raw["ranks"]) else 0
+        offsets, ids = raw["token_offsets"], raw["topk_ids"]
+        by_rank.setdefault(rank, []).extend(ids[offsets[i]:offsets[i + 1]].tobytes()
+                                            for i in range(len(raw["modes"])))
+    return by_rank
+
+
+def moe_us_per_pass(server: Server, layers: int, work: Path, rng: random.Random) -> dict:
+    """SGLang's fused-MoE kernel time per decode-stage pass on the slowest rank (its profiler, all ranks)."""
+    out = work / f"profile-{server.name}"
+    out.mkdir(exist_ok=True)
+    server.post("/start_profile", {"output_dir": str(out), "num_steps": PROFILE_STEPS, "activities": ["GPU"],
+                                   "profile_by_stage": True})
+    t0 = time.monotonic()
+    answers = server.generate_all(prompts(rng, 8, 24, 40), [512] * 8)
+    wall = time.monotonic() - t0
+    deadline = time.monotonic() + 60
+    files: list[Path] = []
+    while len(files) < 2 and time.monotonic() < deadline:
+        files = sorted(out.glob("*-DECODE.trace.json.gz"))
+        time.sleep(0.5)
+    per_rank, dispatch_kernels = [], 0
+    for f in files:
+        with gzip.open(f, "rt") as fh:
+            kernels = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"]
+        moe = [e for e in kernels if bare_name(e["name"]).startswith("fused_moe_kernel")]
+        dispatch_kernels += sum(bare_name(e["name"]).startswith("balanced_dispatch_kernel") for e in kernels)
+        per_rank.append(sum(e["dur"] for e in moe) / PROFILE_STEPS)
+    tokens = sum(len(a["output_ids"]) for a in answers)
+    return {"tokens_per_s": round(tokens / wall, 1), "moe_us_per_pass_slowest_rank": round(max(per_rank), 1)
+            if per_rank else None, "moe_us_per_pass_per_rank": [round(x, 1) for x in per_rank],
+            "ranks_profiled": len(files), "balanced_dispatch_kernels": dispatch_kernels}
+
+
+def predicted_moe_us(work: Path, model: Path) -> dict:
+    """The cost model's MoE µs per step of each layout on the synthetic trace (optimize/advise JSON)."""
+    out = {}
+    for name, placement, dispatch in (("deepseek", "deepseek.json", "dynamic"),
+                                      ("stepaware", "stepaware.json", "dynamic"),
+                                      ("balanced", "balanced.json", "balanced")):
+        res = moeplace("report", "ep-synth.mptrace", "--placement", placement, "--ranks", "2", "--mode", "verify",
+                       "--dispatch", dispatch, "--model", str(model), "--json", cwd=work)
+        if res.returncode == 0:
+            out[name] = json.loads(res.stdout)["metrics"]["moe_us_per_step"]
+    advise = moeplace("advise", "ep-synth.mptrace", "--ranks", "2", "--mode", "verify", "--model", str(model),
+                      "--json", cwd=work)
+    if advise.returncode == 0:
+        at = json.loads(advise.stdout)["at_trace"]
+        out["tp-moe"] = at["tp_us"]
+        out["advise_winner"] = at["winner"]
+    return out
+
+
+def prepare_ep_placements(model: Path, work: Path, experts: int, steps: int = 4000) -> None:
+    """Placements for 2 ranks from SYNTHETIC routing of this model's shape (random weights route like no
+    real model either): DeepSeek EPLB, stepaware, balanced with E/4 spare slots; and two `launch` must
+    refuse: one for 4 ranks, one for another model."""
+    def ok(*args: str) -> None:
+        res = moeplace(*args, cwd=work, timeout=900)
+        assert res.returncode == 0, f"moeplace {' '.join(args)}: {res.stderr.strip()[-500:]}"
+
+    ok("trace", "synth", "--model", str(model / "config.json"), "--steps", str(steps), "-o", "ep-synth.mptrace")
+    fits = {"deepseek.json": ["--algorithm", "deepseek"], "stepaware.json": [],
+            "balanced.json": ["--dispatch", "balanced", "--redundant", str(experts // 4)]}
+    for out, extra in fits.items():
+        ok("optimize", "ep-synth.mptrace", "--ranks", "2", "--mode", "verify", "--model", str(model), *extra, "-o", out)
+    ok("optimize", "ep-synth.mptrace", "--ranks", "4", "-o", "ep4.json")
+    ok("trace", "synth", "--shape", "gpt-oss-20b", "--steps", "300", "-o", "other.mptrace")
+    ok("optimize", "other.mptrace", "--ranks", "2", "-o", "other.json")
+
+
+def ep_launch_refusals(model: Path, work: Path, port: int, experts: int) -> dict[str, subprocess.CompletedProcess]:
+    """`moeplace launch` with what it must refuse before SGLang starts."""
+    ep = ["--tp", "2", "--ep-size", "2", "--moe-a2a-backend", "none"]
+    spares = ["--ep-num-redundant-experts", str(experts // 4)]
+    return {what: moeplace("launch", "--placement", placement, "--", *sglang_args(model, port, ep + extra),
+                           cwd=work)
+            for what, placement, extra in (("another EP size", "ep4.json", []),
+                                           ("another model", "other.json", []),
+                                           ("DP attention", "balanced.json",
+                                            spares + ["--enable-dp-attention", "--dp", "2"]))}
+
+
+def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Check]:
+    """Expert parallelism on 2 GPUs (TP 2, EP 2, --moe-a2a-backend none): placements through `launch`,
+    balanced dispatch inside the captured graphs on both ranks, tokens/s and MoE time per layout."""
+    rng = random.Random(1)
+    config = json.loads((model / "config.json").read_text())
+    layers, experts = int(config["num_hidden_layers"]), int(config["n_routed_experts"])
+    checks: list[Check] = []
+    prepare_ep_placements(model, work, experts)
+    ep = ["--tp", "2", "--ep-size", "2", "--moe-a2a-backend", "none"]
+    spares = ["--ep-num-redundant-experts", str(experts // 4)]
+    argv = {
+        "deepseek": server_argv(model, port + 1, ep, launch=["--placement", "deepseek.json"]),
+        "stepaware": server_argv(model, port + 2, ep, launch=["--placement", "stepaware.json"]),
+        "balanced": server_argv(model, port + 3, ep + spares, launch=["--placement", "balanced.json", "--sglang-file",
+                                        str(work / "balanced.sglang.json")]),
+        "tp-moe": server_argv(model, port + 4, ["--tp", "2"]),
+    }
+    servers = {name: Server(f"ep2-{name}", port + 1 + i, argv[name],
+                            {"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / f"traces-ep2-{name}")}, work)
+               for i, name in enumerate(EP_LAYOUTS)}
+    figures: dict[str, dict] = {}
+    refusals = ep_launch_refusals(model, work, port + 6, experts)
+    # The server's own refusal, started without `launch` (which refuses first): the map `launch` wrote
+    # for the balanced server, MOEPLACE_DISPATCH set by hand. NGRAM refuses DP attention itself, so
+    # this one runs without speculative decoding.
+    dp = Server("ep2-dp-attention", port + 5, server_argv(
+        model, port + 5, ep + spares + ["--enable-dp-attention", "--dp", "2", "--init-expert-location",
+                                        str(work / "balanced.sglang.json")],
+        speculative=False), {"MOEPLACE_DISPATCH": "balanced"}, work)
+    try:
+        for wave in (("deepseek", "stepaware"), ("balanced", "tp-moe")):   # two at once fit in memory
+            for name in wave:
+                servers[name].start()
+                time.sleep(2.0)
+            for name in wave:
+                servers[name].wait_ready(startup)
+            for name in wave:   # one at a time: the timings see an idle GPU pair
+                figures[name] = {"ready_s": round(servers[name].ready_s, 1),
+                                 **moe_us_per_pass(servers[name], layers, work, rng)}
+                servers[name].generate_all(prompts(rng, 8, 64, 256), [128] * 8)
+            for name in wave:
+                figures[name]["stop"] = servers[name].stop(signal.SIGTERM)
+        dp.start()   # balanced dispatch with DP attention: each rank would route its own tokens
+        dp_rc = dp.wait_exit(startup)
+    finally:
+        for srv in [*servers.values(), dp]:
+            srv.kill()
+
+    from moeplace.placement import load_placement
+    from moeplace.trace.store import TraceReader
+
+    problems = []
+    for name in ("deepseek", "stepaware", "balanced"):
+        folder = work / f"traces-ep2-{name}"
+        expected = np.asarray(load_placement(work / f"{name}.json").phy2log)
+        maps = {tuple(h.ranks): np.asarray(h.physical_to_logical_map) for h in TraceReader(folder).headers}
+        figures[name]["map_equals_file_on_ranks"] = sorted(r for r, m in maps.items() if np.array_equal(m, expected))
+        if len(figures[name]["map_equals_file_on_ranks"]) != 2:
+            problems.append(f"{name}: SGLang's map differs from the file on some rank")
+        choices = rank_choices(folder)
+        agree = len(choices) == 2 and choices[0] == choices[1]
+        figures[name]["ranks_chose_the_same_slots_every_step"] = agree
+        figures[name]["passes_compared"] = min(len(v) for v in choices.values()) if choices else 0
+        if not agree:
+            problems.append(f"{name}: the two ranks' recorded slot choices differ")
+    if not figures["balanced"].get("balanced_dispatch_kernels"):
+        problems.append("balanced: no balanced_dispatch_kernel in the decode-stage profile (graph replays)")
+    checks.append(Check("ep_launch_and_dispatch", not problems, "; ".join(problems) or
+                        "placements loaded as written on both ranks; both ranks chose the same slots on every "
+                        "recorded pass; the dispatch kernel ran in the replayed graphs", figures))
+    predicted = predicted_moe_us(work, model)
+    order_measured = sorted(EP_LAYOUTS, key=lambda n: figures[n].get("moe_us_per_pass_slowest_rank") or 1e18)
+    checks.append(Check("ep_throughput", all(figures[n].get("tokens_per_s") for n in EP_LAYOUTS),
+                        f"fastest MoE per pass, measured: {' < '.join(order_measured)}",
+                        {"measured": {n: {k: figures[n].get(k) for k in ("tokens_per_s",
+                                                                        "moe_us_per_pass_slowest_rank")}
+                                      for n in EP_LAYOUTS}, "predicted_moe_us_per_step": predicted}))
+    lines = {k: (r.returncode, r.stderr.strip()[-300:]) for k, r in refusals.items()}
+    ok = all(rc == 2 for rc, _ in lines.values()) and dp_rc not in (None, 0) and \
+        "DP attention" in dp.log()
+    checks.append(Check("ep_refusals", ok, "; ".join(f"{k}: exit {rc}" for k, (rc, _) in lines.items())
+                        + f"; DP attention with balanced dispatch: exit {dp_rc}",
+                        {"launch": lines, "dp_attention_log": tail(dp.log(), 5)}))
+    return checks
+
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -630,6 +824,9 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temp folder)")
     ap.add_argument("--port", type=int, default=31000, help="first of the 8 ports the servers take")
     ap.add_argument("--startup-timeout", type=float, default=360.0, help="seconds a server may take to start")
+    ap.add_argument("--gpus", type=int, choices=(1, 2), default=1,
+                    help="1: every feature on one GPU; 2: expert parallelism on two (--model: the Kimi-expert-shaped "
+                         "model, .sgl-device/models/kimi-k2-shaped-2moe)")
     ap.add_argument("--head", default=None,
                     help="the project's commit, where the copy has no .git (default: git rev-parse)")
     args = ap.parse_args()
@@ -641,7 +838,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        checks = run(args.model.resolve(), work.resolve(), args.port, args.startup_timeout)
+        checks = (run if args.gpus == 1 else run_two_gpus)(args.model.resolve(), work.resolve(), args.port,
+                                                            args.startup_timeout)
     except Exception as e:  # noqa: BLE001 (the result says what broke)
         checks = [Check("setup", False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-3000:]})]
     result = {**versions(args.head), "model": str(args.model), "seconds": round(time.monotonic() - started, 1),

@@ -37,3 +37,40 @@ def test_the_profilers_names_of_both_backends_are_matched():
     assert all(live.bare_name(n).startswith(live.ATTENTION_KERNELS["moeplace"]) for n in ours)
     assert [live.bare_name(n).startswith(live.MAIN_KERNEL["moeplace"]) for n in ours] == [True, False]
     assert not live.bare_name("fused_moe_kernel").startswith(live.ATTENTION_KERNELS["triton"])
+
+
+def test_rank_choices_compare_the_slots_each_rank_recorded(tmp_path):
+    """Two ranks' tracers (the real RoutingTracer, CPU tensors): equal choices compare equal, one
+    different replica on one rank does not."""
+    torch = pytest.importorskip("torch")
+    from moeplace.sglang.tracer import Layout, RoutingTracer, TracerConfig
+
+    p2l = [[0, 1, 2, 3, 0, 1]] * 3   # [H, P]: 4 experts, 6 slots; experts 0 and 1 have a second replica
+    for folder, flip in ((tmp_path / "same", False), (tmp_path / "differ", True)):
+        for rank in (0, 1):
+            cfg = TracerConfig(folder, max_tokens=8, capacity=16, flush_steps=4, prefix="ep")
+            tracer = RoutingTracer(cfg, lambda r=rank: Layout("toy", 3, 4, 6, p2l, ep_size=2, rank=r))
+            for step in range(5):
+                slots = [[0, 4], [1, 2]] if not (flip and rank == 1 and step == 3) else [[4, 0], [1, 2]]
+                for layer in (1, 2):
+                    tracer.on_router(layer, torch.tensor(slots, dtype=torch.int32))
+                tracer.end_pass(5, 2)
+            tracer.close()
+        choices = live.rank_choices(folder)
+        assert sorted(choices) == [0, 1] and len(choices[0]) == 5
+        assert (choices[0] == choices[1]) is not flip
+
+
+@pytest.mark.sglang
+def test_the_two_gpu_run_prepares_placements_and_launch_refuses_the_wrong_ones(tmp_path):
+    """The 2-GPU run's CPU side on the Kimi-expert-shaped model: placements for 2 ranks, and `launch`
+    refuses another EP size, another model and DP attention with balanced dispatch, one line each."""
+    pytest.importorskip("sglang")
+    model = Path(__file__).resolve().parents[1] / "tests" / "data" / "kimi-k2-shaped-2moe"
+    live.prepare_ep_placements(model, tmp_path, experts=384, steps=300)
+    for name in ("deepseek.json", "stepaware.json", "balanced.json", "ep4.json", "other.json"):
+        assert (tmp_path / name).is_file(), name
+    refused = live.ep_launch_refusals(model, tmp_path, 39000, experts=384)
+    for what, res in refused.items():
+        lines = [x for x in res.stderr.splitlines() if x.strip()]
+        assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (what, res.stderr)

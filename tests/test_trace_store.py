@@ -532,3 +532,19 @@ def test_modes_of_a_chunk_laid_out_otherwise(tmp_path):
     reader = TraceReader(tmp_path / "x.mptrace")
     np.testing.assert_array_equal(np.concatenate(list(reader.modes())), steps.modes)
     assert not reader.damaged
+
+
+def test_raw_chunks_keep_the_physical_ids(tmp_path):
+    """The replica each step chose, as the tracer stored it (the reader's steps are logical)."""
+    model = ModelSpec.all_moe("phys", 1, 4, 1)
+    header = TraceHeader(model, "moeplace-tracer", id_space="physical", physical_to_logical_map=[[0, 1, 2, 3, 0, 1]])
+    steps = RoutingSteps.from_topk(model, [[[0]], [[1]]], [1, 1], M.DECODE)
+    arrays = {k: getattr(steps, k) for k in CHUNK_ARRAYS}
+    arrays["topk_ids"] = np.array([[[4]], [[1]]], np.int16)   # expert 0 on its replica in slot 4
+    arrays["counts"] = np.zeros((0, 1, 6))
+    with ShardWriter(tmp_path / "p", header) as w:
+        w.append_arrays(arrays)
+    reader = TraceReader(tmp_path / "p.mptrace")
+    (path, raw), = list(reader.raw_chunks())
+    assert path.name == "p.mptrace" and raw["topk_ids"].ravel().tolist() == [4, 1]
+    assert concat_steps(list(reader)).topk_ids.ravel().tolist() == [0, 1]

@@ -320,6 +320,19 @@ class TraceReader:
                     break
                 yield steps
 
+    def raw_chunks(self) -> Iterator[tuple[Path, dict[str, np.ndarray]]]:
+        """(shard, the chunk's arrays as stored) for each whole chunk: ids in the shard's own id space
+        (under EP, the physical slots each step chose), nothing mapped or checked beyond the CRC."""
+        self.damaged.clear()
+        for path in self.shards:
+            self._note_unfinished(path)
+            for payload, _ in self._payloads(path):
+                try:
+                    z = np.load(io.BytesIO(zlib.decompress(payload)), allow_pickle=False)
+                    yield path, {k: z[k] for k in z.files}
+                except (ValueError, zlib.error, OSError) as e:
+                    raise FormatError(path, f"unreadable chunk: {e}") from None
+
     def modes(self) -> Iterator[np.ndarray]:
         """Each whole chunk's forward modes [S], in the order and with the damage checks of iterating
         the reader, but decompressing only the start of each chunk (modes is its first array): a
