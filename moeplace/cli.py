@@ -6,6 +6,7 @@ Subcommands are imported lazily so that ``moeplace --help`` stays fast and never
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 import click
@@ -49,10 +50,32 @@ def cli() -> None:
     """
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that every write in progress cleans up as on Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: user errors become one line on stderr and exit code 2, never a traceback."""
+    """Entry point: user errors become one line on stderr and exit code 2, never a traceback.
+
+    SIGTERM (a job scheduler, ``kill``) unwinds like Ctrl-C: temp files are removed, nothing is left
+    half-written, and a capture stops the server's recording.
+    """
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
-        cli.main(args=argv, standalone_mode=False)
+        _run(argv)
+    finally:   # main() called in process (tests, scripts) leaves the caller's handler as it was
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(argv: list[str] | None) -> None:
+    try:
+        cli.main(args=argv, prog_name="moeplace", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:   # bare `moeplace` or `moeplace trace`: help, not an error
+        click.echo(e.ctx.get_help())
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(1)
@@ -72,5 +95,8 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except Terminated:
+        click.echo("terminated", err=True)
+        sys.exit(128 + signal.SIGTERM)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

@@ -1,0 +1,5 @@
+"""``python -m moeplace``: the same command line as the ``moeplace`` script."""
+
+from moeplace.cli import main
+
+main()
