@@ -19,6 +19,11 @@ import numpy as np
 from moeplace.errors import FormatError
 
 
+# A coefficient above this (a second per expert, token or launch of one layer) is no GPU's: a file
+# holding one is refused before its costs overflow to inf.
+MAX_COEFFICIENT_US = 1e6
+
+
 @dataclass(frozen=True)
 class CostModel:
     a_us_per_expert: float = 33.15
@@ -55,7 +60,8 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
         values = {k: float(d[k]) for k in ("a_us_per_expert", "b_us_per_token", "c_us")}
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(path, f"cost model needs numeric a_us_per_expert, b_us_per_token, c_us ({e})") from None
-    if not all(np.isfinite(v) and v >= 0 for v in values.values()):
-        raise FormatError(path, "cost model coefficients must be finite and non-negative")
+    if not all(np.isfinite(v) and 0 <= v <= MAX_COEFFICIENT_US for v in values.values()):
+        raise FormatError(path, f"cost model coefficients must be finite and non-negative, at most "
+                                f"{MAX_COEFFICIENT_US:g} µs (got {', '.join(f'{k} {v:g}' for k, v in values.items())})")
     provenance = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
     return CostModel(**values, provenance=provenance, source=f"file {os.fspath(path)}")

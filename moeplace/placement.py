@@ -21,6 +21,8 @@ from moeplace.model import ModelSpec
 
 PLACEMENT_FORMAT = "moeplace-placement"
 PLACEMENT_VERSION = 1
+# Larger ids are no model's experts; refused before the cast to int64 (which 1e30 would overflow).
+MAX_EXPERT_ID = 2**31 - 1
 
 
 @dataclass
@@ -170,13 +172,19 @@ def load_placement(path: str | os.PathLike, model: ModelSpec | None = None, rank
         raise FormatError(path, "no 'physical_to_logical_map' in the file (not a placement)")
     raw = data["physical_to_logical_map"]
     try:
-        phy2log = np.asarray(raw, dtype=np.float64)
+        phy2log = np.asarray(raw)
     except (TypeError, ValueError):
         raise FormatError(path, "physical_to_logical_map is not a rectangular array of numbers") from None
+    if phy2log.dtype.kind not in "iuf":   # strings ("17"), booleans, nested objects: not expert ids
+        raise FormatError(path, f"physical_to_logical_map holds {_kind_name(phy2log.dtype)}, not expert ids")
     if phy2log.ndim != 2:
         raise FormatError(path, f"physical_to_logical_map must be 2-D, got shape {list(phy2log.shape)}")
+    phy2log = phy2log.astype(np.float64)
     if not np.all(np.isfinite(phy2log)) or np.any(phy2log != np.round(phy2log)):
         raise FormatError(path, "physical_to_logical_map holds non-integer values")
+    if phy2log.size and np.abs(phy2log).max() > MAX_EXPERT_ID:
+        raise FormatError(path, f"physical_to_logical_map holds expert id {phy2log.flat[np.abs(phy2log).argmax()]:g}, "
+                                f"beyond any model's experts")
     phy2log = phy2log.astype(np.int64)
     if data.get("format") == PLACEMENT_FORMAT:
         if data.get("version") != PLACEMENT_VERSION:
@@ -210,18 +218,19 @@ def load_placement(path: str | os.PathLike, model: ModelSpec | None = None, rank
     return p
 
 
+def _kind_name(dtype: np.dtype) -> str:
+    return {"U": "strings", "S": "strings", "b": "true/false values"}.get(dtype.kind, "values that are not numbers")
+
+
 def _read_placement_data(path: Path) -> Any:
+    if path.is_dir():
+        raise FormatError(path, "is a folder, not a placement file")
     if not path.is_file():
         raise FormatError(path, "no such file")
     if path.suffix == ".pt":
-        from moeplace.sglang.recorder_dump import require_torch
+        from moeplace.sglang.recorder_dump import load_pt   # only .pt placement files need torch
 
-        torch = require_torch(f"{path}: reading an SGLang .pt placement")  # only .pt placement files need torch
-
-        try:
-            data = torch.load(path, weights_only=True, map_location="cpu")
-        except Exception as e:  # torch raises many types for a bad file
-            raise FormatError(path, f"unreadable .pt file: {type(e).__name__}") from None
+        data = load_pt(path, f"{path}: reading an SGLang .pt placement")
         if isinstance(data, dict) and "physical_to_logical_map" in data:
             data = {**data, "physical_to_logical_map": np.asarray(data["physical_to_logical_map"])}
         return data

@@ -227,9 +227,12 @@ def _bad_files(tmp_path):
         ("list.json", [[0, 1], [2, 3]], FormatError, "no 'physical_to_logical_map'"),
         ("nokey.json", {"format": "moeplace-placement"}, FormatError, "no 'physical_to_logical_map'"),
         ("float.json", {**good, "physical_to_logical_map": bad_ids}, FormatError, "non-integer"),
-        ("strings.json", {**good, "physical_to_logical_map": [["a", "b"]]}, FormatError, "rectangular"),
+        ("strings.json", {**good, "physical_to_logical_map": [["a", "b"]]}, FormatError, "holds strings"),
+        ("numstring.json", {**good, "physical_to_logical_map": [[0, "17"]]}, FormatError, "holds strings"),
+        ("bools.json", {**good, "physical_to_logical_map": [[True, False]]}, FormatError, "true/false"),
+        ("huge.json", {**good, "physical_to_logical_map": [[0, 1e30]]}, FormatError, "expert id 1e+30"),
         ("ragged.json", {**good, "physical_to_logical_map": [[0, 1], [2]]}, FormatError, "rectangular"),
-        ("nulls.json", {**good, "physical_to_logical_map": [[0, None]]}, FormatError, "non-integer"),
+        ("nulls.json", {**good, "physical_to_logical_map": [[0, None]]}, FormatError, "not numbers"),
         ("onedim.json", {**good, "physical_to_logical_map": list(range(12))}, FormatError, "2-D"),
         ("version.json", {**good, "version": 9}, FormatError, "version 9"),
         ("noranks.json", {k: v for k, v in good.items() if k != "ranks"}, FormatError, "bad placement field"),
@@ -240,7 +243,7 @@ def _bad_files(tmp_path):
         ("modelstr.json", {**good, "model": "toy"}, FormatError, "bad placement field"),
         ("invalid.json", {**good, "physical_to_logical_map": out_of_range}, PlacementError, "must lie in [0, 8)"),
         ("sglang_invalid.json", {"physical_to_logical_map": out_of_range}, PlacementError, "must lie in [0, 8)"),
-        ("badpt.pt", b"not a torch file", FormatError, "unreadable .pt file"),
+        ("badpt.pt", b"not a torch file", FormatError, "not a readable torch file"),
     ]
 
 

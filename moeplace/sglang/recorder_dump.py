@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from functools import reduce
 from pathlib import Path
 from types import ModuleType
@@ -100,17 +101,37 @@ def require_torch(needed_for: str, alternative: str = "") -> ModuleType:
     return torch
 
 
-def _load(path: Path) -> dict[str, Any]:
-    torch = require_torch(f"{path}: reading an SGLang recorder dump (.pt)",
-                          "; or turn it into a .mptrace where torch is: moeplace trace convert DUMP -o TRACE.mptrace")
+def load_pt(path: Path, needed_for: str, alternative: str = "") -> Any:
+    """``torch.load`` of an SGLang .pt file (weights only: dicts, lists, numbers and tensors, never code),
+    any failure one FormatError line; torch's own warnings about the file stay quiet (the error says it)."""
+    torch = require_torch(needed_for, alternative)
     try:
-        # weights_only: a dump holds only dicts, lists, numbers and tensors; refuse anything else.
-        data = torch.load(str(path), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises many types (UnpicklingError, RuntimeError, EOFError...)
-        raise FormatError(path, f"not a readable torch file: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise FormatError(path, load_problem(e)) from None
+
+
+def _load(path: Path) -> dict[str, Any]:
+    data = load_pt(path, f"{path}: reading an SGLang recorder dump (.pt)",
+                   "; or turn it into a .mptrace where torch is: moeplace trace convert DUMP -o TRACE.mptrace")
     if not isinstance(data, dict):
         raise FormatError(path, f"expected a dict, found {type(data).__name__}")
     return data
+
+
+def load_problem(error: Exception) -> str:
+    """Why ``torch.load(..., weights_only=True)`` failed, in one phrase, without torch's advice to load
+    with weights_only=False (which would run code from the file: moeplace never does)."""
+    text = " ".join(str(error).split())
+    if "WeightsUnpickler error:" in text:
+        cause = text.split("WeightsUnpickler error:", 1)[1].strip()
+        if cause.startswith("Unsupported global: GLOBAL "):
+            name = cause.removeprefix("Unsupported global: GLOBAL ").split()[0]
+            return f"holds a {name} object, not only tensors, lists and numbers (not an SGLang file)"
+        return f"not a readable torch file ({cause.split('. ')[0].split(' Check the documentation')[0]})"
+    return f"not a readable torch file ({text.split('. ')[0] or type(error).__name__})"
 
 
 def _kind(path: Path, data: dict) -> str:
