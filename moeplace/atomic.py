@@ -1,14 +1,37 @@
-"""Crash-safe file writes: write a temp file beside the target, fsync, then rename over it."""
+"""Crash-safe file writes: write a temp file beside the target, fsync, then rename over it.
+
+Inside ``all_or_nothing()`` the renames wait until the block ends, so a command that writes several
+files (a placement, SGLang's map, plots) leaves all of them or none.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
 
 from moeplace.errors import MoeplaceError
+
+# (temp file, target) pairs written inside all_or_nothing(), and the folders made for them; None outside.
+_staged: contextvars.ContextVar[tuple[list[tuple[str, Path]], list[Path]] | None] = \
+    contextvars.ContextVar("moeplace_staged_writes", default=None)
+
+
+def _make_parents(target: Path) -> list[Path]:
+    """Create the missing folders above ``target``; return them."""
+    missing = [p for p in target.parents if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return missing
+
+
+def _remove_folders(folders: list[Path]) -> None:
+    """Remove the folders ``_make_parents`` made where they are still empty, deepest first."""
+    for folder in sorted(set(folders), key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            folder.rmdir()
 
 
 @contextlib.contextmanager
@@ -18,10 +41,13 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     Readers never see a half-written file: either the old one or the complete new one.
     """
     target = Path(path)
+    staged = _staged.get()
+    made: list[Path] = []
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        made = _make_parents(target)
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     except OSError as e:   # a bad output path is the user's to fix: one line, not a traceback
+        _remove_folders(made)
         raise MoeplaceError(f"{path}: cannot write here ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, mode) as f:
@@ -32,10 +58,15 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        if staged is None:
+            os.replace(tmp, target)
+        else:
+            staged[0].append((tmp, target))
+            staged[1].extend(made)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        _remove_folders(made)
         raise
 
 
@@ -43,3 +74,27 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write ``text`` to ``path`` atomically."""
     with atomic_open(path, "w") as f:
         f.write(text)
+
+
+@contextlib.contextmanager
+def all_or_nothing() -> Iterator[None]:
+    """Every ``atomic_open`` inside the block keeps its temp file until the block ends: then all are
+    renamed into place, or, if the block raised (an error, Ctrl-C, SIGTERM), all are deleted with the
+    folders made for them. Inside another such block it adds nothing: the outer block decides."""
+    if _staged.get() is not None:
+        yield
+        return
+    staged: tuple[list[tuple[str, Path]], list[Path]] = ([], [])
+    token = _staged.set(staged)
+    try:
+        yield
+    except BaseException:
+        for tmp, _ in staged[0]:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _remove_folders(staged[1])
+        raise
+    finally:
+        _staged.reset(token)
+    for tmp, target in staged[0]:
+        os.replace(tmp, target)

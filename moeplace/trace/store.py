@@ -121,6 +121,12 @@ def _encode_chunk(arrays: dict[str, np.ndarray]) -> bytes:
     return head + payload
 
 
+def shard_path(path: str | os.PathLike) -> Path:
+    """The file a writer given ``path`` makes: ``path`` itself if it ends in .mptrace, else ``path.mptrace``."""
+    path = Path(path)
+    return path if path.suffix == SHARD_SUFFIX else path.with_name(path.name + SHARD_SUFFIX)
+
+
 class ShardWriter:
     """Appends chunks of steps to one shard file.
 
@@ -130,9 +136,7 @@ class ShardWriter:
     """
 
     def __init__(self, path: str | os.PathLike, header: TraceHeader) -> None:
-        self.path = Path(path)
-        if self.path.suffix != SHARD_SUFFIX:
-            self.path = self.path.with_name(self.path.name + SHARD_SUFFIX)
+        self.path = shard_path(path)
         self.partial_path = self.path.with_name(self.path.name + PARTIAL_SUFFIX)
         self.header = header
         self.bytes_written = 0
