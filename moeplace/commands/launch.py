@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from moeplace.errors import MoeplaceError
+
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @click.option("--placement", "placement_path", required=True, metavar="FILE",
@@ -22,7 +24,10 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
     Everything after `--` goes to `python -m sglang.launch_server`, plus
     `--init-expert-location` (which must not be given there). The placement must
     match the model's MoE layers and experts, --ep-size (SGLang's default is 1),
-    and --ep-num-redundant-experts (slots = experts + redundant).
+    and --ep-num-redundant-experts (slots = experts + redundant). --enable-eplb is
+    refused (SGLang's rebalancer would replace the placement), and a placement whose
+    spare slots were placed for another replica choice than SGLang's for the given
+    --moe-a2a-backend / --ep-dispatch-algorithm is warned about.
 
     \b
     Example:
@@ -35,10 +40,16 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
     from moeplace.sglang.launch import exec_sglang, plan_launch, require_sglang
 
     plan = plan_launch(placement_path, sglang_args, model=model, sglang_file=sglang_file)
+    for line in plan.warnings:
+        click.echo(f"warning: {line}", err=True)
     if dry_run:
         # Written even now, so that the printed command can be run as it stands.
         save_sglang(plan.sglang_file, plan.placement)
         click.echo(f"wrote {plan.sglang_file}", err=True)
+        try:
+            require_sglang(plan.command[0])
+        except MoeplaceError as e:
+            click.echo(f"warning: {e}; the command below needs it", err=True)
         click.echo(plan.shell())
         return
     require_sglang(plan.command[0])

@@ -33,6 +33,7 @@ from moeplace.errors import MoeplaceError, PlacementError
 from moeplace.hf_resolve import model_name, resolve_model_dir
 from moeplace.model import ModelSpec
 from moeplace.model_config import model_spec_from_folder
+from moeplace.outputs import check_outputs
 from moeplace.placement import Placement, check_placement, load_placement, save_sglang
 
 # srt/arg_groups/overrides.py _A2A_EP_SPANNING_BACKENDS: these force ep_size = tp_size.
@@ -50,6 +51,7 @@ _VALUE_OPTIONS: dict[str, str] = {
     "--nnodes": "nnodes",
     "--moe-a2a-backend": "moe_a2a_backend",
     "--init-expert-location": "init_expert_location",
+    "--ep-dispatch-algorithm": "ep_dispatch_algorithm",
     "--revision": "revision",
 }
 _INT_FIELDS = {"tp_size", "ep_size", "ep_num_redundant_experts", "nnodes"}
@@ -68,6 +70,7 @@ class SglangLayout:
     nnodes: int = 1
     moe_a2a_backend: str = "none"
     init_expert_location: str | None = None
+    ep_dispatch_algorithm: str | None = None
     enable_eplb: bool = False
     revision: str | None = None
 
@@ -77,6 +80,14 @@ class SglangLayout:
         if self.moe_a2a_backend in EP_SPANNING_A2A_BACKENDS:
             return self.tp_size
         return self.ep_size if self.ep_size is not None else 1
+
+    @property
+    def dispatch_rule(self) -> str:
+        """How SGLang picks among an expert's replicas with an initial placement: the flag's choice, else
+        dynamic without an all-to-all backend and static with one (``parallel_hook.handle_eplb_and_dispatch``)."""
+        if self.ep_dispatch_algorithm:
+            return self.ep_dispatch_algorithm
+        return "dynamic" if self.moe_a2a_backend == "none" else "static"
 
     def ep_size_reason(self) -> str:
         """Where effective_ep_size comes from, for error messages."""
@@ -171,13 +182,15 @@ def read_placement(path: str | os.PathLike, spec: ModelSpec, layout: SglangLayou
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """What ``moeplace launch`` will run: the checked placement, the file to write, the command, and the
-    environment it adds (``MOEPLACE_DISPATCH=balanced`` for a placement made for balanced dispatch)."""
+    """What ``moeplace launch`` will run: the checked placement, the file to write, the command, the
+    environment it adds (``MOEPLACE_DISPATCH=balanced`` for a placement made for balanced dispatch),
+    and what the user should know before it starts (one line each)."""
 
     placement: Placement
     sglang_file: Path
     command: list[str]
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def shell(self) -> str:
         return " ".join([f"{k}={shlex.quote(v)}" for k, v in self.env.items()] + [shlex.join(self.command)])
@@ -197,6 +210,10 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     if layout.init_expert_location is not None:
         raise MoeplaceError("the SGLang arguments already set --init-expert-location "
                             f"({layout.init_expert_location}); moeplace launch sets it from --placement")
+    if layout.enable_eplb:
+        raise MoeplaceError("--enable-eplb: SGLang's online rebalancer would replace the placement with its own "
+                            "token-balanced layout every --eplb-rebalance-num-iterations passes (default 1000); "
+                            "drop it to keep the placement")
     ref = model or layout.model_path
     if ref is None:
         raise MoeplaceError("no model: give --model (a folder or Hugging Face id) or --model-path in the SGLang "
@@ -207,10 +224,25 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     if target.suffix != ".json":
         # SGLang reads a file only for .json/.pt names; anything else it parses as inline JSON.
         raise MoeplaceError(f"{target}: the SGLang placement file name must end in .json")
+    check_outputs({"--sglang-file": target}, inputs={"--placement": placement_path, "--model": folder / "config.json"})
     placement = fit_placement(read_placement(placement_path, spec, layout), spec, layout)
     command = [python or sys.executable, "-m", "sglang.launch_server", *sglang_args,
                "--init-expert-location", str(target)]
-    return LaunchPlan(placement, target, command, dispatch_env(placement, sglang_args))
+    warnings = [line for line in [dispatch_mismatch(placement, layout)] if line]
+    return LaunchPlan(placement, target, command, dispatch_env(placement, sglang_args), warnings)
+
+
+def dispatch_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
+    """A line when the placement's replicas were placed for another SGLang rule than the one SGLang will
+    run (a placement without spare slots, or made for balanced dispatch, runs the same under any)."""
+    made_for = placement.metrics.get("dispatch")
+    if placement.num_redundant == 0 or made_for not in ("dynamic", "static") or made_for == layout.dispatch_rule:
+        return None
+    why = (f"--ep-dispatch-algorithm {layout.ep_dispatch_algorithm}" if layout.ep_dispatch_algorithm
+           else f"--moe-a2a-backend {layout.moe_a2a_backend}")
+    return (f"the placement's spare slots were placed for SGLang's {made_for} replica choice, but SGLang will use "
+            f"{layout.dispatch_rule} ({why}); re-optimize with --dispatch {layout.dispatch_rule}"
+            + (" or pass --ep-dispatch-algorithm dynamic" if made_for == "dynamic" else ""))
 
 
 def dispatch_env(placement: Placement, sglang_args: Sequence[str]) -> dict[str, str]:
