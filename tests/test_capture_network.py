@@ -185,7 +185,10 @@ def test_refused(tmp_path, capsys):
     ({("GET", "/server_info"): (200, json.dumps(RECORDING).encode()),
       ("POST", "/start_expert_distribution_record"): (400, b"expert_distribution_recorder_mode is not set")},
      ["start_expert_distribution_record", "HTTP 400", "is not set"]),
-    ({}, ["start_expert_distribution_record", "HTTP 404"]),   # no server info at all: the start call tells
+    ({}, ["not an SGLang server", "/server_info"]),   # no server info at all: another HTTP server
+    ({("GET", "/server_info"): (200, json.dumps(RECORDING).encode()),
+      ("POST", "/start_expert_distribution_record"): (501, b"Unsupported method ('POST')")},
+     ["HTTP 501", "is this an SGLang server?"]),
 ])
 def test_http_answers_that_are_wrong(tmp_path, capsys, http, routes, needles):
     code, err, _ = run_capture(tmp_path, capsys, http(routes))

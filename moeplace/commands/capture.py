@@ -24,10 +24,13 @@ from typing import Callable
 import click
 
 from moeplace.commands.common import Progress
+from moeplace.commands.options import FiniteFloatRange, out_option
 from moeplace.errors import MoeplaceError
+from moeplace.outputs import check_outputs
 
 ENDPOINTS = ("start_expert_distribution_record", "stop_expert_distribution_record", "dump_expert_distribution_record")
 SERVER_INFO = ("server_info", "get_server_info")   # SGLang 0.5.23's name, then the deprecated one
+NOT_SGLANG_STATUSES = (405, 501)   # method not allowed / not implemented: SGLang serves these endpoints
 CONTROL_TIMEOUT = 30.0   # s: server info, start and stop answer at once on a live server
 DUMP_TIMEOUT = 600.0     # s: the dump call returns once every rank has written its records to disk
 
@@ -63,7 +66,9 @@ def call_endpoint(url: str, name: str, timeout: float = CONTROL_TIMEOUT, method:
     except urllib.error.HTTPError as e:
         text = [line.strip() for line in _read_quietly(e).decode(errors="replace").splitlines()]
         said = next((line for line in text if line and not line.startswith("<")), "")   # not an HTML page's markup
-        raise HttpStatusError(e.code, f"{full}: HTTP {e.code} {e.reason}{': ' + said[:200] if said else ''}") from None
+        hint = " (is this an SGLang server?)" if e.code in NOT_SGLANG_STATUSES else ""
+        raise HttpStatusError(e.code, f"{full}: HTTP {e.code} {e.reason}{': ' + said[:200] if said else ''}{hint}"
+                              ) from None
     except urllib.error.URLError as e:   # failures before the request was sent: connect, DNS, TLS
         raise MoeplaceError(f"{full}: cannot reach SGLang: {_network_problem(e.reason, timeout)}") from None
     except (OSError, http.client.HTTPException) as e:   # failures while waiting for or reading the answer
@@ -109,8 +114,8 @@ def _read_quietly(response: urllib.error.HTTPError) -> bytes:
 
 
 def check_server(url: str, timeout: float = CONTROL_TIMEOUT) -> dict:
-    """SGLang's ``/server_info`` JSON ({} where the server has no such endpoint); MoeplaceError if the
-    server is unreachable, its answer is not JSON, or it runs without an expert distribution recorder."""
+    """SGLang's ``/server_info`` JSON; MoeplaceError if the server is unreachable, has no such endpoint
+    (another HTTP server), its answer is not JSON, or it runs without an expert distribution recorder."""
     for name in SERVER_INFO:
         try:
             body = call_endpoint(url, name, timeout, method="GET")
@@ -129,7 +134,8 @@ def check_server(url: str, timeout: float = CONTROL_TIMEOUT) -> dict:
             raise MoeplaceError(f"{url}: the server runs without an expert distribution recorder; restart it with "
                                 f"--expert-distribution-recorder-mode per_token (or stat for counts only)")
         return info
-    return {}
+    raise MoeplaceError(f"{url}: not an SGLang server (it has neither /{SERVER_INFO[0]} nor /{SERVER_INFO[1]}; "
+                        f"is the port SGLang's --port?)")
 
 
 def find_new_dumps(dump_dir: Path, since: float, wait: float = 10.0) -> list[Path]:
@@ -150,13 +156,15 @@ def capture_trace(url: str, seconds: float, out: str | os.PathLike, dump_dir: st
     """Record ``seconds`` of routing from the server at ``url`` into the trace file ``out``.
 
     Returns (trace path, steps). Raises MoeplaceError for an unreachable or misbehaving server, an
-    HTTP error, a server without a recorder, no dump, or no torch to read the dump with (checked
-    before recording starts, so that no capture is thrown away at the last step).
+    HTTP error, a server without a recorder, no dump, an output that cannot be written, or no torch
+    to read the dump with (the last two checked before recording starts, so that no capture is
+    thrown away at the last step).
     """
     from moeplace.sglang.recorder_dump import read_recorder_dump, require_torch
-    from moeplace.trace.store import write_trace
+    from moeplace.trace.store import shard_path, write_trace
 
     url = check_url(url)
+    check_outputs({"-o": shard_path(out)})
     require_torch("capture (it reads the recorder dumps SGLang writes)")
     folder = Path(dump_dir) if dump_dir else default_dump_dir()
     if not folder.is_dir():
@@ -188,13 +196,13 @@ def capture_trace(url: str, seconds: float, out: str | os.PathLike, dump_dir: st
 
 @click.command()
 @click.option("--url", required=True, help="SGLang server, e.g. http://127.0.0.1:30000")
-@click.option("--seconds", type=click.FloatRange(min=0), default=30, show_default=True, help="How long to record.")
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Trace file to write (.mptrace).")
+@click.option("--seconds", type=FiniteFloatRange(min=0), default=30, show_default=True, help="How long to record.")
+@out_option("Trace file to write (.mptrace).")
 @click.option("--dump-dir", type=click.Path(file_okay=False),
               help="Where the server writes dumps (its SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR; default: temp folder).")
-@click.option("--timeout", type=click.FloatRange(min=0, min_open=True), default=CONTROL_TIMEOUT, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=CONTROL_TIMEOUT, show_default=True,
               help="Seconds to wait for each control call (server info, start, stop) to answer.")
-@click.option("--dump-timeout", type=click.FloatRange(min=0, min_open=True), default=DUMP_TIMEOUT,
+@click.option("--dump-timeout", type=FiniteFloatRange(min=0, min_open=True), default=DUMP_TIMEOUT,
               show_default=True, help="Seconds to wait for the dump call (every rank writes its records).")
 def capture(url: str, seconds: float, out: str, dump_dir: str | None, timeout: float, dump_timeout: float) -> None:
     """Record a running SGLang server's expert routing into a moeplace trace.

@@ -18,10 +18,24 @@ from moeplace.trace.store import UNFINISHED
 
 
 def open_source(trace: str, window: int, top_k: int | None) -> Trace:
-    """Open TRACE for a command: every cut shard tail a read meets is a warning on stderr."""
+    """Open TRACE for a command: what the reader had to guess, and every cut shard tail a read meets,
+    is a warning on stderr."""
     src = open_trace(trace, window=window, top_k=top_k)
     src.on_damage = warn_damage
+    for guess in src.guesses:
+        click.echo(f"warning: {guess}", err=True)
     return src
+
+
+def trace_inputs(trace: str, cost_model_path: str | None = None, model_ref: str | None = None
+                 ) -> dict[str, str | Path | None]:
+    """The files a trace command reads, named as its options are (for ``outputs.check_outputs``)."""
+    return {"TRACE": trace, "--cost-model": cost_model_path, "--model": model_config_file(model_ref)}
+
+
+def model_config_file(model_ref: str | None) -> str | Path | None:
+    """The config.json that ``--model`` names when it is a folder or a file (a Hugging Face id: None)."""
+    return Path(model_ref) / "config.json" if model_ref and Path(model_ref).is_dir() else model_ref
 
 
 def warn_damage(shard: Path, why: str) -> None:
@@ -29,51 +43,62 @@ def warn_damage(shard: Path, why: str) -> None:
     click.echo(f"warning: {shard}: {why}{rest}", err=True)
 
 
-def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, label: str = "reading"
-                ) -> Iterator[RoutingSteps]:
-    """The trace's chunks restricted to ``mode`` (the first ``max_steps`` such steps at most), with
-    a progress line on stderr for long traces."""
-    seen = 0
-    progress = False
-    for i, chunk in enumerate(trace.chunks()):
-        idx = np.flatnonzero(M.mode_mask(chunk.modes, mode))
-        if max_steps is not None:
-            idx = idx[:max(max_steps - seen, 0)]
-        seen += idx.size
-        if i and i % 10 == 0:
-            click.echo(f"\r{label}: {seen} steps", err=True, nl=False)
-            progress = True
-        if idx.size:
-            yield chunk.take(idx)
-        if max_steps is not None and seen >= max_steps:
-            break
-    if progress:
-        click.echo(f"\r{label}: {seen} steps", err=True)
-    if seen == 0:
+def mode_chunks(trace: Trace, mode: str, max_steps: int | None = None, skip: int = 0, total: int | None = None,
+                label: str = "reading") -> Iterator[RoutingSteps]:
+    """The trace's steps of ``mode`` after the first ``skip`` of them (at most ``max_steps`` of those),
+    chunk by chunk, with progress on stderr when the read takes more than a second.
+
+    total: ``trace.count(mode)`` if the caller has it (a read of the steps' modes only).
+    """
+    total = trace.count(mode) if total is None else total
+    if total == 0:
         raise trace.no_steps_error(mode)
+    wanted = total - skip if max_steps is None else min(max_steps, total - skip)
+    progress = Progress(wanted, label, quiet_for=1.0)
+    seen = kept = 0
+    for chunk in trace.chunks():
+        idx = np.flatnonzero(M.mode_mask(chunk.modes, mode))
+        lo = min(max(skip - seen, 0), idx.size)
+        seen += idx.size
+        idx = idx[lo:lo + wanted - kept]
+        kept += idx.size
+        if idx.size:
+            progress(idx.size)
+            yield chunk.take(idx)
+        if kept >= wanted:
+            break
+    progress.finish()
 
 
 class Progress:
     """Progress of long work on stderr: a line rewritten in place on a terminal, else a line every 10%.
 
-    Call it with the amount just done (in ``unit``); nothing shows before the first call.
+    Call it with the amount just done (in ``unit``); nothing shows before the first call, nor before
+    ``quiet_for`` seconds have passed (work that ends sooner shows nothing).
     """
 
-    def __init__(self, total: float, label: str, unit: str = "steps") -> None:
+    def __init__(self, total: float, label: str, unit: str = "steps", quiet_for: float = 0.0) -> None:
         self.total, self.label, self.unit, self.done, self.shown = total, label, unit, 0.0, -1
         self.tty = sys.stderr.isatty()
         self.start = time.perf_counter()
+        self.quiet_for = quiet_for
 
     def __call__(self, amount: float) -> None:
         self.done += amount
         share = self.done / self.total if self.total else 1.0
-        if not self.tty and int(10 * share) == self.shown:
+        elapsed = time.perf_counter() - self.start
+        if elapsed < self.quiet_for or (not self.tty and int(10 * share) == self.shown):
             return
         self.shown = int(10 * share)
-        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
+        rate = self.done / max(elapsed, 1e-9)
         line = (f"{self.label}: {self.done:,.0f} of {self.total:,.0f} {self.unit} ({100 * share:.0f}%"
                 + (f", {rate:,.0f}/s)" if self.unit == "steps" else ")"))
         click.echo(f"\r{line}" if self.tty else line, err=True, nl=not self.tty or share >= 1)
+
+    def finish(self) -> None:
+        """End a line left open on a terminal (work that stopped short of its total)."""
+        if self.tty and self.shown >= 0 and self.done < self.total:
+            click.echo("", err=True)
 
 
 def check_ranks(trace: Trace, ranks: int, redundant: int = 0) -> None:

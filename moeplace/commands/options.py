@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable
+import math
+from typing import Any, Callable
 
 import click
 
@@ -17,6 +18,62 @@ DISPATCH_HELP = {
     "balanced": "per step, each expert's tokens to the replica that keeps the busiest rank's distinct experts "
                 "lowest: moeplace's own rule, not one of SGLang's",
 }
+
+
+class FiniteFloatRange(click.FloatRange):
+    """A FloatRange that also refuses nan and inf, which pass every bound check (nan compares false)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+class _HiddenAliasOption(click.Option):
+    """An option that also answers to the ``aliases`` spellings, shown neither in --help nor in error messages."""
+
+    def __init__(self, *args: Any, aliases: tuple[str, ...] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.aliases = aliases
+
+    def _shown(self, method: Callable, ctx: click.Context | None) -> Any:
+        opts = self.opts
+        self.opts = [o for o in opts if o not in self.aliases]
+        try:
+            return method(ctx)
+        finally:
+            self.opts = opts
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        return self._shown(super().get_help_record, ctx)
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        return self._shown(super().get_error_hint, ctx)
+
+
+def out_option(help: str, required: bool = True) -> Callable:
+    """``-o/--out FILE``, the output option of every command that writes a file (``--output`` works too)."""
+    return click.option("-o", "--out", "--output", "out", cls=_HiddenAliasOption, aliases=("--output",),
+                        required=required, type=click.Path(dir_okay=False), help=help)
+
+
+def seed_option(help: str) -> Callable:
+    """``--seed``: numpy takes any non-negative integer."""
+    return click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help=help)
+
+
+def effort_option(default: float | None, shown: str) -> Callable:
+    """stepaware's ``--effort`` work budget (steps x slots x ranks cells of its swap search)."""
+    return click.option("--effort", type=FiniteFloatRange(min=1), default=default, show_default=shown,
+                        help="stepaware's swap-search work budget, in step x slot x rank cells (more: a longer, "
+                             "rarely better search).")
+
+
+def holdout_option(default: float, help: str) -> Callable:
+    """``--holdout``: the share of the trace's last steps kept apart from fitting."""
+    return click.option("--holdout", type=FiniteFloatRange(0, 1, max_open=True), default=default,
+                        show_default=True, help=help)
 
 
 def dispatch_help() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,15 +14,17 @@ from typing import Callable, Iterable, Iterator
 import click
 import numpy as np
 
-from moeplace.commands.common import Progress, warn_damage
+from moeplace.commands.common import Progress, model_config_file, warn_damage
+from moeplace.commands.options import FiniteFloatRange, out_option, seed_option
 from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
+from moeplace.outputs import check_outputs, check_writable
 from moeplace.trace import modes as M
 from moeplace.trace.load import DEFAULT_WINDOW, open_trace
 from moeplace.trace.steps import RoutingSteps, concat_steps
-from moeplace.trace.store import (SHARD_SUFFIX, TraceHeader, TraceReader, shard_identity, split_chunks,
+from moeplace.trace.store import (SHARD_SUFFIX, TraceHeader, TraceReader, shard_identity, shard_path, split_chunks,
                                   write_chunks)
-from moeplace.trace.synthetic import SHAPES, SyntheticRouting, synthetic_chunks
+from moeplace.trace.synthetic import SHAPES, SyntheticRouting, synthetic_chunks, working_bytes
 
 
 @dataclass
@@ -81,6 +84,7 @@ def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, includ
     that would hold no step (every shard empty or cut before its first whole chunk) writes nothing.
     """
     out = Path(out)
+    check_writable("-o", shard_path(out))
     readers = _shard_readers([Path(p) for p in inputs], include_partial, out)
     first = readers[0][1].header
     for shard, r in readers:
@@ -188,12 +192,13 @@ def write_or_explain(out: Path, header: TraceHeader, chunks: Iterable[RoutingSte
 
 @click.group()
 def trace() -> None:
-    """Work with trace files: merge the shards a live capture wrote, or make a synthetic trace."""
+    """Work with trace files: merge the shards a live capture wrote, convert another format (an SGLang
+    recorder dump, a top-k .npz) to one .mptrace file, or make a synthetic trace."""
 
 
 @trace.command()
 @click.argument("shards", nargs=-1, required=True, type=click.Path(exists=True))
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Merged trace file (.mptrace).")
+@out_option("Merged trace file (.mptrace).")
 @click.option("--skip-partial", is_flag=True,
               help="Leave out *.mptrace.part shards (never finished: a server killed hard, or one still "
                    "running). By default their whole chunks are read, with a warning.")
@@ -222,7 +227,7 @@ def merge(shards: tuple[str, ...], out: str, skip_partial: bool, include_partial
 
 @trace.command()
 @click.argument("source", type=click.Path(exists=True))
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Trace file to write (.mptrace).")
+@out_option("Trace file to write (.mptrace).")
 @click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
               help="For per-token decode runs (.npz): consecutive tokens per emulated verify step.")
 @click.option("--top-k", type=click.IntRange(min=1), default=None,
@@ -237,6 +242,7 @@ def convert(source: str, out: str, window: int, top_k: int | None) -> None:
     Example:
       moeplace trace convert /tmp/expert_distribution_recorder_1767000000.123.pt -o run1.mptrace
     """
+    check_outputs({"-o": shard_path(out)}, inputs={"SOURCE": source})
     src = open_trace(source, window=window, top_k=top_k)
     src.on_damage = warn_damage
     steps = [0]
@@ -253,6 +259,12 @@ def convert(source: str, out: str, window: int, top_k: int | None) -> None:
 
 
 SYNTH_MODES = {"verify": M.TARGET_VERIFY, "decode": M.DECODE, "prefill": M.EXTEND}
+# Past these the generator's law no longer changes (the weights saturate), and far past them its
+# floats overflow; topics cost a probability table per layer each.
+MAX_SKEW, MAX_COACTIVATION, MAX_TOPICS = 20.0, 100.0, 1024
+# Zlib packs synthetic ids to 0.5-0.7 of their raw size; a trace that would not fit even at this
+# share of it is refused before it starts.
+MIN_PACKED_SHARE = 0.25
 
 
 @trace.command()
@@ -266,14 +278,16 @@ SYNTH_MODES = {"verify": M.TARGET_VERIFY, "decode": M.DECODE, "prefill": M.EXTEN
               help="Tokens per step (9: a speculative verify of 9 draft tokens).")
 @click.option("--mode", type=click.Choice(list(SYNTH_MODES)), default="verify", show_default=True,
               help="Forward mode the steps are labelled with.")
-@click.option("--skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
-              help="Zipf exponent of expert popularity in each layer (0: all experts equally popular).")
-@click.option("--coactivation", type=click.FloatRange(min=0), default=0.7, show_default=True,
-              help="How strongly the tokens of one step share experts (0: independent tokens).")
-@click.option("--topics", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--skew", type=FiniteFloatRange(0, MAX_SKEW), default=1.0, show_default=True,
+              help=f"Zipf exponent of expert popularity in each layer (0: all experts equally popular; by "
+                   f"{MAX_SKEW:g} every token takes the layer's top experts).")
+@click.option("--coactivation", type=FiniteFloatRange(0, MAX_COACTIVATION), default=0.7, show_default=True,
+              help=f"How strongly the tokens of one step share experts (0: independent tokens; by "
+                   f"{MAX_COACTIVATION:g} every token of a step takes its topic's top experts).")
+@click.option("--topics", type=click.IntRange(1, MAX_TOPICS), default=16, show_default=True,
               help="Latent topics per layer; a step routes by one of them.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Same seed, same steps.")
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False), help="Trace file to write (.mptrace).")
+@seed_option("Same seed, same steps.")
+@out_option("Trace file to write (.mptrace).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def synth(shape: str | None, model_ref: str | None, steps: int, tokens_per_step: int, mode: str, skew: float,
           coactivation: float, topics: int, seed: int, out: str, as_json: bool) -> None:
@@ -291,8 +305,10 @@ def synth(shape: str | None, model_ref: str | None, steps: int, tokens_per_step:
     """
     if shape and model_ref:
         raise click.BadParameter("give --shape or --model, not both", param_hint="--model")
+    check_outputs({"-o": shard_path(out)}, inputs={"--model": model_config_file(model_ref)})
     model, origin = synth_model(shape or "kimi-k2", model_ref)
     routing = SyntheticRouting(model, tokens_per_step, skew, coactivation, topics, SYNTH_MODES[mode], seed)
+    check_machine_holds(routing, steps, shard_path(out))
     header = routing.header(notes=f"layout of {origin}")
     start = time.perf_counter()
     path = write_or_explain(Path(out), header, synthetic_chunks(routing, steps), Progress(steps, "synth"))
@@ -305,6 +321,35 @@ def synth(shape: str | None, model_ref: str | None, steps: int, tokens_per_step:
     click.echo(f"wrote {path}: {steps:,} SYNTHETIC {mode} steps of {tokens_per_step} tokens, layout of {origin} "
                f"({model.num_moe_layers} MoE layers, {model.num_experts} experts, top-{model.top_k}); "
                f"{summary['bytes'] / 1e6:.0f} MB in {seconds:.0f} s")
+
+
+def check_machine_holds(routing: SyntheticRouting, steps: int, out: Path) -> None:
+    """Refuse, in one line, a synthetic trace whose making needs more memory than is available or
+    whose file cannot fit on the free disk space at ``out``."""
+    need = working_bytes(routing)
+    have = available_memory()
+    if have is not None and need > have:
+        raise MoeplaceError(f"--tokens-per-step {routing.tokens_per_step:,}: making the steps would take about "
+                            f"{need / 2**30:,.1f} GiB of memory, {have / 2**30:,.1f} GiB are available")
+    m = routing.model
+    raw = steps * routing.tokens_per_step * m.num_moe_layers * m.top_k * 2
+    free = shutil.disk_usage(next(p for p in out.absolute().parents if p.exists())).free
+    if raw * MIN_PACKED_SHARE > free:
+        raise MoeplaceError(f"--steps {steps:,}: the trace would hold {raw / 1e9:,.1f} GB of ids (at least "
+                            f"{raw * MIN_PACKED_SHARE / 1e9:,.1f} GB packed), {free / 1e9:,.1f} GB are free at "
+                            f"{out.absolute().parent}")
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux MemAvailable), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def synth_model(shape: str, model_ref: str | None) -> tuple[ModelSpec, str]:

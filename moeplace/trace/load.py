@@ -32,7 +32,8 @@ class Trace:
     """A trace opened for reading: its header and a way to stream its steps in chunks.
 
     damaged: (shard, why) of every cut or corrupt shard tail met so far; each is also handed once to
-    ``on_damage`` (the CLI prints it as a warning) when a read reaches it.
+    ``on_damage`` (the CLI prints it as a warning) when a read reaches it. guesses: what the reader
+    inferred because the file does not say it (the CLI prints each as a warning).
     """
 
     path: Path
@@ -41,6 +42,7 @@ class Trace:
     _steps: RoutingSteps | None = None
     damaged: list = field(default_factory=list)
     on_damage: Callable[[Path, str], None] | None = None
+    guesses: list[str] = field(default_factory=list)
 
     @property
     def model(self) -> ModelSpec:
@@ -121,8 +123,9 @@ def open_trace(path: str | os.PathLike, window: int = DEFAULT_WINDOW, top_k: int
     if path.is_dir() or path.suffix == SHARD_SUFFIX or _starts_with(path, b"MPTRACE"):
         reader = TraceReader(path)
         return Trace(path, reader.header, _reader=reader)
+    guesses: list[str] = []
     if path.suffix == ".npz" or zipfile.is_zipfile(path) and path.suffix != ".pt":
-        header, steps = read_topk_npz(path, window)
+        header, steps = read_topk_npz(path, window, guesses)
     elif path.suffix == ".json":
         header, steps = read_logical_count_json(path, top_k)
     elif path.suffix == ".pt":
@@ -132,7 +135,7 @@ def open_trace(path: str | os.PathLike, window: int = DEFAULT_WINDOW, top_k: int
     else:
         raise FormatError(path, "unknown trace format (want a .mptrace file or folder, an SGLang recorder "
                                 ".pt dump, a logical_count .json, or a top-k ids .npz)")
-    return Trace(path, header, _steps=steps)
+    return Trace(path, header, _steps=steps, guesses=guesses)
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
@@ -142,23 +145,42 @@ def _starts_with(path: Path, magic: bytes) -> bool:
         return f.read(len(magic)) == magic
 
 
-def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW) -> tuple[TraceHeader, RoutingSteps]:
+def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW, guesses: list[str] | None = None
+                  ) -> tuple[TraceHeader, RoutingSteps]:
     """Per-token decode routing (``topk_ids [N, L, K]``, ``example_offsets [X+1]``) -> verify windows.
 
     Each example is one sequence's decode run; every ``window`` consecutive tokens of it become one
     TARGET_VERIFY step (a speculative verify of ``window`` draft tokens sees about this co-activation).
-    The last partial window of each example is dropped.
+    The last partial window of each example is dropped. Ids are 0..E-1, -1 for padding. Without
+    ``num_experts`` in the file, E is the largest id + 1, said in ``guesses`` and the header's notes.
     """
     try:
         with np.load(path, allow_pickle=False) as z:
             ids = z["topk_ids"]
             offsets = z["example_offsets"] if "example_offsets" in z.files else np.array([0, ids.shape[0]])
             name = str(z["model_name"]) if "model_name" in z.files else path.stem
-            num_experts = int(z["num_experts"]) if "num_experts" in z.files else int(ids.max(initial=0)) + 1
+            given_experts = int(z["num_experts"]) if "num_experts" in z.files else None
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise FormatError(path, f"not a top-k ids .npz ({e.__class__.__name__}: {e})") from None
     if ids.ndim != 3:
         raise FormatError(path, f"topk_ids must be [tokens, layers, top_k], got shape {list(ids.shape)}")
+    if ids.dtype.kind not in "iu":
+        raise FormatError(path, f"topk_ids must hold integer expert ids, not {ids.dtype}")
+    if ids.size and int(ids.min()) < -1:
+        raise FormatError(path, f"topk_ids holds id {int(ids.min())}: expert ids are 0 and up, -1 marks padding")
+    notes = f"decode runs cut into verify windows of {window} consecutive tokens"
+    if given_experts is not None:
+        num_experts = given_experts
+    elif ids.size and int(ids.max()) >= 0:
+        num_experts = int(ids.max()) + 1
+        guess = (f"{path.name} does not say num_experts: {num_experts} taken from its largest expert id, "
+                 f"{num_experts - 1} (store num_experts in the file if the model has more)")
+        notes += f"; {guess}"
+        if guesses is not None:
+            guesses.append(guess)
+    else:
+        raise FormatError(path, f"topk_ids holds no expert id ({ids.shape[0]} token rows, all padding) and the "
+                                f"file does not say num_experts")
     offsets = np.asarray(offsets, np.int64)
     if offsets.ndim != 1 or offsets.size == 0 or offsets[0] != 0 or offsets[-1] != ids.shape[0] or np.any(np.diff(offsets) < 0):
         raise FormatError(path, "example_offsets do not cover the token rows")
@@ -173,10 +195,9 @@ def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW) -> tuple[TraceHeader
         model = ModelSpec.all_moe(name, L, num_experts, K)
         steps = RoutingSteps.from_topk(model, ids[rows].astype(np.int16), np.full(win_start.size, window),
                                        M.TARGET_VERIFY)
-    except MoeplaceError as e:  # ids below -1, or no experts to infer the model from
+    except MoeplaceError as e:  # a num_experts or top-k the model cannot have
         raise FormatError(path, str(e)) from None
-    header = TraceHeader(model=model, source=f"converted:{path.name}",
-                         notes=f"decode runs cut into verify windows of {window} consecutive tokens")
+    header = TraceHeader(model=model, source=f"converted:{path.name}", notes=notes)
     return header, steps
 
 

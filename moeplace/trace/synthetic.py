@@ -71,7 +71,7 @@ def synthetic_chunks(routing: SyntheticRouting, num_steps: int) -> Iterator[Rout
     """
     model, B, C = routing.model, routing.tokens_per_step, routing.num_topics
     L, E, K = model.num_moe_layers, model.num_experts, model.top_k
-    chunk_steps = max(1, min(MAX_CHUNK_STEPS, CHUNK_BYTES // (B * L * K * 2)))
+    chunk_steps = steps_per_chunk(routing)
     rng = np.random.default_rng(routing.seed)
     popularity = 1.0 / np.arange(1, E + 1) ** routing.skew
     log_pop = np.log(popularity / popularity.sum())
@@ -89,6 +89,23 @@ def synthetic_chunks(routing: SyntheticRouting, num_steps: int) -> Iterator[Rout
             ids[:, layer, :] = sample_topk(chunk_rng, probs[layer], np.repeat(topic[layer], B), K,
                                            tables=tables[layer])
         yield RoutingSteps.from_topk(model, ids, np.full(S, B), routing.mode)
+
+
+def steps_per_chunk(routing: SyntheticRouting) -> int:
+    """Steps in each chunk ``synthetic_chunks`` makes: about CHUNK_BYTES of int16 ids, at least one."""
+    m = routing.model
+    return max(1, min(MAX_CHUNK_STEPS, CHUNK_BYTES // (routing.tokens_per_step * m.num_moe_layers * m.top_k * 2)))
+
+
+def working_bytes(routing: SyntheticRouting) -> int:
+    """About the most memory ``synthetic_chunks`` and the trace writer hold at once: the [L, C, E]
+    logits, probabilities and alias tables, one chunk's int16 ids three times over (the chunk being
+    made, the one being written, its packed form) and one layer's draws (2K draws a row, each in six
+    8-byte arrays and temporaries). Measured peaks at 0.2M and 1M tokens per step stay below it."""
+    m = routing.model
+    L, E, K = m.num_moe_layers, m.num_experts, m.top_k
+    rows = steps_per_chunk(routing) * routing.tokens_per_step
+    return L * routing.num_topics * E * 8 * 4 + rows * (3 * L * K * 2 + 2 * K * 8 * 6)
 
 
 def synthetic_steps(num_steps: int, tokens_per_step: int = 9, model: ModelSpec = KIMI_K2,
