@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -17,12 +17,26 @@ from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import steps_from_counts
 
 BASELINES = ("contiguous", "deepseek")
-TODAY = "deepseek, no spares, dynamic"   # the reference row under balanced dispatch (SGLang without moeplace)
+SGLANG_RULES = ("dynamic", "static")   # SGLang's own dispatch among replicas; balanced is moeplace's
+TODAY = "deepseek, no spares, dynamic"   # the reference row when spares are asked for (SGLang without moeplace)
+# The fitted column: E[max distinct] on at most this many of the fitted steps, evenly spaced (enough
+# for the 3 decimals shown; the whole fitted part would cost twice the held-out evaluation again).
+FITTED_SAMPLE_STEPS = 2000
 AGGREGATE_SAMPLE_STEPS = 4000
 # Steps optimize uses unless told otherwise, evenly spaced over the trace. On SYNTHETIC Kimi-K2-shaped
 # routing, placements fitted on 5,000 to 200,000 steps are within 0.1% of each other on steps no fit saw,
 # and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md, bench_sampling.py).
 DEFAULT_SAMPLE_STEPS = 20_000
+
+
+def today_name(dispatch: str) -> str:
+    """The reference row's name: DeepSeek EPLB without spare slots under SGLang's own rule."""
+    return f"deepseek, no spares, {today_rule(dispatch)}"
+
+
+def today_rule(dispatch: str) -> str:
+    """SGLang's rule for the a2a that ``dispatch`` models (balanced runs where SGLang's is dynamic)."""
+    return dispatch if dispatch in SGLANG_RULES else "dynamic"
 
 
 @dataclass
@@ -32,20 +46,36 @@ class OptimizeResult:
     fit_steps: int
     eval_steps: int
     note: str
+    baseline: str = "deepseek"      # the row the table compares against
+    fitted: list[Evaluation] = field(default_factory=list)   # the same rows on fitted steps (holdout > 0)
+    fitted_steps: int = 0           # how many fitted steps ``fitted`` is measured on
+
+
+def evenly_spaced(steps: RoutingSteps, count: int) -> RoutingSteps:
+    """At most ``count`` of ``steps``, evenly spaced from the first to the last."""
+    if steps.num_steps <= count:
+        return steps
+    return steps.take(np.unique(np.linspace(0, steps.num_steps - 1, count).astype(np.int64)))
 
 
 def split_steps(steps: RoutingSteps, holdout: float) -> tuple[RoutingSteps, RoutingSteps]:
     """(fit, held-out): the first ``1 - holdout`` of the steps and the rest, in time order, because a
     placement made from yesterday's traffic is used on tomorrow's. holdout 0: both are all steps."""
-    if not 0 <= holdout < 1:
-        raise MoeplaceError(f"--holdout must be in [0, 1), got {holdout}")
-    S = steps.num_steps
-    cut = int(round(S * (1 - holdout)))
     if holdout == 0:
         return steps, steps
-    if cut < 1 or cut >= S:
-        raise MoeplaceError(f"{S} steps are too few to hold out {holdout:.0%} of them; lower --holdout")
-    return steps.take(np.arange(cut)), steps.take(np.arange(cut, S))
+    cut = holdout_cut(steps.num_steps, holdout)
+    return steps.take(np.arange(cut)), steps.take(np.arange(cut, steps.num_steps))
+
+
+def holdout_cut(num_steps: int, holdout: float) -> int:
+    """How many of ``num_steps`` steps come before the held-out ones; MoeplaceError where that leaves
+    no step on one side."""
+    if not 0 <= holdout < 1:
+        raise MoeplaceError(f"--holdout must be in [0, 1), got {holdout}")
+    cut = int(round(num_steps * (1 - holdout)))
+    if holdout and (cut < 1 or cut >= num_steps):
+        raise MoeplaceError(f"{num_steps} steps are too few to hold out {holdout:.0%} of them; lower --holdout")
+    return cut
 
 
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
@@ -55,9 +85,10 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
              reference_cost_model: CostModel | None = None) -> OptimizeResult:
     """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest.
 
-    Under ``balanced`` dispatch with spare slots the table also has what SGLang runs without
-    moeplace (``TODAY``: DeepSeek EPLB without spare slots, SGLang's dynamic rule), costed with
-    ``reference_cost_model`` (its ranks hold fewer slots).
+    With spare slots the table starts with what SGLang runs without moeplace (``today_name``:
+    DeepSeek EPLB without spare slots, under SGLang's own rule), costed with ``reference_cost_model``
+    (its ranks hold fewer slots); it is then the baseline. With a holdout, ``fitted`` has every row
+    on up to FITTED_SAMPLE_STEPS of the fitted steps, for the table's fitted column.
 
     max_steps: use at most this many steps of ``mode``, evenly spaced over the trace (None:
     DEFAULT_SAMPLE_STEPS); memory holds only those steps, never the whole trace.
@@ -95,13 +126,22 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
-    evals = evaluate(placements, [held_out], cost_model, dispatch)
-    if dispatch == "balanced" and redundant:
-        today = replace(problem(fit, lambda n: None), redundant=0, dispatch="dynamic")
-        placements[TODAY] = Placement(model, ranks, solve("deepseek", today), nodes=nodes, algorithm="deepseek",
-                                      trace=str(trace.path))
-        evals = evaluate({TODAY: placements[TODAY]}, [held_out], reference_cost_model or cost_model,
-                         "dynamic") + evals
+    baseline = "deepseek"
+    rules = {name: dispatch for name in placements}
+    costs = {name: cost_model for name in placements}
+    if redundant:
+        baseline = today_name(dispatch)
+        today = replace(problem(fit, lambda n: None), redundant=0, dispatch=today_rule(dispatch))
+        placements = {baseline: Placement(model, ranks, solve("deepseek", today), nodes=nodes,
+                                          algorithm="deepseek", trace=str(trace.path)), **placements}
+        rules[baseline], costs[baseline] = today_rule(dispatch), reference_cost_model or cost_model
+
+    def evaluate_on(steps_: RoutingSteps) -> list[Evaluation]:
+        return [evaluate({name: p}, [steps_], costs[name], rules[name])[0] for name, p in placements.items()]
+
+    evals = evaluate_on(held_out)
+    fitted_sample = evenly_spaced(fit, FITTED_SAMPLE_STEPS) if holdout else None
+    fitted = evaluate_on(fitted_sample) if fitted_sample is not None else []
     chosen = placements[algorithm]
     by_name = {e.name: e for e in evals}
     chosen.metrics = {
@@ -113,4 +153,5 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     }
     if note:
         chosen.metrics["note"] = note
-    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note)
+    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted,
+                          fitted_sample.num_steps if fitted_sample is not None else 0)

@@ -67,15 +67,19 @@ def format_table(rows: list[dict[str, Any]], baseline: str | None) -> str:
     """Rows as an aligned text table. With a baseline (a placement's name), "vs baseline" and
     "gap closed" columns and a last line that names it; without one (a single placement), neither.
     When a placement has spare slots, a "per-step opt." column: the E[max distinct] its replicas allow
-    with the best replica choice in every step (what balanced dispatch reaches when its rule is exact)."""
-    head = ["placement", "E[max distinct]", "per-step opt.", "lower bound", "vs baseline", "gap closed",
+    with the best replica choice in every step (what balanced dispatch reaches when its rule is exact).
+    When every row has ``fitted_e_max_distinct`` (optimize with a holdout), a "fitted" column beside
+    E[max distinct]: the same on fitted steps."""
+    head = ["placement", "E[max distinct]", "fitted", "per-step opt.", "lower bound", "vs baseline", "gap closed",
             "token bal.", "MoE µs/step"]
-    body = [[r["placement"], f"{r['e_max_distinct']:.3f}", f"{r['optimum']:.3f}", f"{r['lower_bound']:.3f}",
-             f"{r['vs_baseline_pct']:+.1f}%", f"{r['gap_closed_pct']:.0f}%", f"{r['token_balancedness']:.3f}",
-             f"{r['moe_us_per_step']:.0f}"] for r in rows]
+    body = [[r["placement"], f"{r['e_max_distinct']:.3f}", f"{r.get('fitted_e_max_distinct', 0):.3f}",
+             f"{r['optimum']:.3f}", f"{r['lower_bound']:.3f}", f"{r['vs_baseline_pct']:+.1f}%",
+             f"{r['gap_closed_pct']:.0f}%", f"{r['token_balancedness']:.3f}", f"{r['moe_us_per_step']:.0f}"]
+            for r in rows]
     spares = any(r["spare_slots"] for r in rows)
+    fitted = all("fitted_e_max_distinct" in r for r in rows)
     keep = [i for i in range(len(head)) if (baseline is not None or head[i] not in ("vs baseline", "gap closed"))
-            and (spares or head[i] != "per-step opt.")]
+            and (spares or head[i] != "per-step opt.") and (fitted or head[i] != "fitted")]
     head, body = [head[i] for i in keep], [[b[i] for i in keep] for b in body]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -112,52 +116,75 @@ def plot_context(trace: str, mode: str, steps: int, which: str, ranks: int) -> s
 def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[str]:
     """Two PNGs, placements side by side; every title carries ``context`` (``plot_context``).
 
-    step_max_distribution.png: how often the busiest rank read k distinct experts, over all layer-steps.
-    step_max_by_layer.png: the same per MoE layer, one panel per placement, with each layer's mean and
-    per-step lower bound drawn over it. Returns the files written.
+    step_max_distribution.png: ``distribution_figure``; step_max_by_layer.png: ``by_layer_figure``.
+    Returns the files written: both, or none if one fails.
     """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
-    from moeplace.atomic import atomic_open
+    from moeplace.atomic import all_or_nothing, atomic_open
 
-    os.makedirs(plot_dir, exist_ok=True)
     written = []
-    n = len(evals)
-    hists = [e.sums.step_max_hist for e in evals]                               # [L, 65] each
-    seen = np.flatnonzero(sum(h.sum(axis=0) for h in hists))                    # values that occur
-    lo, top = (int(seen.min()), int(seen.max()) + 1) if seen.size else (0, 2)
-    x = np.arange(lo, top)
+    with all_or_nothing():
+        for name, make in (("step_max_distribution.png", distribution_figure), ("step_max_by_layer.png",
+                                                                               by_layer_figure)):
+            fig = make(evals, context)
+            path = os.path.join(plot_dir, name)
+            try:
+                with atomic_open(path, "wb") as f:
+                    fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
+            finally:
+                plt.close(fig)
+            written.append(path)
+    return written
 
-    def save(fig, name: str) -> None:
-        path = os.path.join(plot_dir, name)
-        with atomic_open(path, "wb") as f:
-            fig.savefig(f, format="png", dpi=110, bbox_inches="tight")
-        plt.close(fig)
-        written.append(path)
 
+def _busiest_values(evals: list[Evaluation]) -> np.ndarray:
+    """The busiest-rank distinct-expert counts that occur in any placement's histogram (the x range)."""
+    seen = np.flatnonzero(sum(e.sums.step_max_hist.sum(axis=0) for e in evals))
+    return np.arange(int(seen.min()), int(seen.max()) + 1) if seen.size else np.arange(0, 2)
+
+
+def distribution_figure(evals: list[Evaluation], context: str):
+    """How often the busiest rank read k distinct experts, over all layer-steps, a bar per placement,
+    with the per-step lower bound's mean (the table's "lower bound") as a dashed line."""
+    import matplotlib.pyplot as plt
+
+    x = _busiest_values(evals)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    width = 0.8 / n
-    for i, (e, h) in enumerate(zip(evals, hists)):
-        total = h.sum(axis=0)
-        ax.bar(x - 0.4 + width * (i + 0.5), total[lo:top] / max(total.sum(), 1), width=width,
+    width = 0.8 / len(evals)
+    for i, e in enumerate(evals):
+        total = e.sums.step_max_hist.sum(axis=0)
+        ax.bar(x - 0.4 + width * (i + 0.5), total[x] / max(total.sum(), 1), width=width,
                label=f"{e.name} (mean {e.summary['e_max_distinct']:.2f})")
+    bound = evals[0].summary["lower_bound"]   # the same steps and ranks for every placement
+    ax.axvline(bound, color="black", lw=1, ls="--", label=f"lower bound (mean {bound:.2f})")
     ax.set_xticks(x)
     ax.set_xlabel("distinct experts on the busiest rank (one layer, one step)")
     ax.set_ylabel("share of layer-steps")
     ax.set_title(f"Busiest rank per step: lower is faster\n{context}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
-    save(fig, "step_max_distribution.png")
+    return fig
 
-    L = hists[0].shape[0]
+
+def by_layer_figure(evals: list[Evaluation], context: str):
+    """The busiest rank's distinct experts per MoE layer, one heatmap panel per placement, with each
+    layer's mean and per-step lower bound drawn over it."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    x = _busiest_values(evals)
+    lo, top = int(x[0]), int(x[-1]) + 1
+    n = len(evals)
+    L = evals[0].sums.step_max_hist.shape[0]
     fig, axes = plt.subplots(1, n, figsize=(2.6 * n + 1.8, 2.7 + 0.12 * L), squeeze=False,
                              sharey=True, constrained_layout=True)
     layers = np.arange(L)
-    shares = [h[:, lo:top] / np.maximum(h.sum(axis=1, keepdims=True), 1) for h in hists]   # [L, top-lo]
-    vmax = max(float(sh.max()) for sh in shares)                                            # one scale
+    shares = [h[:, lo:top] / np.maximum(h.sum(axis=1, keepdims=True), 1)
+              for h in (e.sums.step_max_hist for e in evals)]                      # [L, top-lo]
+    vmax = max(float(sh.max()) for sh in shares)                                    # one scale
     for i, (ax, e, share) in enumerate(zip(axes[0], evals, shares)):
         im = ax.imshow(share, aspect="auto", cmap="Blues", vmin=0, vmax=vmax, interpolation="nearest",
                        extent=(lo - 0.5, top - 0.5, L - 0.5, -0.5))
@@ -173,5 +200,4 @@ def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[st
     fig.colorbar(im, ax=axes[0].tolist(), fraction=0.04, label="share of the layer's steps")
     fig.legend(handles, labels, loc="outside lower center", ncol=2, fontsize=8, frameon=False)
     fig.suptitle(f"Busiest rank per step, per layer\n{context}", fontsize=10)
-    save(fig, "step_max_by_layer.png")
-    return written
+    return fig

@@ -63,12 +63,13 @@ def test_moe_us_column_follows_the_model(tmp_path, command):
         cost = data.get("cost_model") or next(iter(data["cost_models"].values()))
         rows = data.get("rows") or [data["metrics"]]
         us[label] = rows[0]["moe_us_per_step"]
+        # optimize may also warn that its placement does not hold on this tiny trace: not counted here
+        warning = [line for line in err.splitlines() if line.startswith("warning:") and "expert shape" in line]
         if label == "generic":
-            warning = [line for line in err.splitlines() if line.startswith("warning:")]
             assert len(warning) == 1 and "'my-moe'" in warning[0] and "--model" in warning[0]
             assert "generic default" in cost["source"]
         else:
-            assert "warning" not in err and "--model" in cost["source"]
+            assert not warning and "--model" in cost["source"]
             assert "2048x768 bf16" in cost["source"]
     assert us["config"] < 0.5 * us["generic"]      # 2048x768 experts read far fewer bytes than 7168x2048
 

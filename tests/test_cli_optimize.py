@@ -117,7 +117,9 @@ def test_optimize_json(tmp_path):
                     "--algorithm", "deepseek", "-o", tmp_path / "p.json", "--json")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert [r["placement"] for r in data["rows"]] == ["contiguous", "deepseek"]
+    # spares asked for: the first row and baseline is SGLang's layout today, under its own rule for DeepEP
+    assert [r["placement"] for r in data["rows"]] == ["deepseek, no spares, static", "contiguous", "deepseek"]
+    assert data["baseline"] == "deepseek, no spares, static" and data["rows"][0]["spare_slots"] == 0
     assert data["placement"] == str(tmp_path / "p.json") and data["sglang_out"] is None
     used = data["fit_steps"] + data["eval_steps"]
     assert used > 0 and data["note"].startswith(f"used {used} of the trace's 3,007 steps (all modes), evenly spaced")
@@ -161,10 +163,14 @@ def test_compare_moeplace_and_sglang_files(optimized, tmp_path):
                     "--max-steps", 600)
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0] == "600 steps (all modes); 8 ranks, dispatch dynamic" and "vs baseline" in lines[1]
-    names = [line.split()[0] for line in lines[3:6]]
+    assert lines[0].startswith("scored on the first 600 steps (all modes) of 3,007 (no --holdout")
+    assert lines[0].endswith("; 8 ranks, dispatch dynamic")
+    assert "vs baseline" in next(line for line in lines if line.startswith("placement "))
+    head = next(i for i, line in enumerate(lines) if line.startswith("placement "))
+    names = [line.split()[0] for line in lines[head + 2:head + 5]]
     assert names == [str(contiguous), str(out / "p.json"), str(out / "sglang.json")]
-    assert lines[6].startswith(f"baseline: {contiguous} ") and lines[7].startswith("cost model (MoE µs/step): ")
+    assert lines[head + 5].startswith(f"baseline: {contiguous} ")
+    assert lines[head + 6].startswith("cost model (MoE µs/step): ")
     result = invoke("compare", SAMPLE, contiguous, out / "p.json", out / "sglang.json", "--ranks", 8,
                     "--max-steps", 600, "--json")
     rows = json.loads(result.stdout)["rows"]

@@ -35,7 +35,7 @@ def table(lines: list[str]) -> dict[str, dict[str, str]]:
     heads = re.split(r"\s{2,}", lines[start].strip())
     rows = {}
     for line in lines[start + 2:]:
-        cells = line.split()
+        cells = re.split(r"\s{2,}", line.strip())   # a placement's name may hold single spaces
         if len(cells) != len(heads):
             break
         rows[cells[0]] = dict(zip(heads, cells))

@@ -9,13 +9,14 @@ from moeplace.advise import BATCH_GRID, flip_batch, model_check, resample_batche
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import resolve_costing
-from moeplace.commands.options import trace_options
+from moeplace.commands.options import effort_option, holdout_option, trace_options
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.optimize import DEFAULT_SAMPLE_STEPS
+from moeplace.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
+from moeplace.report import steps_phrase
 
-FIT_STEPS = 2000      # steps the placements are fit on
-EVAL_STEPS = 256      # steps (or resampled batches) each cost is averaged over
+FIT_STEPS = 2000      # fitted steps the placements are fit on (evenly spaced)
+EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is averaged over (evenly spaced)
 
 
 @click.command()
@@ -25,11 +26,13 @@ EVAL_STEPS = 256      # steps (or resampled batches) each cost is averaged over
                    "the model's experts.")
 @click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
               help="Redundant expert slots for the EP placements.")
-@click.option("--effort", type=float, default=2e8, show_default=True, help="Step-aware swap-search work.")
+@effort_option(2e8, "2e8")
+@holdout_option(0.3, "Share of the trace's last steps held out: the placements are fitted on the rest and every "
+                     "cost is measured on the held-out steps (0: all steps for both).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
 def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
            window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
-           as_json: bool) -> None:
+           holdout: float, as_json: bool) -> None:
     """Say whether EP with the best placement or TP-MoE runs TRACE's MoE layers faster.
 
     EP cost: the slowest rank per layer under DeepSeek EPLB and step-aware placements (the better one
@@ -37,7 +40,8 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     for the model's experts (shape from --model or the trace's model name, its top-k; H200 measurements
     of SGLang's fused MoE kernel, with SGLang's launch grid for each batch size and the kernel config of
     the trace's batch) unless --cost-model / --tp-cost-model give files. Communication is not counted.
-    Batches of other sizes are built from the trace's own steps.
+    The placements are fitted on up to 2,000 steps of the trace's first part, every cost is measured on
+    up to 256 of its last --holdout share, and batches of other sizes are built from those held-out steps.
 
     \b
     Example:
@@ -46,6 +50,7 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     src = open_source(trace, window, top_k)
     model_check(src.model, ranks, redundant)
     model = src.model
+    which = "held-out" if holdout else "fitted"
     costing = resolve_costing(model, cost_model_path, model_ref,
                               derived_needed=not (cost_model_path and tp_cost_path))
     tp_file = load_cost_model(tp_cost_path) if tp_cost_path else None
@@ -54,9 +59,8 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
         raise src.no_steps_error(mode)
     if steps.count_steps.size:
         raise MoeplaceError(f"{trace}: advise needs per-token routing (token rows); this trace has only counts")
-
-    sample = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(EVAL_STEPS, steps.num_steps))
-                                  .astype(np.int64)))
+    fitted, held_out = split_steps(steps, holdout)
+    fit, sample = evenly_spaced(fitted, FIT_STEPS), evenly_spaced(held_out, EVAL_STEPS)
     trace_batch = max(1, int(np.median(sample.num_tokens)))
 
     def cost_models(batch: int) -> tuple[CostModel, CostModel]:
@@ -66,7 +70,6 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                 tp_file or costing.tp(ranks, model.num_experts, batch, trace_batch))
 
     ep_cost, tp_cost = cost_models(trace_batch)
-    fit = steps.take(np.unique(np.linspace(0, steps.num_steps - 1, min(FIT_STEPS, steps.num_steps)).astype(np.int64)))
     placements = {}
     for name in ("deepseek", "stepaware"):
         click.echo(f"placing: {name}", err=True)
@@ -75,18 +78,23 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     here = verdict(step_costs(sample, placements, ranks, ep_cost, tp_cost, dispatch), trace_batch)
     grid = []
     for batch in BATCH_GRID:
-        batches = resample_batches(steps, batch, EVAL_STEPS // 4)
+        batches = resample_batches(held_out, batch, EVAL_STEPS // 4)
         grid.append(verdict(step_costs(batches, placements, ranks, *cost_models(batch), dispatch), batch))
     flip = flip_batch(grid)
     if as_json:
         def row(v):
             return {"batch": v.batch, "ep_us": v.ep_us, "tp_us": v.tp_us, "ep_placement": v.ep_placement,
                     "winner": v.winner, "speedup": v.speedup}
-        echo_json({"trace": trace, "ranks": ranks, "at_trace": row(here), "grid": [row(v) for v in grid],
+        echo_json({"trace": trace, "ranks": ranks, "fit_steps": fit.num_steps, "eval_steps": sample.num_steps,
+                   "evaluated_on": f"{which} steps", "at_trace": row(here), "grid": [row(v) for v in grid],
                    "flip_batch": flip, "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json()})
         return
     name = {"ep": f"EP ({here.ep_placement} placement)", "tp": "TP-MoE"}
-    click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} steps): "
+    click.echo(f"placements fitted on {fit.num_steps:,} of the first {steps_phrase(fitted.num_steps, mode)}; "
+               + (f"costs on {sample.num_steps:,} of the last {held_out.num_steps:,}, held out" if holdout else
+                  f"costs on {sample.num_steps:,} of the same steps (--holdout 0)")
+               + " (the table's batches are built from those)")
+    click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
                f"{name[here.winner]} is faster, {here.speedup:.2f}x "
                f"(EP {here.ep_us / 1e3:.2f} ms vs TP-MoE {here.tp_us / 1e3:.2f} ms of MoE per step, "
                f"{steps.model.num_moe_layers} layers).")

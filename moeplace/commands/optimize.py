@@ -2,20 +2,28 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source
+from moeplace.atomic import all_or_nothing
+from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
 from moeplace.commands.costing import Costing, cost_model_line, resolve_costing
-from moeplace.commands.options import trace_options
+from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
+                                       trace_options)
 from moeplace.errors import MoeplaceError
 from moeplace.model import ModelSpec
-from moeplace.optimize import TODAY
+from moeplace.optimize import holdout_cut
 from moeplace.optimize import optimize as run_optimize
+from moeplace.outputs import check_outputs
 from moeplace.placement import Placement, load_placement, save_placement, save_sglang
 from moeplace.report import comparison_rows, evaluate, format_table, plot_context, steps_phrase, write_plots
 
-BASELINE = "deepseek"   # optimize's table compares against DeepSeek EPLB fitted on the same steps
+# The written placement's held-out E[max distinct] more than this share away from its fitted one is
+# warned about. Rows that are not fitted at all (contiguous) moved by at most 1.8% between the two
+# parts of real and synthetic traces; stepaware fitted on a few hundred steps of 128 experts, 9.4%.
+FIT_GAP = 0.05
 
 
 def slot_gb(model: ModelSpec, costing: Costing) -> float:
@@ -51,24 +59,21 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 @click.option("--redundant", type=click.IntRange(min=0), default=None,
               help="Spare physical slots for replicas (SGLang's --ep-num-redundant-experts; default 0). "
                    "With --dispatch balanced, replicas let each step pick where an expert runs.")
-@click.option("--replica-memory", type=click.FloatRange(min=0), default=None, metavar="GB",
+@click.option("--replica-memory", type=FiniteFloatRange(min=0), default=None, metavar="GB",
               help="Spare slots by memory instead: as many per GPU as fit in GB of extra expert weights "
                    "(the experts' shape and format from --model or the trace's known model).")
 @click.option("--algorithm", type=click.Choice(list(ALGORITHMS)), default=DEFAULT_ALGORITHM, show_default=True,
               help="stepaware minimises the expected per-step maximum rank load; deepseek* balance average "
                    "token counts (DeepSeek EPLB); contiguous is SGLang's default layout.")
-@click.option("--holdout", type=click.FloatRange(0, 1, max_open=True), default=0.3, show_default=True,
-              help="Share of the trace's last steps held out: the placement is fitted on the rest and the "
-                   "table reports the held-out steps (0: fit and report on all steps).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed; the same seed gives the same placement.")
-@click.option("--effort", type=click.FloatRange(min=1), default=None,
-              help="stepaware's swap-search work budget (default 2.4e9, ~10 s for a Kimi-K2-sized trace).")
-@click.option("--balance-floor", type=click.FloatRange(0, 1), default=None,
+@holdout_option(0.3, "Share of the trace's last steps held out: the placement is fitted on the rest and the "
+                     "table reports the held-out steps, with a fitted column (0: fit and report on all steps).")
+@seed_option("The same seed gives the same placement.")
+@effort_option(None, "2.4e9, ~10 s for a Kimi-K2-sized trace")
+@click.option("--balance-floor", type=FiniteFloatRange(0, 1), default=None,
               help="stepaware aims to keep each layer's token balancedness on the fitted steps at least this share "
                    "of DeepSeek EPLB's (default 0.98). Lower it for decode/verify-only traffic: fewer distinct "
                    "experts on the busiest rank, less even token counts (BENCHMARKS.md has the trade-off).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False), required=True,
-              help="Where to write the placement (moeplace JSON).")
+@out_option("Where to write the placement (moeplace JSON).")
 @click.option("--sglang-out", type=click.Path(dir_okay=False),
               help="Also write SGLang's --init-expert-location JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
@@ -76,7 +81,7 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
              window: int, top_k: int | None, max_steps: int, nodes: int, redundant: int | None,
              replica_memory: float | None, algorithm: str, holdout: float,
-             seed: int, effort: float | None, balance_floor: float | None, output: str, sglang_out: str | None,
+             seed: int, effort: float | None, balance_floor: float | None, out: str, sglang_out: str | None,
              as_json: bool, plot_dir: str | None) -> None:
     """Compute an expert placement for TRACE that minimises per-step imbalance.
 
@@ -97,6 +102,8 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
       moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --mode verify \\
           --dispatch balanced --replica-memory 3 -o placement.json --sglang-out init_expert_location.json
     """
+    check_outputs({"-o": out, "--sglang-out": sglang_out}, inputs=trace_inputs(trace, cost_model_path, model_ref),
+                  folders={"--plot-dir": plot_dir})
     src = open_source(trace, window, top_k)
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref,
@@ -109,18 +116,24 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                           seed, max_steps, effort, balance_floor,
                           progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
                           reference_cost_model=today_cost)
-    if sglang_out:   # first, so that a failure here leaves no placement file behind
-        save_sglang(sglang_out, result.placement)
-    save_placement(output, result.placement)
-    baseline = TODAY if any(e.name == TODAY for e in result.evaluations) else BASELINE
-    rows = comparison_rows(result.evaluations, baseline)
+    rows = comparison_rows(result.evaluations, result.baseline)
+    for row, fitted in zip(rows, result.fitted):
+        row["fitted_e_max_distinct"] = fitted.summary["e_max_distinct"]
     which = "held-out" if holdout else "fitted"
-    plots = (write_plots(result.evaluations, plot_dir, plot_context(trace, mode, result.eval_steps, which, ranks))
-             if plot_dir else [])
+    warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
+    with all_or_nothing():   # the placement, SGLang's file and the plots: all of them or none
+        plots = (write_plots(result.evaluations, plot_dir,
+                             plot_context(trace, mode, result.eval_steps, which, ranks)) if plot_dir else [])
+        if sglang_out:
+            save_sglang(sglang_out, result.placement)
+        save_placement(out, result.placement)
+    for line in warnings:
+        click.echo(f"warning: {line}", err=True)
     if as_json:
-        echo_json({"placement": output, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
+        echo_json({"placement": out, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
                    "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
-                   "baseline": baseline, "rows": rows, "cost_model": cost_model.to_json(), "plots": plots,
+                   "fitted_column_steps": result.fitted_steps, "baseline": result.baseline, "rows": rows,
+                   "warnings": warnings, "cost_model": cost_model.to_json(), "plots": plots,
                    "spare_slots": redundant, "replica_gb_per_gpu": replica_gb(model, ranks, redundant, costing)})
         return
     table_on = f"the last {result.eval_steps:,}, held out" if holdout else "the same steps"
@@ -132,29 +145,58 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         click.echo(f"spare slots: {redundant} ({redundant // ranks} per GPU) hold "
                    f"{replica_gb(model, ranks, redundant, costing):.2f} GB of extra expert weights per GPU "
                    f"({costing.shape.describe()})")
-    click.echo(format_table(rows, baseline))
-    models = {e.name: today_cost if e.name == TODAY else cost_model for e in result.evaluations}
+    click.echo(format_table(rows, result.baseline))
+    if result.fitted:
+        click.echo(f"fitted: E[max distinct] on {result.fitted_steps:,} of the {result.fit_steps:,} fitted steps, "
+                   f"evenly spaced (every other column: the held-out steps)")
+    models = {e.name: today_cost if redundant and e.name == result.baseline else cost_model
+              for e in result.evaluations}
     click.echo(cost_model_line(models))
-    click.echo(f"wrote {output}" + (f" and {sglang_out}" if sglang_out else "")
+    click.echo(f"wrote {out}" + (f" and {sglang_out}" if sglang_out else "")
                + (f"; plots in {plot_dir}" if plots else ""))
+
+
+def quality_warnings(rows: list[dict], chosen: str, which: str, fit_steps: int, spares: bool) -> list[str]:
+    """Lines that say the written placement may not hold: another row of the table beats it on the
+    ``which`` steps, or (with a fitted column) its held-out E[max distinct] is more than FIT_GAP away
+    from its fitted one. Every row other than ``chosen`` counts as a baseline."""
+    mine = next(r for r in rows if r["placement"] == chosen)
+    lines = []
+    best = min((r for r in rows if r is not mine), key=lambda r: r["e_max_distinct"], default=None)
+    if best is not None and mine["e_max_distinct"] > best["e_max_distinct"] + 1e-9:
+        lines.append(f"the written placement ({chosen}) is worse than {best['placement']} on the {which} steps: "
+                     f"E[max distinct] {mine['e_max_distinct']:.3f} against {best['e_max_distinct']:.3f} "
+                     f"(fitted on {fit_steps:,} steps; a longer trace may help)")
+    fitted = mine.get("fitted_e_max_distinct")
+    if fitted and abs(mine["e_max_distinct"] / fitted - 1) > FIT_GAP:
+        lines.append(f"{chosen}: E[max distinct] {mine['e_max_distinct']:.3f} on the held-out steps against "
+                     f"{fitted:.3f} on the fitted ones ({100 * (mine['e_max_distinct'] / fitted - 1):+.1f}%, more "
+                     f"than {100 * FIT_GAP:.0f}% apart): the trace may be too short ({fit_steps:,} fitted steps)"
+                     + (" for the spare slots asked for" if spares else "") + ", or its traffic changed")
+    return lines
 
 
 @click.command()
 @trace_options
 @click.argument("placements", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@holdout_option(0.0, "Score only this share of the trace's last steps: with the --holdout that optimize fitted "
+                     "a placement with, the steps it did not see (0: every step, fitted ones included).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write side-by-side PNG plots here.")
 def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-            window: int, top_k: int | None, max_steps: int, placements: tuple[str, ...], as_json: bool,
-            plot_dir: str | None) -> None:
+            window: int, top_k: int | None, max_steps: int, placements: tuple[str, ...], holdout: float,
+            as_json: bool, plot_dir: str | None) -> None:
     """Compare existing PLACEMENTS on TRACE (moeplace JSON, or SGLang .json/.pt written by hand or exported).
 
-    The first placement is the baseline for the "vs baseline" and "gap closed" columns.
+    The first placement is the baseline for the "vs baseline" and "gap closed" columns. The first
+    line says which steps are scored: all of them unless --holdout keeps only the last share, as a
+    placement fitted on the same trace by optimize (whose default holds out the last 30%) did not see.
 
     \b
     Example:
-      moeplace compare traces/gptoss20b-sample.mptrace old.json new.json --ranks 8
+      moeplace compare traces/gptoss20b-sample.mptrace old.json new.json --ranks 8 --holdout 0.3
     """
+    check_outputs({}, folders={"--plot-dir": plot_dir})
     src = open_source(trace, window, top_k)
     loaded: dict[str, Placement] = {}
     for path in placements:
@@ -164,14 +206,35 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | N
         loaded[path] = p
     costing = resolve_costing(src.model, cost_model_path, model_ref)
     costs = {path: costing.ep(p.phy2log.shape[1] // ranks) for path, p in loaded.items()}
-    evals = evaluate(loaded, mode_chunks(src, mode, max_steps), costs, dispatch)
+    total = src.count(mode)
+    if total == 0:
+        raise src.no_steps_error(mode)
+    skip = holdout_cut(total, holdout) if holdout else 0
+    evals = evaluate(loaded, mode_chunks(src, mode, max_steps, skip=skip, total=total), costs, dispatch)
     rows = comparison_rows(evals, placements[0])
     steps = evals[0].summary["steps"]
-    plots = write_plots(evals, plot_dir, plot_context(trace, mode, steps, "", ranks)) if plot_dir else []
+    scored = (f"the last {steps:,} of the trace's {steps_phrase(total, mode)} (--holdout {holdout:g})" if holdout
+              else f"{'the first ' if steps < total else 'all '}{steps_phrase(steps, mode)}"
+                   + (f" of {total:,}" if steps < total else "")
+                   + " (no --holdout: a placement fitted on this trace is scored on its fitted steps too)")
+    fitted_here = [path for path, p in loaded.items() if not holdout and _fitted_on(p, trace)]
+    plots = write_plots(evals, plot_dir, plot_context(trace, mode, steps, "held-out" if holdout else "", ranks)) \
+        if plot_dir else []
     if as_json:
-        echo_json({"steps": steps, "baseline": placements[0], "rows": rows,
+        echo_json({"steps": steps, "trace_steps": total, "holdout": holdout, "scored_on": scored,
+                   "baseline": placements[0], "rows": rows,
                    "cost_models": {k: c.to_json() for k, c in costs.items()}, "plots": plots})
         return
-    click.echo(f"{steps_phrase(steps, mode)}; {ranks} ranks, dispatch {dispatch}")
+    click.echo(f"scored on {scored}; {ranks} ranks, dispatch {dispatch}")
+    for path in fitted_here:
+        share = loaded[path].metrics.get("holdout")
+        click.echo(f"note: {path} was fitted on this trace; its figures include its fitted steps"
+                   + (f" (--holdout {share:g} scores only the steps it did not see)" if share else ""))
     click.echo(format_table(rows, placements[0]))
     click.echo(cost_model_line(costs))
+
+
+def _fitted_on(placement: Placement, trace: str) -> bool:
+    """Whether ``placement`` says optimize fitted it on ``trace`` (the same file or folder)."""
+    made_from = placement.trace
+    return bool(made_from) and os.path.exists(made_from) and os.path.samefile(made_from, trace)

@@ -9,6 +9,7 @@ from moeplace.algorithms.baselines import contiguous
 from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
 from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
+from moeplace.outputs import check_outputs
 from moeplace.placement import Placement, load_placement
 from moeplace.report import (comparison_rows, evaluate, format_table, hottest_experts, plot_context, steps_phrase,
                              write_plots)
@@ -34,6 +35,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     Example:
       moeplace report traces/gptoss20b-sample.mptrace --ranks 8 --plot-dir plots/
     """
+    check_outputs({}, folders={"--plot-dir": plot_dir})
     src = open_source(trace, window, top_k)
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref)
