@@ -1,0 +1,213 @@
+"""A sweep of bad and odd inputs across every command: each ends in exit code 2 and one line on stderr that
+names the problem, with no traceback, no RuntimeWarning, no file left behind and every input unchanged.
+
+Each case runs the real entry point in process (``moeplace.cli.main``) in a scratch folder holding the
+inputs (``in/``) and an empty output folder (``out/``), which must still be empty afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from moeplace.algorithms import PlacementProblem
+from moeplace.algorithms.baselines import contiguous
+from moeplace.cli import main
+from moeplace.model import ModelSpec
+from moeplace.placement import Placement, save_placement
+from moeplace.trace.load import open_trace
+from moeplace.trace.steps import RoutingSteps
+
+SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "gptoss20b-sample.mptrace"
+# A DeepSeek-V3-shaped toy for launch: 4 layers (layer 0 dense), 16 routed experts, top-4.
+TOY_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 4,
+              "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 16, "num_experts_per_tok": 4}
+TOY = ModelSpec("toy", 4, (1, 2, 3), 16, 4)
+TOY_LAUNCH = ["--", "--model-path", "{in}/toy", "--tp", "4", "--ep", "4"]
+FAST = ["--max-steps", "300", "--effort", "1e6"]
+
+
+def write_inputs(root: Path) -> None:
+    """Every input the cases read, good and bad, under ``root``."""
+    root.mkdir()
+    (root / "t.mptrace").write_bytes(SAMPLE.read_bytes())
+    (root / "shards").mkdir()
+    (root / "shards" / "a.mptrace").write_bytes(SAMPLE.read_bytes())
+    model = open_trace(SAMPLE).model
+    save_placement(root / "p.json", Placement(model, 8, contiguous(PlacementProblem(model, RoutingSteps.empty(model), 8))))
+    p = json.loads((root / "p.json").read_text())
+    (root / "strings.json").write_text(json.dumps({**p, "physical_to_logical_map": [[str(x) for x in row]
+                                                                                   for row in p["physical_to_logical_map"]]}))
+    (root / "huge.json").write_text(json.dumps({**p, "physical_to_logical_map": [[1e30] + row[1:]
+                                                                                for row in p["physical_to_logical_map"]]}))
+    (root / "toy").mkdir()
+    (root / "toy" / "config.json").write_text(json.dumps(TOY_CONFIG))
+    save_placement(root / "toy.json", Placement(TOY, 4, np.tile(np.arange(16), (3, 1))))
+    (root / "folder").mkdir()
+    (root / "afile").write_text("not a folder\n")
+    (root / "garbage.bin").write_bytes(b"\x00garbage\xff" * 10)
+    (root / "bogus.pt").write_bytes(b"garbage that is no torch file")
+    (root / "notjson.json").write_text("{not json")
+    (root / "cost_huge.json").write_text(json.dumps({"a_us_per_expert": 1e308, "b_us_per_token": 1, "c_us": 1}))
+    (root / "cost_nan.json").write_text('{"a_us_per_expert": NaN, "b_us_per_token": 1, "c_us": 1}')
+    ids = np.full((90, 2, 4), -5, np.int16)
+    np.savez(root / "negative.npz", topk_ids=ids, num_experts=np.int64(16))
+    np.savez(root / "padding.npz", topk_ids=np.full((90, 2, 4), -1, np.int16))
+    np.savez(root / "floats.npz", topk_ids=np.zeros((90, 2, 4), np.float32), num_experts=np.int64(16))
+    os.link(root / "t.mptrace", root / "hardlink.mptrace")
+    os.symlink(root / "t.mptrace", root / "symlink.mptrace")
+
+
+# (argv with {in} and {out} for the two folders, a fragment the error line must hold)
+CASES = [
+    # the entry point
+    (["--bogus"], "No such option"),
+    (["nosuchcommand"], "No such command"),
+    # optimize: outputs that are inputs, or each other, or unwritable
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/t.mptrace"], "is the TRACE"),
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/hardlink.mptrace"], "is the TRACE"),
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/symlink.mptrace"], "is the TRACE"),
+    (["optimize", "{in}/shards", "-o", "{in}/shards/a.mptrace"], "inside the TRACE folder"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--sglang-out", "{out}/p.json"], "is also -o"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/cost_huge.json",
+      "--sglang-out", "{in}/cost_huge.json"], "is the --cost-model"),
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/toy/config.json", "--model", "{in}/toy"], "is the --model"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--plot-dir", "{in}/afile"], "is a file"),
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/afile/p.json"], "afile is a file, not a folder"),
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/folder"], "is a directory"),
+    # optimize: numbers
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "nan"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "inf"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "-1"], "--replica-memory"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "nan"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "inf"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "0"], "--effort"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--seed", "-1"], "--seed"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--holdout", "nan"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--holdout", "1"], "--holdout"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--balance-floor", "nan"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "0"], "--ranks"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "7"], "do not split evenly over 7 ranks"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--redundant", "8", "--replica-memory", "3"],
+     "--redundant or --replica-memory"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--max-steps", "0"], "--max-steps"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--mode", "bogus"], "--mode"),
+    (["optimize", "{in}/t.mptrace"], "Missing option '-o' / '--out'"),
+    # optimize: bad input files
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/cost_huge.json"], "at most 1e+06"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/cost_nan.json"], "finite"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/notjson.json"], "not valid JSON"),
+    (["optimize", "{in}/nothere.mptrace", "-o", "{out}/p.json"], "does not exist"),
+    (["optimize", "{in}/garbage.bin", "-o", "{out}/p.json"], "unknown trace format"),
+    (["optimize", "{in}/negative.npz", "-o", "{out}/p.json"], "holds id -5"),
+    (["optimize", "{in}/padding.npz", "-o", "{out}/p.json"], "holds no expert id"),
+    (["optimize", "{in}/floats.npz", "-o", "{out}/p.json"], "integer expert ids"),
+    # advise
+    (["advise", "{in}/t.mptrace", "--effort", "-5"], "--effort"),
+    (["advise", "{in}/t.mptrace", "--effort", "0"], "--effort"),
+    (["advise", "{in}/t.mptrace", "--effort", "nan"], "not a finite number"),
+    (["advise", "{in}/t.mptrace", "--holdout", "1.5"], "--holdout"),
+    (["advise", "{in}/t.mptrace", "--ranks", "5"], "do not split evenly over 5 ranks"),
+    (["advise", "{in}/t.mptrace", "--cost-model", "{in}/cost_huge.json"], "at most 1e+06"),
+    # report
+    (["report", "{in}/t.mptrace", "--plot-dir", "{in}/afile"], "is a file"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p.json", "--ranks", "4"], "for 8 ranks, not 4"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/folder"], "--placement"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/strings.json"], "holds strings"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/huge.json"], "expert id 1e+30"),
+    (["report", "{in}/bogus.pt"], "not a readable torch file"),
+    (["report", "{in}/t.mptrace", "--window", "0"], "--window"),
+    # compare
+    (["compare", "{in}/t.mptrace", "{in}/p.json", "{in}/p.json"], "given twice"),
+    (["compare", "{in}/t.mptrace", "{in}/p.json", "--holdout", "1"], "--holdout"),
+    (["compare", "{in}/t.mptrace", "{in}/p.json", "--plot-dir", "{in}/afile"], "is a file"),
+    (["compare", "{in}/t.mptrace", "{in}/toy.json"], "placement is for"),
+    # trace synth
+    (["trace", "synth", "--steps", "10", "--tokens-per-step", "100000000", "-o", "{out}/s"], "GiB of memory"),
+    (["trace", "synth", "--steps", "10000000000000", "-o", "{out}/s"], "GB are free"),
+    (["trace", "synth", "--steps", "10", "--skew", "nan", "-o", "{out}/s"], "not a finite number"),
+    (["trace", "synth", "--steps", "10", "--skew", "inf", "-o", "{out}/s"], "--skew"),
+    (["trace", "synth", "--steps", "10", "--coactivation", "nan", "-o", "{out}/s"], "not a finite number"),
+    (["trace", "synth", "--steps", "10", "--coactivation", "1e308", "-o", "{out}/s"], "--coactivation"),
+    (["trace", "synth", "--steps", "10", "--seed", "-1", "-o", "{out}/s"], "--seed"),
+    (["trace", "synth", "--steps", "10", "--topics", "0", "-o", "{out}/s"], "--topics"),
+    (["trace", "synth", "--steps", "0", "-o", "{out}/s"], "--steps"),
+    (["trace", "synth", "--steps", "10", "-o", "{in}/afile/s"], "is a file, not a folder"),
+    (["trace", "synth", "--steps", "10", "--shape", "kimi-k2", "--model", "{in}/toy", "-o", "{out}/s"],
+     "--shape or --model"),
+    # trace convert and merge
+    (["trace", "convert", "{in}/t.mptrace", "-o", "{in}/t.mptrace"], "is the SOURCE"),
+    (["trace", "convert", "{in}/t.mptrace", "-o", "{in}/hardlink"], "is the SOURCE"),
+    (["trace", "convert", "{in}/shards", "-o", "{in}/shards/all.mptrace"], "inside the SOURCE folder"),
+    (["trace", "convert", "{in}/bogus.pt", "-o", "{out}/x.mptrace"], "not a readable torch file"),
+    (["trace", "merge", "{in}/t.mptrace", "-o", "{in}/t.mptrace"], "is the output of this merge"),
+    (["trace", "merge", "{in}/t.mptrace", "{in}/hardlink.mptrace", "-o", "{out}/m.mptrace"], "hold the same steps"),
+    (["trace", "merge", "{in}/t.mptrace", "-o", "{in}/afile/m.mptrace"], "is a file, not a folder"),
+    # launch
+    (["launch", "--placement", "{in}/toy.json", "--sglang-file", "{in}/toy.json", "--dry-run", *TOY_LAUNCH],
+     "is the --placement"),
+    (["launch", "--placement", "{in}/toy.json", "--sglang-file", "{in}/toy/config.json", "--dry-run", *TOY_LAUNCH],
+     "is the --model"),
+    (["launch", "--placement", "{in}/folder", "--dry-run", *TOY_LAUNCH], "is a folder, not a placement file"),
+    (["launch", "--placement", "{in}/toy.json", "--dry-run", *TOY_LAUNCH, "--enable-eplb"], "--enable-eplb"),
+    (["launch", "--placement", "{in}/nothere.json", "--dry-run", *TOY_LAUNCH], "no such file"),
+    # capture (no server needed: each is refused before it is contacted)
+    (["capture", "--url", "localhost:30000", "-o", "{out}/c.mptrace"], "want http://HOST:PORT"),
+    (["capture", "--url", "http://127.0.0.1:9", "--seconds", "nan", "-o", "{out}/c.mptrace"], "not a finite number"),
+    (["capture", "--url", "http://127.0.0.1:9", "--seconds", "inf", "-o", "{out}/c.mptrace"], "not a finite number"),
+    (["capture", "--url", "http://127.0.0.1:9", "--timeout", "0", "-o", "{out}/c.mptrace"], "--timeout"),
+    (["capture", "--url", "http://127.0.0.1:9", "-o", "{in}/afile/c.mptrace"], "is a file, not a folder"),
+    (["capture", "--url", "http://127.0.0.1:9", "-o", "{in}/folder"], "is a directory"),
+]
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` (links as links) and a digest of its bytes."""
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        key = str(path.relative_to(folder))
+        if path.is_symlink():
+            out[key] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[key] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            out[key] = "folder"
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("sweep") / "in"
+    write_inputs(root)
+    return root
+
+
+def test_the_sweep_is_wide() -> None:
+    assert len(CASES) >= 50
+    assert {argv[0] for argv, _ in CASES} >= {"optimize", "advise", "report", "compare", "trace", "launch", "capture"}
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+@pytest.mark.parametrize("argv, fragment", CASES, ids=[" ".join(a)[:70] for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(inputs: Path, tmp_path: Path, argv: list[str], fragment: str) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    before = snapshot(inputs)
+    args = [a.replace("{in}", str(inputs)).replace("{out}", str(out)) for a in argv]
+    runner = CliRunner()
+    with runner.isolation() as (stdout, stderr, *_):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args[:1], *FAST, *args[1:]] if args[0] in ("optimize", "advise") else args)
+    err = stderr.getvalue().decode()
+    lines = err.strip().splitlines()
+    assert exit_info.value.code == 2, err
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert fragment in lines[0], lines[0]
+    assert os.listdir(out) == [], "nothing may be written"
+    assert snapshot(inputs) == before, "an input changed"
