@@ -213,3 +213,34 @@ def test_hang_at_stop_is_one_line(tmp_path, capsys, http):
 def test_bad_url(tmp_path, capsys, url, needle):
     code, err, _ = run_capture(tmp_path, capsys, url)
     assert_one_line(tmp_path, code, err, needle)
+
+
+def test_sigterm_while_recording_stops_the_recorder(tmp_path, http):
+    """SIGTERM during the recording (a job scheduler ending the capture) unwinds as Ctrl-C does: the
+    server is told to stop recording, nothing is written, the exit code says terminated."""
+    import signal
+    import subprocess
+    import sys
+
+    calls: list[str] = []
+
+    class Recorded(dict):
+        def get(self, key, default=None):
+            calls.append(key[1])
+            return super().get(key, default)
+
+    url = http(Recorded({("GET", "/server_info"): (200, json.dumps(RECORDING).encode()),
+                         ("POST", "/start_expert_distribution_record"): (200, b"ok"),
+                         ("POST", "/stop_expert_distribution_record"): (200, b"ok")}))
+    proc = subprocess.Popen([sys.executable, "-m", "moeplace", "capture", "--url", url, "--seconds", "60",
+                             "-o", str(tmp_path / "t.mptrace"), "--dump-dir", str(tmp_path)],
+                            cwd=Path(__file__).parents[1], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while "/start_expert_distribution_record" not in calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "terminated" and "Traceback" not in err
+    assert calls[-1] == "/stop_expert_distribution_record"
+    assert not list(tmp_path.iterdir())
