@@ -48,7 +48,6 @@ class OptimizeResult:
     note: str
     baseline: str = "deepseek"      # the row the table compares against
     fitted: list[Evaluation] = field(default_factory=list)   # the same rows on fitted steps (holdout > 0)
-    fitted_steps: int = 0           # how many fitted steps ``fitted`` is measured on
 
 
 def evenly_spaced(steps: RoutingSteps, count: int) -> RoutingSteps:
@@ -140,8 +139,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         return [evaluate({name: p}, [steps_], costs[name], rules[name])[0] for name, p in placements.items()]
 
     evals = evaluate_on(held_out)
-    fitted_sample = evenly_spaced(fit, FITTED_SAMPLE_STEPS) if holdout else None
-    fitted = evaluate_on(fitted_sample) if fitted_sample is not None else []
+    fitted = evaluate_on(evenly_spaced(fit, FITTED_SAMPLE_STEPS)) if holdout else []
     chosen = placements[algorithm]
     by_name = {e.name: e for e in evals}
     chosen.metrics = {
@@ -153,5 +151,4 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     }
     if note:
         chosen.metrics["note"] = note
-    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted,
-                          fitted_sample.num_steps if fitted_sample is not None else 0)
+    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted)

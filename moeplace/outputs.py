@@ -50,11 +50,16 @@ def check_writable(option: str, path: Path, folder: bool = False) -> None:
             raise MoeplaceError(f"{option} {path}: is a folder; give a file name")
         where = path if folder else path.absolute().parent
     else:
-        where = next(p for p in path.absolute().parents if p.exists())
+        where = nearest_existing(path)
         if not where.is_dir():
             raise MoeplaceError(f"{option} {path}: cannot write there ({where} is a file, not a folder)")
     if not os.access(where, os.W_OK | os.X_OK):
         raise MoeplaceError(f"{option} {path}: cannot write there (no permission to write in {where})")
+
+
+def nearest_existing(path: Path) -> Path:
+    """The closest of ``path``'s folders that exists (where a write would have to make the rest)."""
+    return next(p for p in path.absolute().parents if p.exists())
 
 
 def _same(a: Path, b: Path) -> bool:

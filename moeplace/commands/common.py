@@ -34,7 +34,8 @@ def trace_inputs(trace: str, cost_model_path: str | None = None, model_ref: str 
 
 
 def model_config_file(model_ref: str | None) -> str | Path | None:
-    """The config.json that ``--model`` names when it is a folder or a file (a Hugging Face id: None)."""
+    """The config.json in ``--model`` when it is a folder, else ``--model`` itself (a file, or a Hugging
+    Face id, which names no local file and so is no input to guard)."""
     return Path(model_ref) / "config.json" if model_ref and Path(model_ref).is_dir() else model_ref
 
 

@@ -87,13 +87,16 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
 
     Fits on the first part of the trace, then prints contiguous, DeepSeek EPLB and the chosen
     algorithm side by side on the held-out steps: E[max distinct experts on a rank per step]
-    (what decides low-batch MoE latency), its lower bound, the change against DeepSeek EPLB
-    (the baseline) and the share of its gap to the bound closed, token balancedness, and the
-    predicted MoE time per step (cost model derived for the model's experts; the table says which).
+    (what decides low-batch MoE latency) beside the same on the fitted steps, its lower bound, the
+    change against DeepSeek EPLB (the baseline) and the share of its gap to the bound closed, token
+    balancedness, and the predicted MoE time per step (cost model derived for the model's experts;
+    the table says which). A warning line says when the written placement loses to another row on
+    the held-out steps, or when its held-out figure is more than 5% away from its fitted one.
 
-    With --dispatch balanced and spare slots (--redundant or --replica-memory), replicas go where
-    moeplace's per-step replica choice (the plugin's MOEPLACE_DISPATCH=balanced) gains most, and the
-    table starts with what SGLang runs without moeplace: DeepSeek EPLB, no spare slots, its dynamic rule.
+    With spare slots (--redundant or --replica-memory) the table starts with what SGLang runs without
+    moeplace, and compares against it: DeepSeek EPLB, no spare slots, SGLang's own rule (static under
+    --dispatch static, else dynamic). With --dispatch balanced, replicas go where moeplace's per-step
+    replica choice (the plugin's MOEPLACE_DISPATCH=balanced) gains most.
 
     \b
     Example:
@@ -119,6 +122,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     rows = comparison_rows(result.evaluations, result.baseline)
     for row, fitted in zip(rows, result.fitted):
         row["fitted_e_max_distinct"] = fitted.summary["e_max_distinct"]
+    fitted_steps = result.fitted[0].summary["steps"] if result.fitted else 0
     which = "held-out" if holdout else "fitted"
     warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
     with all_or_nothing():   # the placement, SGLang's file and the plots: all of them or none
@@ -132,7 +136,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     if as_json:
         echo_json({"placement": out, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
                    "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
-                   "fitted_column_steps": result.fitted_steps, "baseline": result.baseline, "rows": rows,
+                   "fitted_column_steps": fitted_steps, "baseline": result.baseline, "rows": rows,
                    "warnings": warnings, "cost_model": cost_model.to_json(), "plots": plots,
                    "spare_slots": redundant, "replica_gb_per_gpu": replica_gb(model, ranks, redundant, costing)})
         return
@@ -147,7 +151,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                    f"({costing.shape.describe()})")
     click.echo(format_table(rows, result.baseline))
     if result.fitted:
-        click.echo(f"fitted: E[max distinct] on {result.fitted_steps:,} of the {result.fit_steps:,} fitted steps, "
+        click.echo(f"fitted: E[max distinct] on {fitted_steps:,} of the {result.fit_steps:,} fitted steps, "
                    f"evenly spaced (every other column: the held-out steps)")
     models = {e.name: today_cost if redundant and e.name == result.baseline else cost_model
               for e in result.evaluations}

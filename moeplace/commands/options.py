@@ -52,10 +52,10 @@ class _HiddenAliasOption(click.Option):
         return self._shown(super().get_error_hint, ctx)
 
 
-def out_option(help: str, required: bool = True) -> Callable:
+def out_option(help: str) -> Callable:
     """``-o/--out FILE``, the output option of every command that writes a file (``--output`` works too)."""
     return click.option("-o", "--out", "--output", "out", cls=_HiddenAliasOption, aliases=("--output",),
-                        required=required, type=click.Path(dir_okay=False), help=help)
+                        required=True, type=click.Path(dir_okay=False), help=help)
 
 
 def seed_option(help: str) -> Callable:
@@ -66,8 +66,7 @@ def seed_option(help: str) -> Callable:
 def effort_option(default: float | None, shown: str) -> Callable:
     """stepaware's ``--effort`` work budget (steps x slots x ranks cells of its swap search)."""
     return click.option("--effort", type=FiniteFloatRange(min=1), default=default, show_default=shown,
-                        help="stepaware's swap-search work budget, in step x slot x rank cells (more: a longer, "
-                             "rarely better search).")
+                        help="stepaware's swap-search work budget, in step x slot x rank cells.")
 
 
 def holdout_option(default: float, help: str) -> Callable:

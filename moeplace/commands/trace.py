@@ -18,7 +18,7 @@ from moeplace.commands.common import Progress, model_config_file, warn_damage
 from moeplace.commands.options import FiniteFloatRange, out_option, seed_option
 from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model import ModelSpec
-from moeplace.outputs import check_outputs, check_writable
+from moeplace.outputs import check_outputs, check_writable, nearest_existing
 from moeplace.trace import modes as M
 from moeplace.trace.load import DEFAULT_WINDOW, open_trace
 from moeplace.trace.steps import RoutingSteps, concat_steps
@@ -262,8 +262,8 @@ SYNTH_MODES = {"verify": M.TARGET_VERIFY, "decode": M.DECODE, "prefill": M.EXTEN
 # Past these the generator's law no longer changes (the weights saturate), and far past them its
 # floats overflow; topics cost a probability table per layer each.
 MAX_SKEW, MAX_COACTIVATION, MAX_TOPICS = 20.0, 100.0, 1024
-# Zlib packs synthetic ids to 0.5-0.7 of their raw size; a trace that would not fit even at this
-# share of it is refused before it starts.
+# Zlib packs Kimi-K2-shaped synthetic ids to 0.69 of their raw size (BENCHMARKS.md, synthetic traces);
+# a trace that would not fit even at this share of it is refused before it starts.
 MIN_PACKED_SHARE = 0.25
 
 
@@ -333,7 +333,7 @@ def check_machine_holds(routing: SyntheticRouting, steps: int, out: Path) -> Non
                             f"{need / 2**30:,.1f} GiB of memory, {have / 2**30:,.1f} GiB are available")
     m = routing.model
     raw = steps * routing.tokens_per_step * m.num_moe_layers * m.top_k * 2
-    free = shutil.disk_usage(next(p for p in out.absolute().parents if p.exists())).free
+    free = shutil.disk_usage(nearest_existing(out)).free
     if raw * MIN_PACKED_SHARE > free:
         raise MoeplaceError(f"--steps {steps:,}: the trace would hold {raw / 1e9:,.1f} GB of ids (at least "
                             f"{raw * MIN_PACKED_SHARE / 1e9:,.1f} GB packed), {free / 1e9:,.1f} GB are free at "
