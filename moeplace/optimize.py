@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.stepaware import search_moot
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.placement import Placement
@@ -78,7 +79,6 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         steps = steps_from_counts(model, counts, AGGREGATE_SAMPLE_STEPS, seed=seed)
         notes.append(f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
                      f"independent tokens (no co-activation); metrics are for those sampled steps")
-    note = "; ".join(notes)
     fit, held_out = split_steps(steps, holdout)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
@@ -91,6 +91,10 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         return p
 
     problem(fit, progress).check()
+    moot = search_moot(problem(fit, progress)) if algorithm == "stepaware" else None
+    if moot:
+        notes.append(f"{moot}, so stepaware skipped its search")
+    note = "; ".join(notes)
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in BASELINES if name != algorithm}
     maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))

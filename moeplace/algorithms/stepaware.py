@@ -33,7 +33,9 @@ from moeplace.metrics import balancedness, static_dispatch_table
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
-MAX_REPAIRS = 64           # swaps allowed to lift token balancedness to the floor
+MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number plus TIE_BREAK times one
+MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
+PAIR_CELLS = 20_000         # one rank pair's numpy calls in swap_deltas (~30 us), in effort cells (~1.5 ns)
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
 BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
@@ -75,6 +77,8 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     spr = P // R
     replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
+    if search_moot(problem):
+        return item_expert   # slot p holds item p: replicas of an expert on increasing ranks
     active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
@@ -92,7 +96,7 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
             # Under the static rule the replica that serves a step is the one nearest its source
             # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
             # placement found (SGLang's own table) and search again from there.
-            rounds = max(1, int(effort / 4 / (rows.size * P * R + 50 * P * P)))
+            rounds = max(1, int(effort / 4 / round_cost(rows.size, P, R)))
             for _ in range(2):
                 order = np.lexsort((item_expert, rank))
                 static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
@@ -118,6 +122,24 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     return item_expert[order]
 
 
+def search_moot(problem: PlacementProblem) -> str | None:
+    """Why no placement of the slots on the ranks scores better than another, or None.
+
+    Then ``place_layer`` skips the greedy packing and the swap search: at one slot per rank a swap
+    only renames two ranks. Under ``static`` dispatch a rank's replicas decide which source ranks it
+    serves, so there it still matters; under balanced dispatch with spare slots their own search
+    (``balanced_replicas``) runs whatever this says.
+    """
+    R, P = problem.ranks, problem.num_physical
+    if problem.dispatch == "balanced" and problem.redundant:
+        return None
+    if R == 1:
+        return "one rank holds every expert"
+    if P == R and not (problem.dispatch == "static" and problem.redundant):
+        return "one expert slot per rank: every assignment of slots to ranks scores the same"
+    return None
+
+
 def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
               R: int, floor: float, effort: float) -> np.ndarray:
     """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
@@ -128,23 +150,31 @@ def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, i
     """
     S, P = active.shape
     start_cost = S * P * R
-    round_cost = search.shape[0] * P * R + 50 * P * P
+    per_round = round_cost(search.shape[0], P, R)
     presence = active.sum(axis=0)
     orders = [None, np.argsort(-(presence + 1e-9 * item_tokens), kind="stable")]
     best, best_value = None, np.inf
     for order in orders:
-        if best is not None and effort < start_cost + 2 * round_cost:
+        if best is not None and effort < start_cost + 2 * per_round:
             break
         effort -= start_cost
         start = order_replicas(greedy_place(active, item_tokens, item_expert, R, P // R, floor, order),
                                item_expert)
         rank, used = swap_search(search, item_tokens, item_expert, start, R, floor,
-                                 max(1, int(effort // round_cost)))
-        effort -= used * round_cost
+                                 max(1, int(effort // per_round)))
+        effort -= used * per_round
         value = _objective(_loads(active, rank, R))
         if value < best_value:
             best, best_value = rank, value
     return best
+
+
+def round_cost(S: int, P: int, R: int) -> int:
+    """Work of one swap round on S steps, in the cells ``effort`` counts: the products over steps,
+    the [P, P] deltas, and ``swap_deltas``' loop over rank pairs, whose numpy calls cost about
+    PAIR_CELLS cells each (at 16 to 64 ranks on few steps they outweigh the arithmetic, and a
+    budget that left them out let a smaller sample take longer)."""
+    return S * P * R + 50 * P * P + PAIR_CELLS * (R * (R - 1) // 2)
 
 
 def order_replicas(rank: np.ndarray, item_expert: np.ndarray) -> np.ndarray:
@@ -343,15 +373,7 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
     hold two replicas of one expert) or, with ``only_rank``, where neither item is on that rank.
     """
     S, P = X.shape
-    mx = D.max(axis=1)
-    # h[s, a, b]: change of step s's objective when rank a loses one active slot and b gains one.
-    h = np.zeros((S, R, R), np.float32)
-    for a in range(R):
-        for b in range(a + 1, R):
-            others = np.delete(D, [a, b], axis=1).max(axis=1) if R > 2 else np.zeros(S, np.float32)
-            for x, y in ((a, b), (b, a)):
-                new_max = np.maximum(others, np.maximum(D[:, x] - 1, D[:, y] + 1))
-                h[:, x, y] = new_max - mx + TIE_BREAK * 2 * (D[:, y] - D[:, x] + 1)
+    h = move_changes(D)
     XH = X.T @ h.reshape(S, R * R)                     # [P, R*R]: sum_s x_si h(s, a, b)
     delta = np.full((P, P), np.inf, np.float32)
     members = [np.flatnonzero(rank == r) for r in range(R)]
@@ -380,11 +402,38 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
     return delta
 
 
+def move_changes(D: np.ndarray) -> np.ndarray:
+    """h [S, R, R]: change of step s's objective when rank a loses one active slot and rank b gains one
+    (0 where a == b). D: [S, R] loads.
+
+    The largest load outside ranks a and b is the first of each step's three largest that sits on
+    neither, so every pair is done at once rather than in a loop over R^2 pairs (which at 16 or 32
+    ranks cost more than the arithmetic).
+    """
+    S, R = D.shape
+    padded = np.pad(D, ((0, 0), (0, max(0, 3 - R))))       # zero loads: no rank outside a, b adds none
+    top = np.argsort(-padded, axis=1, kind="stable")[:, :3]                # [S, 3]
+    value = np.take_along_axis(padded, top, axis=1)
+    a, b = np.arange(R)[:, None], np.arange(R)[None, :]
+    others = value[:, 2, None, None]
+    for k in (1, 0):
+        outside = (top[:, k, None, None] != a) & (top[:, k, None, None] != b)
+        others = np.where(outside, value[:, k, None, None], others)        # [S, R, R]
+    new_max = np.maximum(others, np.maximum(D[:, :, None] - 1, D[:, None, :] + 1))
+    h = new_max - D.max(axis=1)[:, None, None] + TIE_BREAK * 2 * (D[:, None, :] - D[:, :, None] + 1)
+    h[:, np.arange(R), np.arange(R)] = 0
+    return h.astype(np.float32, copy=False)
+
+
 def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray,
              item_tokens: np.ndarray, load: np.ndarray, R: int, balance_floor: float) -> bool:
     """One round: apply the best improving swaps on disjoint rank pairs (their effects barely
     interact), keeping the token-balance floor; a batch that turns out worse is cut back to its
-    best swap. Returns False when no swap improves."""
+    best swap. Returns False when no swap improves the exact objective.
+
+    The deltas are float32 sums over steps, and where every placement scores the same (one slot per
+    rank) their rounding alone looks like a gain: so the objective is recomputed after the swaps, and
+    a round that did not lower it by MIN_GAIN is undone and ends the search."""
     P = X.shape[1]
     flat = swap_deltas(X, D, rank, item_expert, R).ravel()
     top = np.argpartition(flat, min(255, flat.size - 1))[:256]
@@ -413,6 +462,11 @@ def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.nda
     if len(chosen) > 1 and _objective(D) > before + flat[chosen[0][0] * P + chosen[0][1]] / 2:
         for i, j in reversed(chosen[1:]):
             _swap(D, X, rank, i, j)
+        chosen = chosen[:1]
+    if _objective(D) > before - MIN_GAIN:
+        for i, j in reversed(chosen):
+            _swap(D, X, rank, i, j)
+        return False
     return True
 
 
@@ -425,4 +479,4 @@ def _swap(D: np.ndarray, X: np.ndarray, rank: np.ndarray, i: int, j: int) -> Non
 
 
 def _objective(D: np.ndarray) -> float:
-    return float(D.max(axis=1).sum() + TIE_BREAK * (D.astype(np.float64) ** 2).sum())
+    return float(D.max(axis=1).sum(dtype=np.float64) + TIE_BREAK * (D.astype(np.float64) ** 2).sum())
