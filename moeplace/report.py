@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from moeplace.costmodel import CostModel
-from moeplace.metrics import LayerSums, accumulate, gap_closed, static_dispatch_table, summarize
+from moeplace.metrics import LayerSums, accumulate_all, gap_closed, static_dispatch_table, summarize
 from moeplace.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 
@@ -38,8 +38,7 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
                for layer in range(p.model.num_moe_layers)] if dispatch == "static" else None
               for _, p in items]
     for chunk in chunks:
-        for (name, p), s, t, c in zip(items, sums, tables, costs):
-            accumulate(s, chunk, p, c, dispatch, static_tables=t)
+        accumulate_all(sums, chunk, [p for _, p in items], costs, dispatch, tables)
     return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 
