@@ -227,12 +227,7 @@ class LayerActivity:
 def layer_activity(steps: RoutingSteps, layer: int) -> LayerActivity:
     """``LayerActivity`` of one layer of ``steps``."""
     S, E = steps.num_steps, steps.model.num_experts
-    step_of_row, _, ids = steps.layer(layer)
-    if ids.size and ids.min() >= 0:      # no padding: skip the masks (most of the work on verify steps)
-        step, expert = np.repeat(step_of_row, ids.shape[1]), ids.ravel().astype(np.int64)
-    else:
-        valid = ids >= 0
-        step, expert = np.broadcast_to(step_of_row[:, None], ids.shape)[valid], ids[valid].astype(np.int64)
+    step, _, expert = steps.layer_pairs(layer)
     hit = np.zeros(S * E, bool)
     hit[step * E + expert] = True
     count_tokens = np.ceil(steps.counts[:, layer, :])

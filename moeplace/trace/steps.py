@@ -129,6 +129,17 @@ class RoutingSteps:
         row_in_step = np.arange(T) - self.token_offsets[step_of_row]
         return step_of_row, row_in_step, self.topk_ids[:, layer, :]
 
+    def layer_pairs(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One MoE layer's valid (token row, top-k) entries in row order, as (step [N], token row within
+        its step [N], expert [N] int64). Verify and decode steps have no -1 padding: then no mask is
+        built, the larger part of the work on them."""
+        step_of_row, row_in_step, ids = self.layer(layer)
+        if ids.size == 0 or ids.min() >= 0:
+            K = ids.shape[1]
+            return np.repeat(step_of_row, K), np.repeat(row_in_step, K), ids.ravel().astype(np.int64)
+        row = np.nonzero(ids >= 0)[0]
+        return step_of_row[row], row_in_step[row], ids[ids >= 0].astype(np.int64)
+
     def expert_token_counts(self) -> np.ndarray:
         """[L, E] tokens routed to each logical expert over all steps."""
         L, E = self.model.num_moe_layers, self.model.num_experts
