@@ -46,7 +46,7 @@ def split_steps(steps: RoutingSteps, holdout: float) -> tuple[RoutingSteps, Rout
         return steps, steps
     if cut < 1 or cut >= S:
         raise MoeplaceError(f"{S} steps are too few to hold out {holdout:.0%} of them; lower --holdout")
-    return steps.take(np.arange(cut)), steps.take(np.arange(cut, S))
+    return steps.slice(0, cut), steps.slice(cut, S)
 
 
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,

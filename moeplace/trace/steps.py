@@ -122,6 +122,15 @@ class RoutingSteps:
         return RoutingSteps(self.model, self.modes[idx], self.num_tokens[idx], self.ranks[idx], offsets,
                             self.topk_ids[rows], position[self.count_steps[keep]], self.counts[keep])
 
+    def slice(self, start: int, stop: int) -> "RoutingSteps":
+        """Steps ``start:stop`` as views of these arrays, not copies (a split of a large trace in two
+        would otherwise hold it twice)."""
+        rows = slice(int(self.token_offsets[start]), int(self.token_offsets[stop]))
+        counted = (self.count_steps >= start) & (self.count_steps < stop)
+        return RoutingSteps(self.model, self.modes[start:stop], self.num_tokens[start:stop], self.ranks[start:stop],
+                            self.token_offsets[start:stop + 1] - self.token_offsets[start], self.topk_ids[rows],
+                            self.count_steps[counted] - start, self.counts[counted])
+
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One MoE layer as (step of each token row [T], token row within its step [T], ids [T, K])."""
         T = self.topk_ids.shape[0]
