@@ -110,3 +110,19 @@ def test_move_changes_is_the_objective_change_of_moving_one_slot(R):
         moved[b] += 1
         expect = moved.max() - D[s].max() + TIE_BREAK * ((moved ** 2).sum() - (D[s].astype(np.float64) ** 2).sum())
         assert h[s, a, b] == pytest.approx(expect, abs=1e-6), (s, a, b)
+
+
+@pytest.mark.parametrize("E,R,redundant,dispatch", [(16, 4, 0, "dynamic"), (16, 4, 4, "static"),
+                                                    (16, 4, 4, "balanced")])
+def test_layers_placed_on_forked_workers_are_the_ones_placed_in_order(E, R, redundant, dispatch, monkeypatch):
+    model = ModelSpec(f"test-{E}e", 4, (0, 1, 2, 3), E, 2)
+    _, routing = synthetic_steps(60, 9, model, seed=5)
+    routing.ranks = (np.arange(routing.num_steps) % R).astype(np.int16)
+    in_order = solve("stepaware", PlacementProblem(model, routing, R, redundant=redundant, dispatch=dispatch))
+    monkeypatch.setattr(stepaware, "PARALLEL_CELLS", 0)
+    monkeypatch.setattr(stepaware, "usable_cpus", lambda: 2)
+    seen = []
+    forked = solve("stepaware", PlacementProblem(model, routing, R, redundant=redundant, dispatch=dispatch,
+                                                 progress=seen.append))
+    np.testing.assert_array_equal(forked, in_order)
+    assert seen == [1] * model.num_moe_layers

@@ -30,6 +30,7 @@ import numpy as np
 from moeplace.algorithms import PlacementProblem, balanced_replicas
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.metrics import balancedness, static_dispatch_table
+from moeplace.parallel import map_layers, usable_cpus
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
@@ -37,6 +38,7 @@ MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number p
 MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
 PAIR_CELLS = 10_000         # one rank pair's numpy calls in swap_deltas (~10 us), in effort cells (~1 ns)
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
+PARALLEL_CELLS = 50_000_000  # steps x slots x layers above which layers are placed on every CPU (moeplace.parallel)
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
 BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
 
@@ -60,19 +62,34 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
     base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
     search = balanced_replicas.search_steps(problem, rng) if base is not problem else None
+    # Each layer's sample of steps for the swap search, drawn in layer order: the same placement
+    # whichever worker places which layer.
+    no_search = base_is_ref or search_moot(base)
+    rows = [None if no_search else search_rows(problem.steps.num_steps, base.num_physical, rng) for _ in range(L)]
+
+    def place(layer: int) -> np.ndarray:
+        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
+        return balanced_replicas.place(problem, layer, phy2log, search) if base is not problem else phy2log
+
+    workers = usable_cpus() if problem.steps.num_steps * problem.num_physical * L >= PARALLEL_CELLS else 1
     out = np.zeros((L, problem.num_physical), np.int64)
-    for layer in range(L):
-        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rng, base.effort / L)
-        if base is not problem:
-            phy2log = balanced_replicas.place(problem, layer, phy2log, search)
+    for layer, phy2log in map_layers(place, L, workers):
         out[layer] = phy2log
         problem.progress(1)
     return out
 
 
-def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rng: np.random.Generator,
+def search_rows(num_steps: int, P: int, rng: np.random.Generator) -> np.ndarray:
+    """[S'] the steps a layer's swap search sees: all, or SEARCH_CELLS / P of them at random, in order."""
+    if num_steps <= max(SEARCH_CELLS // P, 1):
+        return np.arange(num_steps)
+    return np.sort(rng.choice(num_steps, max(SEARCH_CELLS // P, 1), replace=False))
+
+
+def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray | None,
                 effort: float) -> np.ndarray:
-    """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor."""
+    """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor;
+    rows: the steps the swap search sees (``search_rows``; None where ``search_moot``)."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
     spr = P // R
     replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
@@ -83,10 +100,6 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
     floor = min(problem.balance_floor * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
-    rows = np.arange(active.shape[0])
-    search_steps = max(SEARCH_CELLS // P, 1)
-    if active.shape[0] > search_steps:
-        rows = np.sort(rng.choice(active.shape[0], search_steps, replace=False))
     search = active[rows]
     nodes = problem.nodes
     if nodes == 1:

@@ -1,0 +1,53 @@
+"""Independent jobs, one per MoE layer, on the machine's CPUs: forked worker processes.
+
+The optimizer's phases are many numpy calls on arrays of a few thousand elements, which hold the GIL
+for much of their time, so threads barely scale; forked workers read the parent's arrays without
+copying them, and only each layer's small result comes back. Where fork is missing or unsafe
+(Windows; macOS, whose system libraries do not survive it) or one CPU is all there is, the jobs run
+in the calling process, so results never depend on the worker count.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any, Callable, Iterator
+
+_job: Callable[[int], Any] | None = None   # the forked workers' job, inherited rather than pickled
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def map_layers(job: Callable[[int], Any], layers: int, workers: int) -> Iterator[tuple[int, Any]]:
+    """(layer, job(layer)) for every layer < ``layers``, in the order they finish, on up to ``workers``
+    forked processes. A job's exception is raised here; on any exit the jobs not started are dropped."""
+    global _job
+    if workers <= 1 or layers <= 1 or not sys.platform.startswith("linux"):
+        for layer in range(layers):
+            yield layer, job(layer)
+        return
+    _job = job
+    try:
+        with ProcessPoolExecutor(min(workers, layers), mp_context=multiprocessing.get_context("fork"),
+                                 initializer=signal.signal, initargs=(signal.SIGINT, signal.SIG_IGN)) as pool:
+            futures = {pool.submit(_run, layer): layer for layer in range(layers)}
+            try:
+                for done in as_completed(futures):
+                    yield futures[done], done.result()
+            finally:
+                pool.shutdown(cancel_futures=True)
+    finally:
+        _job = None
+
+
+def _run(layer: int) -> Any:
+    return _job(layer)
