@@ -27,6 +27,14 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def layer_workers() -> int:
+    """Workers worth starting: every usable CPU where numpy's BLAS was asked for one thread (the CLI
+    does so), else 1, since each worker's BLAS threads would fight the other workers for the CPUs."""
+    asked = next((os.environ[v] for v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
+                  if v in os.environ), None)
+    return usable_cpus() if asked == "1" else 1
+
+
 def map_layers(job: Callable[[int], Any], layers: int, workers: int) -> Iterator[tuple[int, Any]]:
     """(layer, job(layer)) for every layer < ``layers``, in the order they finish, on up to ``workers``
     forked processes. A job's exception is raised here; on any exit the jobs not started are dropped."""

@@ -30,7 +30,7 @@ import numpy as np
 from moeplace.algorithms import PlacementProblem, balanced_replicas
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.metrics import balancedness, static_dispatch_table
-from moeplace.parallel import map_layers, usable_cpus
+from moeplace.parallel import layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
@@ -71,7 +71,7 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
         phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
         return balanced_replicas.place(problem, layer, phy2log, search) if base is not problem else phy2log
 
-    workers = usable_cpus() if problem.steps.num_steps * problem.num_physical * L >= PARALLEL_CELLS else 1
+    workers = layer_workers() if problem.steps.num_steps * problem.num_physical * L >= PARALLEL_CELLS else 1
     out = np.zeros((L, problem.num_physical), np.int64)
     for layer, phy2log in map_layers(place, L, workers):
         out[layer] = phy2log
