@@ -15,6 +15,7 @@ import numpy as np
 from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
+from moeplace.parallel import map_layers
 from moeplace.placement import Placement, replica_table
 from moeplace.trace.steps import RoutingSteps
 
@@ -260,14 +261,19 @@ def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_
 
 def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[Placement],
                    cost_models: list[CostModel], dispatch: str = "dynamic",
-                   static_tables: list[list[np.ndarray] | None] | None = None) -> None:
+                   static_tables: list[list[np.ndarray] | None] | None = None, workers: int = 1) -> None:
     """Add one chunk of steps to each ``sums[i]`` under ``placements[i]``, layer by layer, so that what
-    does not depend on the placement (the step-expert presence, the lower bound) is computed once."""
+    does not depend on the placement (the step-expert presence, the lower bound) is computed once.
+
+    workers: processes to spread the layers over (``moeplace.parallel``; only where no other thread is
+    running, as forking beside a trace reader's decoding threads is not safe)."""
     static_tables = static_tables or [None] * len(placements)
-    for layer in range(steps.model.num_moe_layers):
+
+    def layer_totals(layer: int) -> list[dict[str, Any]]:
         activity = layer_activity(steps, layer)
         distinct_total = activity.distinct_total()
-        for layer_sums, placement, cost_model, tables in zip(sums, placements, cost_models, static_tables):
+        out = []
+        for placement, cost_model, tables in zip(placements, cost_models, static_tables):
             R, phy2log = placement.ranks, placement.phy2log[layer]
             if placement.num_redundant == 0:
                 # one replica each: every rule sends an expert to its one rank, which is also the optimum
@@ -280,27 +286,29 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                 table = tables[layer] if tables is not None else None
                 distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table)
                 optimum = balanced_loads(steps, layer, phy2log, R)[1]
-            _add_layer(layer_sums, layer, distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model)
+            out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
+        return out
+
+    for layer, totals in map_layers(layer_totals, steps.model.num_moe_layers, workers):
+        for layer_sums, placement_totals in zip(sums, totals):
+            for name, value in placement_totals.items():
+                getattr(layer_sums, name)[layer] += value
     tokens = steps.expert_token_counts()
     for layer_sums in sums:
         layer_sums.steps += steps.num_steps
         layer_sums.expert_tokens = tokens if layer_sums.expert_tokens is None else layer_sums.expert_tokens + tokens
 
 
-def _add_layer(sums: LayerSums, layer: int, distinct: np.ndarray, tokens: np.ndarray, optimum: np.ndarray,
-               lower_bound: np.ndarray, cost_model: CostModel) -> None:
-    """Add one layer's per-step loads (distinct, tokens [S, R]; optimum, lower_bound [S]) to ``sums``."""
+def _totals(distinct: np.ndarray, tokens: np.ndarray, optimum: np.ndarray, lower_bound: np.ndarray,
+            cost_model: CostModel) -> dict[str, Any]:
+    """One layer's per-step loads (distinct, tokens [S, R]; optimum, lower_bound [S]) summed over the
+    steps, by the ``LayerSums`` field each is added to."""
     cost = cost_model.cost(distinct, tokens)
     step_max = distinct.max(axis=1)
-    sums.max_distinct[layer] += step_max.sum()
-    sums.mean_distinct[layer] += distinct.mean(axis=1).sum()
-    sums.lower_bound[layer] += lower_bound.sum()
-    sums.optimum[layer] += optimum.sum()
-    sums.max_cost[layer] += cost.max(axis=1).sum()
-    sums.mean_cost[layer] += cost.mean(axis=1).sum()
-    sums.rank_tokens[layer] += tokens.sum(axis=0)
-    sums.rank_distinct[layer] += distinct.sum(axis=0)
-    sums.step_max_hist[layer] += np.bincount(np.minimum(step_max, 64), minlength=65)
+    return {"max_distinct": step_max.sum(), "mean_distinct": distinct.mean(axis=1).sum(),
+            "lower_bound": lower_bound.sum(), "optimum": optimum.sum(), "max_cost": cost.max(axis=1).sum(),
+            "mean_cost": cost.mean(axis=1).sum(), "rank_tokens": tokens.sum(axis=0),
+            "rank_distinct": distinct.sum(axis=0), "step_max_hist": np.bincount(np.minimum(step_max, 64), minlength=65)}
 
 
 def balancedness(rank_load: np.ndarray) -> np.ndarray:

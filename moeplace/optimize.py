@@ -11,6 +11,7 @@ from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.stepaware import search_moot
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
+from moeplace.parallel import layer_workers
 from moeplace.placement import Placement
 from moeplace.report import Evaluation, evaluate, steps_phrase
 from moeplace.trace.load import Trace
@@ -99,13 +100,14 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
-    evals = evaluate(placements, [held_out], cost_model, dispatch)
+    workers = layer_workers(held_out.num_steps * (model.num_experts + redundant) * model.num_moe_layers)
+    evals = evaluate(placements, [held_out], cost_model, dispatch, workers)
     if dispatch == "balanced" and redundant:
         today = replace(problem(fit, lambda n: None), redundant=0, dispatch="dynamic")
         placements[TODAY] = Placement(model, ranks, solve("deepseek", today), nodes=nodes, algorithm="deepseek",
                                       trace=str(trace.path))
         evals = evaluate({TODAY: placements[TODAY]}, [held_out], reference_cost_model or cost_model,
-                         "dynamic") + evals
+                         "dynamic", workers) + evals
     chosen = placements[algorithm]
     by_name = {e.name: e for e in evals}
     chosen.metrics = {

@@ -17,6 +17,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Callable, Iterator
 
 _job: Callable[[int], Any] | None = None   # the forked workers' job, inherited rather than pickled
+# Work (steps x slots x layers) below which a pool is not worth starting: forking two workers costs
+# ~0.1 s, a Kimi-K2-sized placement (14,000 x 384 x 60 = 3e8) seconds.
+PARALLEL_CELLS = 50_000_000
 
 
 def usable_cpus() -> int:
@@ -27,12 +30,13 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def layer_workers() -> int:
-    """Workers worth starting: every usable CPU where numpy's BLAS was asked for one thread (the CLI
-    does so), else 1, since each worker's BLAS threads would fight the other workers for the CPUs."""
+def layer_workers(cells: int) -> int:
+    """Workers worth starting for ``cells`` of work (steps x slots x layers): every usable CPU where the
+    work passes PARALLEL_CELLS and numpy's BLAS was asked for one thread (the CLI does so), else 1, as
+    each worker's BLAS threads would fight the other workers for the CPUs."""
     asked = next((os.environ[v] for v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
                   if v in os.environ), None)
-    return usable_cpus() if asked == "1" else 1
+    return usable_cpus() if asked == "1" and cells >= PARALLEL_CELLS else 1
 
 
 def map_layers(job: Callable[[int], Any], layers: int, workers: int) -> Iterator[tuple[int, Any]]:

@@ -25,11 +25,13 @@ class Evaluation:
 
 
 def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
-             cost_model: CostModel | Mapping[str, CostModel], dispatch: str = "dynamic") -> list[Evaluation]:
+             cost_model: CostModel | Mapping[str, CostModel], dispatch: str = "dynamic",
+             workers: int = 1) -> list[Evaluation]:
     """Measure every placement on the same stream of step chunks (one pass over the trace).
 
     cost_model: one for all placements, or one per placement name (placements that differ in slots
-    per rank cost differently).
+    per rank cost differently). workers: processes for the layers of steps held in memory
+    (``metrics.accumulate_all``).
     """
     items = list(placements.items())
     costs = [cost_model[name] if isinstance(cost_model, Mapping) else cost_model for name, _ in items]
@@ -38,7 +40,7 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
                for layer in range(p.model.num_moe_layers)] if dispatch == "static" else None
               for _, p in items]
     for chunk in chunks:
-        accumulate_all(sums, chunk, [p for _, p in items], costs, dispatch, tables)
+        accumulate_all(sums, chunk, [p for _, p in items], costs, dispatch, tables, workers)
     return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 

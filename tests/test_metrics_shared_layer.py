@@ -59,3 +59,20 @@ def test_placements_measured_together_get_what_each_gets_alone(seed, dispatch):
                      "rank_tokens", "rank_distinct", "step_max_hist", "expert_tokens"):
             np.testing.assert_array_equal(getattr(sums, name), getattr(alone, name), err_msg=name)
         assert sums.steps == alone.steps == steps.num_steps
+
+
+def test_layers_measured_on_forked_workers_sum_to_the_same():
+    rng = np.random.default_rng(9)
+    E, R, L = 8, 4, 3
+    model = ModelSpec.all_moe("m", L, E, 2)
+    steps = random_steps(rng, model, 20, src_ranks=R)
+    placements = [Placement(model, R, np.stack([random_placement(rng, E, R, redundant) for _ in range(L)]))
+                  for redundant in (0, 4)]
+    cost = CostModel(a_us_per_expert=2.0, b_us_per_token=0.5, c_us=3.0)
+    for dispatch in DISPATCH_RULES:
+        in_order, forked = [LayerSums(L, R) for _ in placements], [LayerSums(L, R) for _ in placements]
+        accumulate_all(in_order, steps, placements, [cost] * 2, dispatch)
+        accumulate_all(forked, steps, placements, [cost] * 2, dispatch, workers=2)
+        for a, b in zip(in_order, forked):
+            for name in ("max_distinct", "optimum", "max_cost", "rank_tokens", "step_max_hist", "expert_tokens"):
+                np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=f"{dispatch} {name}")

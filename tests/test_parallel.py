@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from moeplace.parallel import layer_workers, map_layers, usable_cpus
+from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers, usable_cpus
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
@@ -36,9 +36,10 @@ def test_usable_cpus_is_positive():
 
 @pytest.mark.parametrize("variables,expect_all", [({"OPENBLAS_NUM_THREADS": "1"}, True), ({"OMP_NUM_THREADS": "1"}, True),
                                                   ({}, False), ({"OPENBLAS_NUM_THREADS": "4", "OMP_NUM_THREADS": "1"}, False)])
-def test_workers_only_where_blas_runs_one_thread(variables, expect_all, monkeypatch):
+def test_workers_only_where_blas_runs_one_thread_and_the_work_is_large(variables, expect_all, monkeypatch):
     for name in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    assert layer_workers() == (usable_cpus() if expect_all else 1)
+    assert layer_workers(PARALLEL_CELLS) == (usable_cpus() if expect_all else 1)
+    assert layer_workers(PARALLEL_CELLS - 1) == 1

@@ -119,8 +119,7 @@ def test_layers_placed_on_forked_workers_are_the_ones_placed_in_order(E, R, redu
     _, routing = synthetic_steps(60, 9, model, seed=5)
     routing.ranks = (np.arange(routing.num_steps) % R).astype(np.int16)
     in_order = solve("stepaware", PlacementProblem(model, routing, R, redundant=redundant, dispatch=dispatch))
-    monkeypatch.setattr(stepaware, "PARALLEL_CELLS", 0)
-    monkeypatch.setattr(stepaware, "layer_workers", lambda: 2)
+    monkeypatch.setattr(stepaware, "layer_workers", lambda cells: 2)
     seen = []
     forked = solve("stepaware", PlacementProblem(model, routing, R, redundant=redundant, dispatch=dispatch,
                                                  progress=seen.append))

@@ -38,7 +38,6 @@ MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number p
 MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
 PAIR_CELLS = 10_000         # one rank pair's numpy calls in swap_deltas (~10 us), in effort cells (~1 ns)
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
-PARALLEL_CELLS = 50_000_000  # steps x slots x layers above which layers are placed on every CPU (moeplace.parallel)
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
 BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
 
@@ -71,9 +70,8 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
         phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
         return balanced_replicas.place(problem, layer, phy2log, search) if base is not problem else phy2log
 
-    workers = layer_workers() if problem.steps.num_steps * problem.num_physical * L >= PARALLEL_CELLS else 1
     out = np.zeros((L, problem.num_physical), np.int64)
-    for layer, phy2log in map_layers(place, L, workers):
+    for layer, phy2log in map_layers(place, L, layer_workers(problem.steps.num_steps * problem.num_physical * L)):
         out[layer] = phy2log
         problem.progress(1)
     return out
