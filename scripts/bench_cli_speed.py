@@ -4,7 +4,8 @@ same command from a baseline tree (the code before a change), run alternately in
     python scripts/bench_cli_speed.py [--work DIR] [--baseline-tree DIR] [--repeat 2] [--baseline-timeout 300]
                                       [--cases kimi,kimi-balanced,...] [--json out.json]
 
-Cases: ``trace synth --shape kimi-k2 --steps 20000`` and ``optimize`` on that trace with its defaults
+Cases: the README's main command (the shipped GPT-OSS-20B sample, verify steps, plots); ``trace synth
+--shape kimi-k2 --steps 20000`` and ``optimize`` on that trace with its defaults
 (``--ranks 8``; the README's "at most 10 s" is this one), with ``--redundant 96 --dispatch balanced`` and
 with ``--max-steps 10000``; stepaware alone on the same steps (the search, in a fresh process, for the
 end-to-end / search ratio); and the shapes where every placement scores the same or the search used to
@@ -58,6 +59,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "kimi-balanced": ("kimi", ["--ranks", "8", "--redundant", "96", "--dispatch", "balanced"]),
     "kimi-10k": ("kimi", ["--ranks", "8", "--max-steps", "10000"]),
     "kimi-search-alone": ("kimi", []),
+    "sample-readme": ("sample", ["--ranks", "8", "--mode", "verify"]),   # + --sglang-out and --plot-dir
     "sample-r16": ("sample", ["--ranks", "16"]),
     "sample-r16-300": ("sample", ["--ranks", "16", "--max-steps", "300"]),
     "sample-r32": ("sample", ["--ranks", "32"]),
@@ -142,6 +144,8 @@ def command_for(case: str, traces: dict[str, Path], work: Path, tag: str) -> lis
         return [sys.executable, "-c", CLI, *args, "-o", str(work / f"{tag}-{case}.mptrace")]
     if case == "kimi-search-alone":
         return [sys.executable, "-c", SEARCH_ALONE, str(traces[trace])]
+    if case == "sample-readme":   # the README's main command, plots and all
+        args = [*args, "--sglang-out", str(work / f"{tag}-init.json"), "--plot-dir", str(work / f"{tag}-plots")]
     return [sys.executable, "-c", CLI, "optimize", str(traces[trace]), *args, "-o", str(work / f"{tag}-{case}.json"),
             "--json"]
 
