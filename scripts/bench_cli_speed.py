@@ -8,7 +8,9 @@ Cases: the README's main command (the shipped GPT-OSS-20B sample, verify steps, 
 --shape kimi-k2 --steps 20000`` and ``optimize`` on that trace with its defaults
 (``--ranks 8``; the README's "at most 10 s" is this one), with ``--redundant 96 --dispatch balanced`` and
 with ``--max-steps 10000``; stepaware alone on the same steps (the search, in a fresh process, for the
-end-to-end / search ratio); and the shapes where every placement scores the same or the search used to
+end-to-end / search ratio); where the default run's time goes (``kimi-phases``: counting, reading, the
+cost model, the baselines, the search, the evaluation, each timed in one process with BLAS on one
+thread for both trees); and the shapes where every placement scores the same or the search used to
 slow down with less data: the shipped GPT-OSS-20B sample at ``--ranks 16`` and ``32``, each also with
 ``--max-steps 300``, and SYNTHETIC Mixtral-8x7B-shaped routing at ``--ranks 8`` (one expert per rank) and
 ``4``. Both trees read the same trace files (made once by this tree, reused from ``--work``), use the
@@ -51,6 +53,39 @@ start = time.perf_counter()
 solve("stepaware", PlacementProblem(trace.model, fit, 8))
 print(f"search {time.perf_counter() - start:.2f} s")
 """
+PHASES = r"""
+import resource, sys, time
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.commands.costing import resolve_costing
+from moeplace.optimize import split_steps
+from moeplace.placement import Placement
+from moeplace.report import evaluate
+from moeplace.trace.load import open_trace
+def cpu():
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+clock, used, out = time.perf_counter(), cpu(), []
+def phase(name):
+    global clock, used
+    out.append(f"{name} {time.perf_counter() - clock:.2f}/{cpu() - used:.2f}")
+    clock, used = time.perf_counter(), cpu()
+trace = open_trace(sys.argv[1])
+total = trace.count("all"); phase("count")
+steps = trace.load("all", 20000, total=total); phase("read")
+fit, held = split_steps(steps, 0.3)
+costing = resolve_costing(trace.model, None, None)
+cost = costing.ep(trace.model.num_experts // 8); phase("cost-model")
+maps = {name: solve(name, PlacementProblem(trace.model, fit, 8, cost_model=cost)) for name in ("contiguous", "deepseek")}
+phase("baselines")
+maps["stepaware"] = solve("stepaware", PlacementProblem(trace.model, fit, 8, cost_model=cost)); phase("search")
+try:      # the current tree spreads the evaluation's layers over the CPUs, as optimize does
+    from moeplace.parallel import layer_workers
+    spread = {"workers": layer_workers(held.num_steps * trace.model.num_experts * trace.model.num_moe_layers)}
+except ImportError:
+    spread = {}
+evaluate({n: Placement(trace.model, 8, m) for n, m in maps.items()}, [held], cost, **spread); phase("evaluation")
+print("phases (wall/CPU s): " + ", ".join(out))
+"""
 
 # name: (trace, arguments after the trace); "synth-*" make their trace instead.
 CASES: dict[str, tuple[str, list[str]]] = {
@@ -59,6 +94,7 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "kimi-balanced": ("kimi", ["--ranks", "8", "--redundant", "96", "--dispatch", "balanced"]),
     "kimi-10k": ("kimi", ["--ranks", "8", "--max-steps", "10000"]),
     "kimi-search-alone": ("kimi", []),
+    "kimi-phases": ("kimi", []),
     "sample-readme": ("sample", ["--ranks", "8", "--mode", "verify"]),   # + --sglang-out and --plot-dir
     "sample-r16": ("sample", ["--ranks", "16"]),
     "sample-r16-300": ("sample", ["--ranks", "16", "--max-steps", "300"]),
@@ -113,8 +149,8 @@ def run(command: list[str], tree: Path, cwd: Path, timeout: float | None) -> tup
     env = {**os.environ, "PYTHONPATH": str(tree)}
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.pop(name, None)   # each tree's CLI its own default
-    if command[2] == SEARCH_ALONE:
-        env["OPENBLAS_NUM_THREADS"] = "1"   # the search, not two BLAS threads fighting over a core
+    if command[2] in (SEARCH_ALONE, PHASES):
+        env["OPENBLAS_NUM_THREADS"] = "1"   # as the current CLI runs: not two BLAS threads fighting over a core
     start = time.perf_counter()
     proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -142,8 +178,8 @@ def command_for(case: str, traces: dict[str, Path], work: Path, tag: str) -> lis
     trace, args = CASES[case]
     if case.startswith("synth-"):
         return [sys.executable, "-c", CLI, *args, "-o", str(work / f"{tag}-{case}.mptrace")]
-    if case == "kimi-search-alone":
-        return [sys.executable, "-c", SEARCH_ALONE, str(traces[trace])]
+    if case in ("kimi-search-alone", "kimi-phases"):
+        return [sys.executable, "-c", SEARCH_ALONE if case == "kimi-search-alone" else PHASES, str(traces[trace])]
     if case == "sample-readme":   # the README's main command, plots and all
         args = [*args, "--sglang-out", str(work / f"{tag}-init.json"), "--plot-dir", str(work / f"{tag}-plots")]
     return [sys.executable, "-c", CLI, "optimize", str(traces[trace]), *args, "-o", str(work / f"{tag}-{case}.json"),
