@@ -214,6 +214,7 @@ class LayerActivity:
     """
 
     num_steps: int
+    num_experts: int
     step: np.ndarray
     expert: np.ndarray
     hit_step: np.ndarray
@@ -234,7 +235,7 @@ def layer_activity(steps: RoutingSteps, layer: int) -> LayerActivity:
     count_tokens = np.ceil(steps.counts[:, layer, :])
     hit.reshape(S, E)[steps.count_steps] = count_tokens > 0       # a count step owns no token rows
     flat = np.flatnonzero(hit)
-    return LayerActivity(S, step, expert, flat // E, flat % E, count_tokens)
+    return LayerActivity(S, E, step, expert, flat // E, flat % E, count_tokens)
 
 
 def single_copy_loads(activity: LayerActivity, phy2log: np.ndarray, ranks: int, count_steps: np.ndarray
@@ -243,7 +244,7 @@ def single_copy_loads(activity: LayerActivity, phy2log: np.ndarray, ranks: int, 
     once: each dispatch rule sends an expert's tokens to its one slot, so this is ``layer_rank_loads``
     for any rule, counted from the layer's (step, expert) pairs."""
     S, R = activity.num_steps, ranks
-    rank_of = np.empty(activity.count_tokens.shape[1], np.int64)
+    rank_of = np.empty(activity.num_experts, np.int64)
     rank_of[phy2log] = np.arange(phy2log.shape[0]) // (phy2log.shape[0] // R)
     distinct = np.bincount(activity.hit_step * R + rank_of[activity.hit_expert], minlength=S * R).reshape(S, R)
     tokens = np.bincount(activity.step * R + rank_of[activity.expert], minlength=S * R).reshape(S, R)
