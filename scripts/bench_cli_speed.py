@@ -13,7 +13,8 @@ cost model, the baselines, the search, the evaluation, each timed in one process
 thread for both trees); and the shapes where every placement scores the same or the search used to
 slow down with less data: the shipped GPT-OSS-20B sample at ``--ranks 16`` and ``32``, each also with
 ``--max-steps 300``, and SYNTHETIC Mixtral-8x7B-shaped routing at ``--ranks 8`` (one expert per rank) and
-``4``. Both trees read the same trace files (made once by this tree, reused from ``--work``), use the
+``4``, and some of these on fewer steps (``--max-steps``: the time must not grow as the steps shrink).
+Both trees read the same trace files (made once by this tree, reused from ``--work``), use the
 same seed, and report E[max distinct] on the same held-out steps (``optimize --json``), so a speed-up
 that changed a placement shows there.
 
@@ -102,6 +103,13 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "sample-r32-300": ("sample", ["--ranks", "32", "--max-steps", "300"]),
     "mixtral-r8": ("mixtral", ["--ranks", "8"]),
     "mixtral-r4": ("mixtral", ["--ranks", "4"]),
+    # less data must never take longer: the same shapes on fewer steps
+    "sample-r16-1000": ("sample", ["--ranks", "16", "--max-steps", "1000"]),
+    "mixtral-r4-300": ("mixtral", ["--ranks", "4", "--max-steps", "300"]),
+    "mixtral-r4-2000": ("mixtral", ["--ranks", "4", "--max-steps", "2000"]),
+    "kimi-r32-300": ("kimi", ["--ranks", "32", "--max-steps", "300"]),
+    "kimi-r32-1000": ("kimi", ["--ranks", "32", "--max-steps", "1000"]),
+    "kimi-r32-3000": ("kimi", ["--ranks", "32", "--max-steps", "3000"]),
 }
 
 
