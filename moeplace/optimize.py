@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import numpy as np
-
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.stepaware import search_moot
 from moeplace.costmodel import CostModel
