@@ -6,6 +6,7 @@ Subcommands are imported lazily so that ``moeplace --help`` stays fast and never
 from __future__ import annotations
 
 import importlib
+import os
 import signal
 import sys
 
@@ -24,6 +25,19 @@ COMMANDS: dict[str, str] = {
     "advise": "moeplace.commands.advise:advise",
 }
 
+# Commands whose work is numpy. They run its BLAS on one thread unless the environment names a count:
+# their matrix products are small, so a second thread gains nothing, and where it shares a core with
+# any other busy process it made `optimize` several times slower (BENCHMARKS.md). `launch` and
+# `capture` are left alone: the SGLang they start inherits the environment.
+NUMPY_COMMANDS = ("report", "optimize", "compare", "advise", "trace")
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def one_blas_thread() -> None:
+    """Ask numpy's BLAS (OpenBLAS or MKL) for one thread, if numpy is not loaded yet and nothing says otherwise."""
+    if "numpy" not in sys.modules and not any(v in os.environ for v in BLAS_THREAD_VARIABLES):
+        os.environ["OPENBLAS_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+
 
 class LazyGroup(click.Group):
     """A click group whose subcommands load on first use."""
@@ -34,6 +48,8 @@ class LazyGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in COMMANDS:
             return None
+        if name in NUMPY_COMMANDS:
+            one_blas_thread()
         module, attr = COMMANDS[name].split(":")
         return getattr(importlib.import_module(module), attr)
 

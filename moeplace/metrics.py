@@ -15,6 +15,7 @@ import numpy as np
 from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
+from moeplace.parallel import map_layers
 from moeplace.placement import Placement, replica_table
 from moeplace.trace.steps import RoutingSteps
 
@@ -201,37 +202,114 @@ class LayerSums:
         self.step_max_hist = np.zeros((L, 65), np.int64)
 
 
+@dataclass(frozen=True)
+class LayerActivity:
+    """One MoE layer of a chunk of steps in the form every placement without spare slots is measured
+    from; made once per layer and shared by all of them.
+
+    step, expert: [N] step and logical expert of each valid (token row, top-k) pair
+    hit_step, hit_expert: [H] each (step, expert) pair where the step activates the expert, once
+        (token rows and count steps)
+    count_tokens: [S_c, E] tokens of the count steps, whole (as ``layer_rank_loads`` rounds them)
+    """
+
+    num_steps: int
+    num_experts: int
+    step: np.ndarray
+    expert: np.ndarray
+    hit_step: np.ndarray
+    hit_expert: np.ndarray
+    count_tokens: np.ndarray
+
+    def distinct_total(self) -> np.ndarray:
+        """[S] distinct logical experts each step activates."""
+        return np.bincount(self.hit_step, minlength=self.num_steps)
+
+
+def layer_activity(steps: RoutingSteps, layer: int) -> LayerActivity:
+    """``LayerActivity`` of one layer of ``steps``."""
+    S, E = steps.num_steps, steps.model.num_experts
+    step, _, expert = steps.layer_pairs(layer)
+    hit = np.zeros(S * E, bool)
+    hit[step * E + expert] = True
+    count_tokens = np.ceil(steps.counts[:, layer, :])
+    hit.reshape(S, E)[steps.count_steps] = count_tokens > 0       # a count step owns no token rows
+    flat = np.flatnonzero(hit)
+    return LayerActivity(S, E, step, expert, flat // E, flat % E, count_tokens)
+
+
+def single_copy_loads(activity: LayerActivity, phy2log: np.ndarray, ranks: int, count_steps: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct [S, R], tokens [S, R]) of one layer under a map ``phy2log [P]`` that holds every expert
+    once: each dispatch rule sends an expert's tokens to its one slot, so this is ``layer_rank_loads``
+    for any rule, counted from the layer's (step, expert) pairs."""
+    S, R = activity.num_steps, ranks
+    rank_of = np.empty(activity.num_experts, np.int64)
+    rank_of[phy2log] = np.arange(phy2log.shape[0]) // (phy2log.shape[0] // R)
+    distinct = np.bincount(activity.hit_step * R + rank_of[activity.hit_expert], minlength=S * R).reshape(S, R)
+    tokens = np.bincount(activity.step * R + rank_of[activity.expert], minlength=S * R).reshape(S, R)
+    if count_steps.size:
+        tokens[count_steps] += (activity.count_tokens @ np.eye(R)[rank_of]).astype(np.int64)
+    return distinct, tokens
+
+
 def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_model: CostModel,
                dispatch: str = "dynamic",
                static_tables: list[np.ndarray] | None = None) -> None:
     """Add one chunk of steps to ``sums`` under ``placement``."""
-    R = placement.ranks
-    for layer in range(steps.model.num_moe_layers):
-        table = static_tables[layer] if static_tables is not None else None
-        if placement.num_redundant == 0:
-            # one replica each: every rule sends an expert to its one rank, which is also the optimum
-            distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, "dynamic")
-            optimum = distinct.max(axis=1)
-        elif dispatch == "balanced":
-            balanced, optimum = balanced_loads(steps, layer, placement.phy2log[layer], R)
-            distinct, tokens = balanced.distinct, balanced.tokens
-        else:
-            distinct, tokens = layer_rank_loads(steps, layer, placement.phy2log[layer], R, dispatch, table)
-            optimum = balanced_loads(steps, layer, placement.phy2log[layer], R)[1]
-        cost = cost_model.cost(distinct, tokens)
-        step_max = distinct.max(axis=1)
-        sums.max_distinct[layer] += step_max.sum()
-        sums.mean_distinct[layer] += distinct.mean(axis=1).sum()
-        sums.lower_bound[layer] += np.ceil(layer_distinct_total(steps, layer) / R).sum()
-        sums.optimum[layer] += optimum.sum()
-        sums.max_cost[layer] += cost.max(axis=1).sum()
-        sums.mean_cost[layer] += cost.mean(axis=1).sum()
-        sums.rank_tokens[layer] += tokens.sum(axis=0)
-        sums.rank_distinct[layer] += distinct.sum(axis=0)
-        sums.step_max_hist[layer] += np.bincount(np.minimum(step_max, 64), minlength=65)
-    sums.steps += steps.num_steps
+    accumulate_all([sums], steps, [placement], [cost_model], dispatch, [static_tables])
+
+
+def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[Placement],
+                   cost_models: list[CostModel], dispatch: str = "dynamic",
+                   static_tables: list[list[np.ndarray] | None] | None = None, workers: int = 1) -> None:
+    """Add one chunk of steps to each ``sums[i]`` under ``placements[i]``, layer by layer, so that what
+    does not depend on the placement (the step-expert presence, the lower bound) is computed once.
+
+    workers: processes to spread the layers over (``moeplace.parallel``; only where no other thread is
+    running, as forking beside a trace reader's decoding threads is not safe)."""
+    static_tables = static_tables or [None] * len(placements)
+
+    def layer_totals(layer: int) -> list[dict[str, Any]]:
+        activity = layer_activity(steps, layer)
+        distinct_total = activity.distinct_total()
+        out = []
+        for placement, cost_model, tables in zip(placements, cost_models, static_tables):
+            R, phy2log = placement.ranks, placement.phy2log[layer]
+            if placement.num_redundant == 0:
+                # one replica each: every rule sends an expert to its one rank, which is also the optimum
+                distinct, tokens = single_copy_loads(activity, phy2log, R, steps.count_steps)
+                optimum = distinct.max(axis=1)
+            elif dispatch == "balanced":
+                balanced, optimum = balanced_loads(steps, layer, phy2log, R)
+                distinct, tokens = balanced.distinct, balanced.tokens
+            else:
+                table = tables[layer] if tables is not None else None
+                distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table)
+                optimum = balanced_loads(steps, layer, phy2log, R)[1]
+            out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
+        return out
+
+    for layer, totals in map_layers(layer_totals, steps.model.num_moe_layers, workers):
+        for layer_sums, placement_totals in zip(sums, totals):
+            for name, value in placement_totals.items():
+                getattr(layer_sums, name)[layer] += value
     tokens = steps.expert_token_counts()
-    sums.expert_tokens = tokens if sums.expert_tokens is None else sums.expert_tokens + tokens
+    for layer_sums in sums:
+        layer_sums.steps += steps.num_steps
+        layer_sums.expert_tokens = tokens if layer_sums.expert_tokens is None else layer_sums.expert_tokens + tokens
+
+
+def _totals(distinct: np.ndarray, tokens: np.ndarray, optimum: np.ndarray, lower_bound: np.ndarray,
+            cost_model: CostModel) -> dict[str, Any]:
+    """One layer's per-step loads (distinct, tokens [S, R]; optimum, lower_bound [S]) summed over the
+    steps, by the ``LayerSums`` field each is added to."""
+    cost = cost_model.cost(distinct, tokens)
+    step_max = distinct.max(axis=1)
+    return {"max_distinct": step_max.sum(), "mean_distinct": distinct.mean(axis=1).sum(),
+            "lower_bound": lower_bound.sum(), "optimum": optimum.sum(), "max_cost": cost.max(axis=1).sum(),
+            "mean_cost": cost.mean(axis=1).sum(), "rank_tokens": tokens.sum(axis=0),
+            "rank_distinct": distinct.sum(axis=0), "step_max_hist": np.bincount(np.minimum(step_max, 64), minlength=65)}
 
 
 def balancedness(rank_load: np.ndarray) -> np.ndarray:

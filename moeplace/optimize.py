@@ -8,8 +8,10 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.stepaware import search_moot
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
+from moeplace.parallel import layer_workers
 from moeplace.placement import Placement
 from moeplace.report import Evaluation, evaluate, steps_phrase
 from moeplace.trace.load import Trace
@@ -63,7 +65,7 @@ def split_steps(steps: RoutingSteps, holdout: float) -> tuple[RoutingSteps, Rout
     if holdout == 0:
         return steps, steps
     cut = holdout_cut(steps.num_steps, holdout)
-    return steps.take(np.arange(cut)), steps.take(np.arange(cut, steps.num_steps))
+    return steps.slice(0, cut), steps.slice(cut, steps.num_steps)   # views: the trace is held once
 
 
 def holdout_cut(num_steps: int, holdout: float) -> int:
@@ -108,7 +110,6 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         steps = steps_from_counts(model, counts, AGGREGATE_SAMPLE_STEPS, seed=seed)
         notes.append(f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
                      f"independent tokens (no co-activation); metrics are for those sampled steps")
-    note = "; ".join(notes)
     fit, held_out = split_steps(steps, holdout)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
@@ -121,6 +122,10 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         return p
 
     problem(fit, progress).check()
+    moot = search_moot(problem(fit, progress)) if algorithm == "stepaware" else None
+    if moot:
+        notes.append(f"{moot}, so stepaware skipped its search")
+    note = "; ".join(notes)
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in BASELINES if name != algorithm}
     maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
@@ -135,8 +140,17 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
                                           algorithm="deepseek", trace=str(trace.path)), **placements}
         rules[baseline], costs[baseline] = today_rule(dispatch), reference_cost_model or cost_model
 
+    workers = layer_workers(held_out.num_steps * (model.num_experts + redundant) * model.num_moe_layers)
+
     def evaluate_on(steps_: RoutingSteps) -> list[Evaluation]:
-        return [evaluate({name: p}, [steps_], costs[name], rules[name])[0] for name, p in placements.items()]
+        """Every placement under its own rule and cost model; those sharing both are measured in one pass."""
+        groups: dict[tuple, dict[str, Placement]] = {}
+        for name, p in placements.items():
+            groups.setdefault((rules[name], id(costs[name])), {})[name] = p
+        measured = {e.name: e for group in groups.values()
+                    for e in evaluate(group, [steps_], costs[next(iter(group))], rules[next(iter(group))],
+                                      workers)}
+        return [measured[name] for name in placements]
 
     evals = evaluate_on(held_out)
     fitted = evaluate_on(evenly_spaced(fit, FITTED_SAMPLE_STEPS)) if holdout else []

@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from moeplace.costmodel import CostModel
-from moeplace.metrics import LayerSums, accumulate, gap_closed, static_dispatch_table, summarize
+from moeplace.metrics import LayerSums, accumulate_all, gap_closed, static_dispatch_table, summarize
 from moeplace.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 
@@ -25,11 +25,13 @@ class Evaluation:
 
 
 def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
-             cost_model: CostModel | Mapping[str, CostModel], dispatch: str = "dynamic") -> list[Evaluation]:
+             cost_model: CostModel | Mapping[str, CostModel], dispatch: str = "dynamic",
+             workers: int = 1) -> list[Evaluation]:
     """Measure every placement on the same stream of step chunks (one pass over the trace).
 
     cost_model: one for all placements, or one per placement name (placements that differ in slots
-    per rank cost differently).
+    per rank cost differently). workers: processes for the layers of steps held in memory
+    (``metrics.accumulate_all``).
     """
     items = list(placements.items())
     costs = [cost_model[name] if isinstance(cost_model, Mapping) else cost_model for name, _ in items]
@@ -38,8 +40,7 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
                for layer in range(p.model.num_moe_layers)] if dispatch == "static" else None
               for _, p in items]
     for chunk in chunks:
-        for (name, p), s, t, c in zip(items, sums, tables, costs):
-            accumulate(s, chunk, p, c, dispatch, static_tables=t)
+        accumulate_all(sums, chunk, [p for _, p in items], costs, dispatch, tables, workers)
     return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 

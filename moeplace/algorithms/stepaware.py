@@ -30,10 +30,13 @@ import numpy as np
 from moeplace.algorithms import PlacementProblem, balanced_replicas
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.metrics import balancedness, static_dispatch_table
+from moeplace.parallel import layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
-MAX_REPAIRS = 64           # swaps allowed to lift token balancedness to the floor
+MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number plus TIE_BREAK times one
+MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
+PAIR_CELLS = 10_000         # one rank pair's numpy calls in swap_deltas (~10 us), in effort cells (~1 ns)
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
 BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
@@ -58,31 +61,43 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
     base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
     search = balanced_replicas.search_steps(problem, rng) if base is not problem else None
+    # Each layer's sample of steps for the swap search, drawn in layer order: the same placement
+    # whichever worker places which layer.
+    no_search = base_is_ref or search_moot(base)
+    rows = [None if no_search else search_rows(problem.steps.num_steps, base.num_physical, rng) for _ in range(L)]
+
+    def place(layer: int) -> np.ndarray:
+        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
+        return balanced_replicas.place(problem, layer, phy2log, search) if base is not problem else phy2log
+
     out = np.zeros((L, problem.num_physical), np.int64)
-    for layer in range(L):
-        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rng, base.effort / L)
-        if base is not problem:
-            phy2log = balanced_replicas.place(problem, layer, phy2log, search)
+    for layer, phy2log in map_layers(place, L, layer_workers(problem.steps.num_steps * problem.num_physical * L)):
         out[layer] = phy2log
         problem.progress(1)
     return out
 
 
-def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rng: np.random.Generator,
+def search_rows(num_steps: int, P: int, rng: np.random.Generator) -> np.ndarray:
+    """[S'] the steps a layer's swap search sees: all, or SEARCH_CELLS / P of them at random, in order."""
+    if num_steps <= max(SEARCH_CELLS // P, 1):
+        return np.arange(num_steps)
+    return np.sort(rng.choice(num_steps, max(SEARCH_CELLS // P, 1), replace=False))
+
+
+def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray | None,
                 effort: float) -> np.ndarray:
-    """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor."""
+    """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor;
+    rows: the steps the swap search sees (``search_rows``; None where ``search_moot``)."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
     spr = P // R
     replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
+    if search_moot(problem):
+        return item_expert   # slot p holds item p: replicas of an expert on increasing ranks
     active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
     floor = min(problem.balance_floor * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
-    rows = np.arange(active.shape[0])
-    search_steps = max(SEARCH_CELLS // P, 1)
-    if active.shape[0] > search_steps:
-        rows = np.sort(rng.choice(active.shape[0], search_steps, replace=False))
     search = active[rows]
     nodes = problem.nodes
     if nodes == 1:
@@ -92,7 +107,7 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
             # Under the static rule the replica that serves a step is the one nearest its source
             # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
             # placement found (SGLang's own table) and search again from there.
-            rounds = max(1, int(effort / 4 / (rows.size * P * R + 50 * P * P)))
+            rounds = max(1, int(effort / 4 / round_cost(rows.size, P, R)))
             for _ in range(2):
                 order = np.lexsort((item_expert, rank))
                 static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
@@ -118,6 +133,24 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rn
     return item_expert[order]
 
 
+def search_moot(problem: PlacementProblem) -> str | None:
+    """Why no placement of the slots on the ranks scores better than another, or None.
+
+    Then ``place_layer`` skips the greedy packing and the swap search: at one slot per rank a swap
+    only renames two ranks. Under ``static`` dispatch a rank's replicas decide which source ranks it
+    serves, so there it still matters; under balanced dispatch with spare slots their own search
+    (``balanced_replicas``) runs whatever this says.
+    """
+    R, P = problem.ranks, problem.num_physical
+    if problem.dispatch == "balanced" and problem.redundant:
+        return None
+    if R == 1:
+        return "one rank holds every expert"
+    if P == R and not (problem.dispatch == "static" and problem.redundant):
+        return "one expert slot per rank: every assignment of slots to ranks scores the same"
+    return None
+
+
 def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
               R: int, floor: float, effort: float) -> np.ndarray:
     """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
@@ -128,23 +161,31 @@ def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, i
     """
     S, P = active.shape
     start_cost = S * P * R
-    round_cost = search.shape[0] * P * R + 50 * P * P
+    per_round = round_cost(search.shape[0], P, R)
     presence = active.sum(axis=0)
     orders = [None, np.argsort(-(presence + 1e-9 * item_tokens), kind="stable")]
     best, best_value = None, np.inf
     for order in orders:
-        if best is not None and effort < start_cost + 2 * round_cost:
+        if best is not None and effort < start_cost + 2 * per_round:
             break
         effort -= start_cost
         start = order_replicas(greedy_place(active, item_tokens, item_expert, R, P // R, floor, order),
                                item_expert)
         rank, used = swap_search(search, item_tokens, item_expert, start, R, floor,
-                                 max(1, int(effort // round_cost)))
-        effort -= used * round_cost
+                                 max(1, int(effort // per_round)))
+        effort -= used * per_round
         value = _objective(_loads(active, rank, R))
         if value < best_value:
             best, best_value = rank, value
     return best
+
+
+def round_cost(S: int, P: int, R: int) -> int:
+    """Work of one swap round on S steps, in the cells ``effort`` counts: the products over steps,
+    the [P, P] deltas, and ``swap_deltas``' loop over rank pairs, whose numpy calls cost about
+    PAIR_CELLS cells each (at 16 to 64 ranks on few steps they outweigh the arithmetic, and a
+    budget that left them out let a smaller sample take longer)."""
+    return S * P * R + 50 * P * P + PAIR_CELLS * (R * (R - 1) // 2)
 
 
 def order_replicas(rank: np.ndarray, item_expert: np.ndarray) -> np.ndarray:
@@ -210,17 +251,15 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
     first = np.concatenate([[0], np.cumsum(replicas)[:-1]])
     active = np.zeros(S * P, np.float32)
     item_tokens = np.zeros(P)
-    step_of_row, row_in_step, ids = steps.layer(layer)
-    if ids.size:
-        valid = ids >= 0
-        e = ids[valid].astype(np.int64)
-        rows = np.broadcast_to(np.arange(ids.shape[0])[:, None], ids.shape)[valid]
-        pick = row_in_step[rows] if dispatch == "dynamic" else steps.ranks[step_of_row[rows]].astype(np.int64)
-        if dispatch == "static" and static_item is not None:
-            item = static_item[pick % static_item.shape[0], e]
+    step, row, e = steps.layer_pairs(layer)
+    if e.size:
+        if replicas.max() == 1:
+            item = e                  # one replica each: an expert's item is itself, whatever the rule
         else:
-            item = first[e] + pick % replicas[e]
-        active[step_of_row[rows] * P + item] = 1
+            pick = row if dispatch == "dynamic" else steps.ranks[step].astype(np.int64)
+            item = (static_item[pick % static_item.shape[0], e] if dispatch == "static" and static_item is not None
+                    else first[e] + pick % replicas[e])
+        active[step * P + item] = 1
         item_tokens += np.bincount(item, minlength=P)
     active = active.reshape(S, P)
     if steps.count_steps.size and dispatch == "static" and static_item is not None:
@@ -236,7 +275,7 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
             share = np.floor(c[:, has] / replicas[has]) + (j < np.mod(c[:, has], replicas[has]))
             active[steps.count_steps[:, None], first[has] + j] += share > 0
             item_tokens[first[has] + j] += share.sum(axis=0)
-    return np.minimum(active, 1), item_tokens
+    return np.minimum(active, 1, out=active), item_tokens
 
 
 def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, R: int, spr: int,
@@ -249,8 +288,9 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
     balancedness >= balance_floor allows, so a loose floor leaves anti-affinity free to choose.
     """
     S, P = active.shape
-    by_item = np.ascontiguousarray(active.T) > 0
+    by_item = _transpose_bool(active > 0)
     D = np.zeros((R, S), np.int16)      # rank-major: reductions over ranks run along long rows
+    top = np.zeros(S, np.int16)         # [S] max_r D, kept up to date rather than reduced per item
     fill = np.zeros(R, np.int64)
     load = np.zeros(R)
     rank = np.full(P, -1, np.int64)
@@ -261,7 +301,8 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
     for i in order:
         steps = np.flatnonzero(by_item[i])
         Di = D[:, steps]
-        score = (Di == Di.max(axis=0)).sum(axis=1) + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size)
+        score = (np.count_nonzero(Di == top[steps], axis=1)
+                 + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size))
         open_ = (fill < spr) & ~holds[:, item_expert[i]]
         if not open_.any():
             # Every rank with a free slot already holds this expert: move some other item k from a
@@ -272,6 +313,7 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
             steps_k = np.flatnonzero(by_item[k])
             D[r, steps_k] -= 1
             D[free, steps_k] += 1
+            top[steps_k] = D[:, steps_k].max(axis=0)
             rank[k], fill[free], fill[r] = free, fill[free] + 1, fill[r] - 1
             load[r] -= item_tokens[k]
             load[free] += item_tokens[k]
@@ -282,8 +324,19 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
         r = int(np.argmin(score))
         rank[i], fill[r], load[r] = r, fill[r] + 1, load[r] + item_tokens[i]
         holds[r, item_expert[i]] = True
-        D[r, steps] += 1
+        grown = D[r, steps] + 1
+        D[r, steps] = grown
+        top[steps] = np.maximum(top[steps], grown)
     return rank
+
+
+def _transpose_bool(x: np.ndarray) -> np.ndarray:
+    """[S, P] -> contiguous [P, S], a block of rows at a time: numpy's transposed copy of the whole
+    reads across every row per output row, 3x slower at Kimi-K2's 14,000 x 384."""
+    out = np.empty(x.shape[::-1], x.dtype)
+    for start in range(0, x.shape[0], 256):
+        out[:, start:start + 256] = x[start:start + 256].T
+    return out
 
 
 def _make_room(rank: np.ndarray, item_expert: np.ndarray, holds: np.ndarray, fill: np.ndarray, spr: int,
@@ -343,28 +396,26 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
     hold two replicas of one expert) or, with ``only_rank``, where neither item is on that rank.
     """
     S, P = X.shape
-    mx = D.max(axis=1)
-    # h[s, a, b]: change of step s's objective when rank a loses one active slot and b gains one.
-    h = np.zeros((S, R, R), np.float32)
-    for a in range(R):
-        for b in range(a + 1, R):
-            others = np.delete(D, [a, b], axis=1).max(axis=1) if R > 2 else np.zeros(S, np.float32)
-            for x, y in ((a, b), (b, a)):
-                new_max = np.maximum(others, np.maximum(D[:, x] - 1, D[:, y] + 1))
-                h[:, x, y] = new_max - mx + TIE_BREAK * 2 * (D[:, y] - D[:, x] + 1)
+    h = move_changes(D)
     XH = X.T @ h.reshape(S, R * R)                     # [P, R*R]: sum_s x_si h(s, a, b)
-    delta = np.full((P, P), np.inf, np.float32)
-    members = [np.flatnonzero(rank == r) for r in range(R)]
+    # Items grouped by rank, so that each rank pair's block of deltas is a slice (then put back in order).
+    by_rank = np.argsort(rank, kind="stable")
+    start = np.searchsorted(rank[by_rank], np.arange(R + 1))
+    Xr = [X[:, by_rank[start[r]:start[r + 1]]] for r in range(R)]
+    XHr = XH[by_rank]
+    both = h + h.transpose(0, 2, 1)                    # [S, R, R] h_ab + h_ba
+    grouped = np.full((P, P), np.inf, np.float32)
     for a in range(R):
         for b in range(a + 1, R):
             if only_rank is not None and only_rank not in (a, b):
                 continue
-            I, J = members[a], members[b]
-            w = h[:, a, b] + h[:, b, a]
-            cross = (X[:, I] * w[:, None]).T @ X[:, J]    # sum_s x_si x_sj (h_ab + h_ba), symmetric in a, b
-            block = XH[I, a * R + b][:, None] + XH[J, b * R + a][None, :] - cross
-            delta[np.ix_(I, J)] = block
-            delta[np.ix_(J, I)] = block.T
+            I, J = slice(start[a], start[a + 1]), slice(start[b], start[b + 1])
+            cross = (Xr[a] * both[:, a, b, None]).T @ Xr[b]   # sum_s x_si x_sj (h_ab + h_ba), symmetric in a, b
+            block = XHr[I, a * R + b][:, None] + XHr[J, b * R + a][None, :] - cross
+            grouped[I, J] = block
+            grouped[J, I] = block.T
+    back = np.argsort(by_rank)
+    delta = grouped[back][:, back]
     holds = np.zeros((R, int(item_expert.max()) + 1), bool)
     holds[rank, item_expert] = True
     delta[holds[rank[None, :], item_expert[:, None]]] = np.inf      # i's expert already on j's rank
@@ -380,11 +431,38 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
     return delta
 
 
+def move_changes(D: np.ndarray) -> np.ndarray:
+    """h [S, R, R]: change of step s's objective when rank a loses one active slot and rank b gains one
+    (0 where a == b). D: [S, R] loads.
+
+    The largest load outside ranks a and b is the first of each step's three largest that sits on
+    neither, so every pair is done at once rather than in a loop over R^2 pairs (which at 16 or 32
+    ranks cost more than the arithmetic).
+    """
+    S, R = D.shape
+    padded = np.pad(D, ((0, 0), (0, max(0, 3 - R))))       # zero loads: no rank outside a, b adds none
+    top = np.argsort(-padded, axis=1, kind="stable")[:, :3]                # [S, 3]
+    value = np.take_along_axis(padded, top, axis=1)
+    a, b = np.arange(R)[:, None], np.arange(R)[None, :]
+    others = value[:, 2, None, None]
+    for k in (1, 0):
+        outside = (top[:, k, None, None] != a) & (top[:, k, None, None] != b)
+        others = np.where(outside, value[:, k, None, None], others)        # [S, R, R]
+    new_max = np.maximum(others, np.maximum(D[:, :, None] - 1, D[:, None, :] + 1))
+    h = new_max - D.max(axis=1)[:, None, None] + TIE_BREAK * 2 * (D[:, None, :] - D[:, :, None] + 1)
+    h[:, np.arange(R), np.arange(R)] = 0
+    return h.astype(np.float32, copy=False)
+
+
 def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray,
              item_tokens: np.ndarray, load: np.ndarray, R: int, balance_floor: float) -> bool:
     """One round: apply the best improving swaps on disjoint rank pairs (their effects barely
     interact), keeping the token-balance floor; a batch that turns out worse is cut back to its
-    best swap. Returns False when no swap improves."""
+    best swap. Returns False when no swap improves the exact objective.
+
+    The deltas are float32 sums over steps, and where every placement scores the same (one slot per
+    rank) their rounding alone looks like a gain: so the objective is recomputed after the swaps, and
+    a round that did not lower it by MIN_GAIN is undone and ends the search."""
     P = X.shape[1]
     flat = swap_deltas(X, D, rank, item_expert, R).ravel()
     top = np.argpartition(flat, min(255, flat.size - 1))[:256]
@@ -413,6 +491,11 @@ def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.nda
     if len(chosen) > 1 and _objective(D) > before + flat[chosen[0][0] * P + chosen[0][1]] / 2:
         for i, j in reversed(chosen[1:]):
             _swap(D, X, rank, i, j)
+        chosen = chosen[:1]
+    if _objective(D) > before - MIN_GAIN:
+        for i, j in reversed(chosen):
+            _swap(D, X, rank, i, j)
+        return False
     return True
 
 
@@ -425,4 +508,4 @@ def _swap(D: np.ndarray, X: np.ndarray, rank: np.ndarray, i: int, j: int) -> Non
 
 
 def _objective(D: np.ndarray) -> float:
-    return float(D.max(axis=1).sum() + TIE_BREAK * (D.astype(np.float64) ** 2).sum())
+    return float(D.max(axis=1).sum(dtype=np.float64) + TIE_BREAK * (D.astype(np.float64) ** 2).sum())

@@ -99,7 +99,9 @@ class Trace:
             else:
                 keep = idx
             seen += idx.size
-            if keep.size:
+            if keep.size == chunk.num_steps:
+                parts.append(chunk)         # all of it: no copy before the join
+            elif keep.size:
                 parts.append(chunk.take(keep))
         if not parts:
             return RoutingSteps.empty(self.model)

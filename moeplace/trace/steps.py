@@ -122,12 +122,32 @@ class RoutingSteps:
         return RoutingSteps(self.model, self.modes[idx], self.num_tokens[idx], self.ranks[idx], offsets,
                             self.topk_ids[rows], position[self.count_steps[keep]], self.counts[keep])
 
+    def slice(self, start: int, stop: int) -> "RoutingSteps":
+        """Steps ``start:stop`` as views of these arrays, not copies (a split of a large trace in two
+        would otherwise hold it twice)."""
+        rows = slice(int(self.token_offsets[start]), int(self.token_offsets[stop]))
+        counted = (self.count_steps >= start) & (self.count_steps < stop)
+        return RoutingSteps(self.model, self.modes[start:stop], self.num_tokens[start:stop], self.ranks[start:stop],
+                            self.token_offsets[start:stop + 1] - self.token_offsets[start], self.topk_ids[rows],
+                            self.count_steps[counted] - start, self.counts[counted])
+
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One MoE layer as (step of each token row [T], token row within its step [T], ids [T, K])."""
         T = self.topk_ids.shape[0]
         step_of_row = np.repeat(np.arange(self.num_steps), np.diff(self.token_offsets))
         row_in_step = np.arange(T) - self.token_offsets[step_of_row]
         return step_of_row, row_in_step, self.topk_ids[:, layer, :]
+
+    def layer_pairs(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One MoE layer's valid (token row, top-k) entries in row order, as (step [N], token row within
+        its step [N], expert [N] int64). Verify and decode steps have no -1 padding: then no mask is
+        built, the larger part of the work on them."""
+        step_of_row, row_in_step, ids = self.layer(layer)
+        if ids.size == 0 or ids.min() >= 0:
+            K = ids.shape[1]
+            return np.repeat(step_of_row, K), np.repeat(row_in_step, K), ids.ravel().astype(np.int64)
+        row = np.nonzero(ids >= 0)[0]
+        return step_of_row[row], row_in_step[row], ids[ids >= 0].astype(np.int64)
 
     def expert_token_counts(self) -> np.ndarray:
         """[L, E] tokens routed to each logical expert over all steps."""

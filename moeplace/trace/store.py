@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import io
+import itertools
 import json
 import os
 import struct
 import zlib
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,6 +113,9 @@ ZLIB_LEVEL = 1
 # that a reader, which holds one chunk at a time, stays in bounded memory.
 CHUNK_BYTES = 32 << 20
 MAX_CHUNK_STEPS = 65536
+# Chunks a reader decodes ahead on other threads: decompression, most of a read's time, then runs
+# on two cores (a 20,000-step Kimi-K2-shaped trace: BENCHMARKS.md).
+DECODE_AHEAD = 2
 
 
 def _encode_chunk(arrays: dict[str, np.ndarray]) -> bytes:
@@ -313,16 +318,21 @@ class TraceReader:
         return self.headers[0].model
 
     def __iter__(self) -> Iterator[RoutingSteps]:
+        """Each whole chunk's steps, in order. Chunks are decoded DECODE_AHEAD ahead on other threads
+        (zlib lets go of the GIL), so memory holds at most DECODE_AHEAD + 2 chunks."""
         self.damaged.clear()  # each pass reports what it found, once
-        for path, header in zip(self.shards, self.headers):
-            self._note_unfinished(path)
-            p2l = np.asarray(header.physical_to_logical_map, np.int64) if header.id_space == "physical" else None
-            for payload, num_steps in self._payloads(path):
-                steps = self._decode(path, header, payload, p2l)
-                if steps.num_steps != num_steps:  # the chunk header is outside the CRC
-                    self.damaged.append((path, "chunk header disagrees with its payload"))
-                    break
-                yield steps
+        with ThreadPoolExecutor(max_workers=DECODE_AHEAD) as pool:
+            for path, header in zip(self.shards, self.headers):
+                self._note_unfinished(path)
+                p2l = np.asarray(header.physical_to_logical_map, np.int64) if header.id_space == "physical" else None
+                decoding = ((pool.submit(self._decode, path, header, payload, p2l), num_steps)
+                            for payload, num_steps in self._payloads(path))
+                for future, num_steps in _read_ahead(decoding, DECODE_AHEAD):
+                    steps = future.result()
+                    if steps.num_steps != num_steps:  # the chunk header is outside the CRC
+                        self.damaged.append((path, "chunk header disagrees with its payload"))
+                        break
+                    yield steps
 
     def raw_chunks(self) -> Iterator[tuple[Path, dict[str, np.ndarray]]]:
         """(shard, the chunk's arrays as stored) for each whole chunk: ids in the shard's own id space
@@ -403,6 +413,15 @@ class TraceReader:
         except MoeplaceError as e:
             raise FormatError(path, str(e)) from None
         return steps
+
+
+def _read_ahead(items: Iterator, n: int) -> Iterator:
+    """``items`` in order, the next n already drawn while the caller handles the current one."""
+    waiting = deque(itertools.islice(items, n))
+    for item in items:
+        waiting.append(item)
+        yield waiting.popleft()
+    yield from waiting
 
 
 def _leading_modes(payload: bytes, num_steps: int) -> np.ndarray | None:

@@ -1,0 +1,48 @@
+"""The numpy commands ask BLAS for one thread before numpy loads, unless the environment names a count;
+`launch` (whose SGLang inherits the environment) is left alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PROBE = """
+import json, os, sys
+import click
+from moeplace.cli import cli
+cli.get_command(click.Context(cli), sys.argv[1])
+print(json.dumps({v: os.environ.get(v) for v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")}))
+"""
+
+
+def blas_environment(command: str, **preset: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
+                                                          "OMP_NUM_THREADS")}
+    env.update(preset, PYTHONPATH=str(REPO))
+    out = subprocess.run([sys.executable, "-c", PROBE, command], env=env, capture_output=True, text=True,
+                         check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("command", ["optimize", "report", "compare", "advise", "trace"])
+def test_numpy_commands_ask_for_one_blas_thread(command):
+    assert blas_environment(command) == {"OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                                         "OMP_NUM_THREADS": None}
+
+
+def test_a_count_in_the_environment_wins():
+    assert blas_environment("optimize", OMP_NUM_THREADS="4") == {"OPENBLAS_NUM_THREADS": None,
+                                                                 "MKL_NUM_THREADS": None, "OMP_NUM_THREADS": "4"}
+    assert blas_environment("optimize", OPENBLAS_NUM_THREADS="2")["OPENBLAS_NUM_THREADS"] == "2"
+
+
+@pytest.mark.parametrize("command", ["launch", "capture"])
+def test_commands_that_start_sglang_leave_the_environment_alone(command):
+    assert blas_environment(command) == {"OPENBLAS_NUM_THREADS": None, "MKL_NUM_THREADS": None,
+                                         "OMP_NUM_THREADS": None}
