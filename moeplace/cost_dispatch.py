@@ -1,0 +1,300 @@
+"""Dispatch by cost: per step, choose each active expert's replica, and split its tokens over its replicas
+where the token term pays, so that the busiest rank's predicted MoE time is as low as possible.
+
+Dimension letters: S steps, E logical experts, M experts with more than one replica, R ranks.
+
+**The per-step problem.** Expert e has ``counts[e]`` tokens this step and a replica on each rank of
+``masks[e]``. Choose ``alloc[e, r] >= 0`` tokens of e on each replica rank r, summing to ``counts[e]``.
+Rank r then costs ``a * distinct_r + b * tokens_r + c`` (``moeplace.costmodel``: distinct_r the experts
+with ``alloc[e, r] > 0``, tokens_r their (token, expert) pairs; c, SGLang's launch grid, is the same on
+every rank of a step, ``moeplace.cost_derive``). Minimise the largest. At verify batch ``a`` dominates
+and the answer is balanced dispatch's (``moeplace.balanced``: one replica per expert, fewest distinct
+experts on the busiest rank); at large batch every replica is read anyway and the token term decides,
+as SGLang's LPLB assumes.
+
+In units of one (token, expert) pair, an expert read costs ``q = round(a / b)`` pairs
+(``pairs_per_read``), so a rank's cost is the integer ``q * distinct + tokens``: every rank computes
+the same choice from the same ids, with no floating-point ties.
+
+* ``exact_split``: the problem as a MILP (``scipy.optimize.milp``), the oracle for the tests and the
+  evaluation; it returns HiGHS's proven lower bound beside the best allocation found.
+* the **fast rule** (``cost_rule_step`` states it for one step; ``cost_rule`` computes the same for many
+  steps at once):
+
+  1. the balanced rule (``balanced.fast_rule``, with its GPU cap on augmenting paths);
+  2. a step whose (token, expert) pairs are fewer than ``q`` keeps it: one more read on the busiest
+     rank then costs more than all of the step's tokens, so the model's optimum also has the fewest
+     distinct experts there, and what moving tokens could still gain is under ``b * pairs`` (at a
+     9-token Kimi-shaped step under 3 µs of a ~170 µs layer). This makes the rule balanced dispatch,
+     pick for pick, at verify batch;
+  3. otherwise, up to ``MAX_ROUNDS`` times: on the busiest rank r (lowest rank on ties), for every
+     expert with tokens there and a replica on another rank r', the better of moving all of its tokens
+     to r' (r sheds a read) and moving the share that levels the two ranks (r' may gain a read); take
+     the move whose two ranks end highest the lowest (ties: a whole move, then the lowest expert id, then
+     the lowest r'), if both end below r's cost; else stop. Each move lowers the maximum or the number
+     of ranks at it, so the rule never ends above balanced dispatch's cost.
+
+A split expert's tokens go to its ranks in increasing rank order, in token-row order
+(``expert_slots``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moeplace.balanced import MAX_AUGMENT, fast_rule
+from moeplace.costmodel import CostModel
+from moeplace.errors import MoeplaceError
+
+MAX_ROUNDS = 16   # moves per step after the balanced rule (BENCHMARKS.md: how many the evaluated steps used)
+
+
+def pairs_per_read(cost: CostModel) -> int | None:
+    """q: how many (token, expert) pairs cost as much as one expert read (None when tokens are free)."""
+    if cost.b_us_per_token <= 0:
+        return None
+    return max(1, int(round(cost.a_us_per_expert / cost.b_us_per_token)))
+
+
+def _replica_bits(masks: np.ndarray, ranks: int) -> np.ndarray:
+    """[E, R] bool: expert e has a replica on rank r."""
+    return ((np.asarray(masks, np.int64)[:, None] >> np.arange(ranks)) & 1).astype(bool)
+
+
+# ----------------------------------------------------------------------------- one step (the rule)
+
+def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None,
+                   max_rounds: int = MAX_ROUNDS, max_augment: int | None = MAX_AUGMENT) -> np.ndarray:
+    """alloc [E, R]: tokens of each expert on each rank, by the fast rule (see the module docstring).
+
+    counts: [E] tokens per expert in this step; masks: [E] replica ranks (``ReplicaLayout.masks``).
+    Written for clarity: this is the statement the vectorised version (and a GPU one) must match.
+    """
+    counts = np.asarray(counts, np.int64)
+    E = counts.shape[0]
+    pick = fast_rule(counts[None, :], masks, ranks, max_augment).pick[0]
+    alloc = np.zeros((E, ranks), np.int64)
+    on = pick >= 0
+    alloc[np.flatnonzero(on), pick[on]] = counts[on]
+    if q is None or counts.sum() < q:
+        return alloc
+    bits = _replica_bits(masks, ranks)
+    multi = np.flatnonzero(bits.sum(axis=1) > 1)
+    for _ in range(max_rounds):
+        cost = q * (alloc > 0).sum(axis=0) + alloc.sum(axis=0)
+        top = int(np.argmax(cost))
+        best = None          # (pair max, partial?, expert, target, tokens moved)
+        for e in multi:
+            here = int(alloc[e, top])
+            if here == 0:
+                continue
+            for r in np.flatnonzero(bits[e]):
+                if r == top:
+                    continue
+                dest = int(cost[r]) + (q if alloc[e, r] == 0 else 0)
+                options = [(max(int(cost[top]) - q - here, dest + here), 0, here)]
+                if here >= 2:
+                    m = min(max((int(cost[top]) - dest) // 2, 1), here - 1)
+                    options.append((max(int(cost[top]) - m, dest + m), 1, m))
+                for value, partial, m in options:
+                    key = (value, partial, int(e), int(r), m)
+                    if best is None or key < best:
+                        best = key
+        if best is None or best[0] >= cost[top]:
+            break
+        _, _, e, r, m = best
+        alloc[e, top] -= m
+        alloc[e, r] += m
+    return alloc
+
+
+# ----------------------------------------------------------------------------- many steps at once
+
+@dataclass
+class CostDispatch:
+    """The fast rule's choice for S steps of one layer.
+
+    multi: [M] the experts with more than one replica (ascending); alloc: [S, M, R] their tokens on
+    each rank (every other active expert runs on its one rank); distinct, tokens: [S, R] per rank;
+    pick: [S, E] the balanced rule's rank for each active expert (-1 inactive), where the rule started;
+    rounds: [S] moves made after it.
+    """
+
+    multi: np.ndarray
+    alloc: np.ndarray
+    distinct: np.ndarray
+    tokens: np.ndarray
+    pick: np.ndarray
+    rounds: np.ndarray
+
+    def full_alloc(self, counts: np.ndarray) -> np.ndarray:
+        """[S, E, R] tokens of every expert on every rank (``counts``: the [S, E] the rule ran on)."""
+        S, E = counts.shape
+        R = self.distinct.shape[1]
+        out = np.zeros((S, E, R), np.int64)
+        s, e = np.nonzero(self.pick >= 0)
+        out[s, e, self.pick[s, e]] = counts[s, e]
+        out[:, self.multi, :] = self.alloc
+        return out
+
+
+def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None, max_rounds: int = MAX_ROUNDS,
+              max_augment: int | None = MAX_AUGMENT) -> CostDispatch:
+    """``cost_rule_step`` for every row of ``counts [S, E]`` at once (the same allocations, vectorised)."""
+    counts = np.asarray(counts, np.int64)
+    S, E = counts.shape
+    R = ranks
+    base = fast_rule(counts, masks, R, max_augment)
+    bits = _replica_bits(masks, R)
+    multi = np.flatnonzero(bits.sum(axis=1) > 1)
+    M = multi.size
+    alloc = np.zeros((S, M, R), np.int64)
+    s, i = np.nonzero(base.pick[:, multi] >= 0)
+    alloc[s, i, base.pick[s, multi[i]]] = counts[s, multi[i]]
+    distinct, tokens = base.distinct.copy(), base.tokens.astype(np.int64)
+    rounds = np.zeros(S, np.int64)
+    live = np.flatnonzero(counts.sum(axis=1) >= q) if q is not None and M else np.zeros(0, np.int64)
+    replica = bits[multi][None, :, :]                                     # [1, M, R]
+    big = np.iinfo(np.int64).max // 4
+    for _ in range(max_rounds):
+        if not live.size:
+            break
+        n = live.size
+        rows = np.arange(n)
+        a = alloc[live]                                                   # [n, M, R]
+        cost = q * distinct[live] + tokens[live]                          # [n, R]
+        top = cost.argmax(axis=1)
+        cmax = cost[rows, top][:, None, None]
+        here = a[rows, :, top][:, :, None]                                # [n, M, 1]
+        dest = cost[:, None, :] + q * (a == 0)                            # [n, M, R]
+        allowed = replica & (here > 0) & (np.arange(R) != top[:, None])[:, None, :]
+        whole = np.maximum(cmax - q - here, dest + here)
+        share = np.clip((cmax - dest) // 2, 1, np.maximum(here - 1, 1))
+        part = np.where(here >= 2, np.maximum(cmax - share, dest + share), big)
+        use_part = part < whole
+        value = np.where(allowed, np.minimum(whole, part), big)
+        key = (value * 2 + use_part).reshape(n, -1)                      # ties: a whole move first
+        flat = key.argmin(axis=1)                                         # then the lowest expert, rank
+        ok = key[rows, flat] // 2 < cmax[:, 0, 0]
+        live, rows, flat, top = live[ok], rows[ok], flat[ok], top[ok]
+        i, r = flat // R, flat % R
+        m = np.where(use_part[rows, i, r], share[rows, i, r], here[rows, i, 0])
+        emptied = m == alloc[live, i, top]
+        opened = alloc[live, i, r] == 0
+        alloc[live, i, top] -= m
+        alloc[live, i, r] += m
+        tokens[live, top] -= m
+        tokens[live, r] += m
+        distinct[live, top] -= emptied
+        distinct[live, r] += opened
+        rounds[live] += 1
+    return CostDispatch(multi, alloc, distinct, tokens, base.pick, rounds)
+
+
+def expert_slots(alloc: np.ndarray, slots: np.ndarray, rank_of_pair: np.ndarray) -> np.ndarray:
+    """Physical slot of each pair of one expert given ``alloc [R]`` (its tokens per rank) and
+    ``slots [R]`` (its slot on each rank, ``ReplicaLayout.slots[e]``): the first ``alloc[r0]`` pairs in
+    token-row order go to the lowest rank r0 with tokens, and so on. rank_of_pair: [N] the pairs'
+    positions 0..N-1 among the expert's pairs of the step, in row order."""
+    ends = np.cumsum(alloc)
+    return slots[np.searchsorted(ends, rank_of_pair, side="right")]
+
+
+# ----------------------------------------------------------------------------- exact solver (oracle)
+
+@dataclass(frozen=True)
+class ExactSplit:
+    """The MILP's answer for one step: alloc [E, R]; value, the busiest rank's ``a*d + b*t`` (no c);
+    bound, HiGHS's proven lower bound on it; optimal, whether the two met within the MILP's gap."""
+
+    alloc: np.ndarray
+    value: float
+    bound: float
+    optimal: bool
+
+
+def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: float,
+                time_limit: float = 20.0) -> ExactSplit:
+    """Minimise ``max_r a * distinct_r + b * tokens_r`` over integer allocations (one step).
+
+    Variables, for each active expert e with several replicas and each of its ranks r: x[e, r] tokens
+    (integer, 0..counts[e]) and y[e, r] (binary, x <= counts[e] * y); and T, the maximum. Experts with
+    one replica are fixed. Minimise T subject to sum_r x[e, r] = counts[e] and, on every rank,
+    a * (fixed reads + sum_e y) + b * (fixed tokens + sum_e x) <= T; and sum_r y[e, r] >= 1 (implied,
+    but it makes the LP relaxation count one read per expert, which is most of the cost at low batch).
+    T starts from two proven floors (below), which the relaxation alone would not find.
+    """
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    counts = np.asarray(counts, np.int64)
+    E, R = counts.shape[0], ranks
+    bits = _replica_bits(masks, R)
+    if np.any((counts > 0) & ~bits.any(axis=1)):
+        raise MoeplaceError("an active expert has no replica")
+    alloc = np.zeros((E, R), np.int64)
+    single = (counts > 0) & (bits.sum(axis=1) == 1)
+    alloc[np.flatnonzero(single), bits[single].argmax(axis=1)] = counts[single]
+    fixed = a * (alloc > 0).sum(axis=0) + b * alloc.sum(axis=0)          # [R]
+    pairs = [(e, r) for e in np.flatnonzero((counts > 0) & ~single) for r in np.flatnonzero(bits[e])]
+    if not pairs:
+        value = float(fixed.max(initial=0.0))
+        return ExactSplit(alloc, value, value, True)
+    V = len(pairs)                       # x: 0..V-1, y: V..2V-1, T: 2V
+    nvar = 2 * V + 1
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    experts = sorted({e for e, _ in pairs})
+    for row, e in enumerate(experts):                     # sum_r x[e, r] = counts[e]
+        for j, (ej, _) in enumerate(pairs):
+            if ej == e:
+                rows.append(row), cols.append(j), vals.append(1.0)
+        lo.append(counts[e]), hi.append(counts[e])
+    base = len(experts)
+    for j, (e, _) in enumerate(pairs):                    # x - counts[e] * y <= 0
+        rows += [base + j, base + j]
+        cols += [j, V + j]
+        vals += [1.0, -float(counts[e])]
+        lo.append(-np.inf), hi.append(0.0)
+    base += V
+    for row, e in enumerate(experts):                     # sum_r y[e, r] >= 1: tightens the relaxation
+        for j, (ej, _) in enumerate(pairs):
+            if ej == e:
+                rows.append(base + row), cols.append(V + j), vals.append(1.0)
+        lo.append(1.0), hi.append(np.inf)
+    base += len(experts)
+    for r in range(R):                                    # a * y + b * x - T <= -fixed[r]
+        for j, (_, rj) in enumerate(pairs):
+            if rj == r:
+                rows += [base + r, base + r]
+                cols += [V + j, j]
+                vals += [a, b]
+        rows.append(base + r), cols.append(2 * V), vals.append(-1.0)
+        lo.append(-np.inf), hi.append(-fixed[r])
+    A = coo_matrix((vals, (rows, cols)), shape=(base + R, nvar)).tocsr()
+    # Two valid floors on T: the busiest rank holds at least the optimum of the distinct experts alone
+    # (balanced dispatch's exact rule), each with a token; and the ranks share all reads and pairs.
+    fewest = int(fast_rule(counts[None, :], masks, R, max_augment=None).distinct.max())
+    floor = max((a + b) * fewest, (a * int((counts > 0).sum()) + b * int(counts.sum())) / R)
+    lower = np.concatenate([np.zeros(2 * V), [floor]])
+    upper = np.concatenate([[counts[e] for e, _ in pairs], np.ones(V), [np.inf]])
+    integrality = np.concatenate([np.ones(2 * V), [0]])
+    objective = np.zeros(nvar)
+    objective[-1] = 1.0
+    res = milp(objective, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+               bounds=Bounds(lower, upper), options={"time_limit": time_limit})
+    if res.x is None:
+        raise MoeplaceError(f"the MILP found no allocation within {time_limit:g} s ({res.message})")
+    x = np.rint(res.x[:V]).astype(np.int64)
+    for (e, r), v in zip(pairs, x):
+        alloc[e, r] = v
+    value = float(allocation_cost(alloc, a, b).max())
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = value if bound is None or not np.isfinite(bound) else float(bound)
+    return ExactSplit(alloc, value, min(bound, value), res.status == 0)
+
+
+def allocation_cost(alloc: np.ndarray, a: float, b: float) -> np.ndarray:
+    """[..., R] ``a * distinct + b * tokens`` per rank of ``alloc [..., E, R]`` (no c)."""
+    return a * (alloc > 0).sum(axis=-2) + b * alloc.sum(axis=-2)

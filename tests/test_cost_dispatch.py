@@ -1,0 +1,219 @@
+"""Dispatch by cost: the MILP against brute force, the fast rule against the MILP and against balanced
+dispatch (equal at verify batch), its vectorised twin against its statement, and its invariants."""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
+from moeplace.commands.costing import Costing
+from moeplace.cost_derive import derive_cost_model
+from moeplace.cost_dispatch import (allocation_cost, cost_rule, cost_rule_step, exact_split, expert_slots,
+                                    pairs_per_read)
+from moeplace.costmodel import CostModel
+from moeplace.dispatch_eval import verify_batches
+from moeplace.expert_shape import ExpertShape
+from moeplace.model import ModelSpec
+from moeplace.optimize import split_steps
+from moeplace.trace.load import open_trace
+from moeplace.trace.synthetic import synthetic_steps
+from test_algorithms import SAMPLE
+from test_balanced import random_case
+
+KIMI_EXPERT = ExpertShape(7168, 2048, "bf16", "Kimi-K2-shaped")
+GPTOSS_EXPERT = ExpertShape(2880, 2880, "bf16", "GPT-OSS-shaped")
+
+
+def check_alloc(alloc: np.ndarray, counts: np.ndarray, masks: np.ndarray) -> None:
+    """Every expert's tokens all served, each on one of its own replicas, none negative."""
+    R = alloc.shape[1]
+    bits = ((masks[:, None] >> np.arange(R)) & 1).astype(bool)
+    assert np.all(alloc >= 0)
+    np.testing.assert_array_equal(alloc.sum(axis=1), counts)
+    assert not np.any(alloc[~bits])
+
+
+def balanced_alloc(counts: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    """[S, E, R] the balanced rule's allocation (all of an expert's tokens on its picked rank)."""
+    pick = fast_rule(counts, masks, ranks).pick
+    out = np.zeros((*counts.shape, ranks), np.int64)
+    s, e = np.nonzero(pick >= 0)
+    out[s, e, pick[s, e]] = counts[s, e]
+    return out
+
+
+def brute_force(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: float) -> float:
+    """The lowest busiest-rank ``a * distinct + b * tokens`` over every integer allocation."""
+    E = counts.shape[0]
+    per_expert = []
+    for e in range(E):
+        reps = [r for r in range(ranks) if (masks[e] >> r) & 1]
+        splits = [c for c in itertools.product(range(counts[e] + 1), repeat=len(reps)) if sum(c) == counts[e]]
+        per_expert.append([(reps, c) for c in splits])
+    best = np.inf
+    for choice in itertools.product(*per_expert):
+        alloc = np.zeros((E, ranks), np.int64)
+        for e, (reps, c) in enumerate(choice):
+            alloc[e, reps] = c
+        best = min(best, float(allocation_cost(alloc, a, b).max()))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_exact_split_matches_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    ranks, experts = int(rng.integers(2, 4)), int(rng.integers(1, 5))
+    counts, masks = random_case(rng, ranks, experts)
+    counts = counts[0] * 2
+    a, b = float(rng.uniform(0.5, 6)), float(rng.uniform(0.1, 1))
+    exact = exact_split(counts, masks, ranks, a, b)
+    check_alloc(exact.alloc, counts, masks)
+    best = brute_force(counts, masks, ranks, a, b)
+    assert exact.optimal
+    assert exact.value == pytest.approx(best, rel=1e-6)
+    assert exact.bound <= exact.value + 1e-9 and exact.bound >= best * (1 - 1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(2, 6), experts=st.integers(1, 14),
+       q=st.integers(1, 40))
+def test_fast_rule_between_the_optimum_and_balanced_dispatch(seed, ranks, experts, q):
+    """Never below the MILP's proven bound; never above where it started (the balanced rule)."""
+    counts, masks = random_case(np.random.default_rng(seed), ranks, experts, steps=3)
+    counts = counts * 7
+    chosen = cost_rule(counts, masks, ranks, q)
+    alloc, start = chosen.full_alloc(counts), balanced_alloc(counts, masks, ranks)
+    for s in range(counts.shape[0]):
+        check_alloc(alloc[s], counts[s], masks)
+        mine = allocation_cost(alloc[s], q, 1).max()
+        assert mine <= allocation_cost(start[s], q, 1).max()
+        assert mine >= exact_split(counts[s], masks, ranks, float(q), 1.0).bound - 1e-6
+        np.testing.assert_array_equal(chosen.distinct[s], (alloc[s] > 0).sum(axis=0))
+        np.testing.assert_array_equal(chosen.tokens[s], alloc[s].sum(axis=0))
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 8), experts=st.integers(1, 30),
+       q=st.one_of(st.none(), st.integers(1, 60)), rounds=st.sampled_from([0, 1, 3, 16]))
+def test_vectorised_rule_equals_the_statement(seed, ranks, experts, q, rounds):
+    counts, masks = random_case(np.random.default_rng(seed), ranks, experts, steps=6)
+    counts = counts * 5
+    chosen = cost_rule(counts, masks, ranks, q, max_rounds=rounds).full_alloc(counts)
+    for s in range(counts.shape[0]):
+        np.testing.assert_array_equal(chosen[s], cost_rule_step(counts[s], masks, ranks, q, max_rounds=rounds))
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 8), experts=st.integers(1, 30))
+def test_steps_with_fewer_pairs_than_one_read_keep_the_balanced_choice(seed, ranks, experts):
+    counts, masks = random_case(np.random.default_rng(seed), ranks, experts, steps=6)
+    q = int(counts.sum(axis=1).max()) + 1
+    np.testing.assert_array_equal(cost_rule(counts, masks, ranks, q).full_alloc(counts),
+                                  balanced_alloc(counts, masks, ranks))
+
+
+def test_rule_depends_only_on_the_step_and_is_deterministic():
+    counts, masks = random_case(np.random.default_rng(5), 8, 64, steps=30, density=0.6)
+    counts = counts * 40
+    a = cost_rule(counts, masks, 8, 50).full_alloc(counts)
+    b = cost_rule(counts[::-1].copy(), masks, 8, 50).full_alloc(counts[::-1].copy())
+    np.testing.assert_array_equal(a, b[::-1])
+
+
+def test_below_one_read_of_pairs_the_rule_keeps_balanced_and_loses_less_than_the_pairs():
+    """Two ranks, expert 0 on both, the others pinned. With fewer pairs than q the rule keeps the balanced
+    choice (no split), within b * pairs of the optimum; with a hot expert it splits, onto the optimum."""
+    masks = np.array([0b11, 0b01, 0b10])
+    for hot in (30, 400):
+        counts = np.array([hot, 5, 5])
+        alloc = cost_rule_step(counts, masks, 2, q=100)
+        exact = exact_split(counts, masks, 2, 100.0, 1.0)
+        mine = allocation_cost(alloc, 100, 1).max()
+        if counts.sum() < 100:
+            assert (alloc[0] > 0).sum() == 1
+            assert exact.value <= mine < exact.value + counts.sum()
+        else:
+            assert (alloc[0] > 0).sum() == 2
+            assert mine == pytest.approx(exact.value)
+
+
+def test_expert_slots_in_row_order():
+    slots = np.array([10, -1, 30, 40])
+    alloc = np.array([2, 0, 0, 3])
+    np.testing.assert_array_equal(expert_slots(alloc, slots, np.arange(5)), [10, 10, 40, 40, 40])
+
+
+def test_pairs_per_read():
+    assert pairs_per_read(CostModel(19.0, 0.0415, 50.0)) == 458
+    assert pairs_per_read(CostModel(1.0, 0.0, 0.0)) is None
+    assert pairs_per_read(CostModel(0.0, 1.0, 0.0)) == 1
+
+
+def kimi_shaped(layers: int = 2, steps: int = 800):
+    model = ModelSpec("SYNTHETIC kimi-k2-shaped", layers + 1, tuple(range(1, layers + 1)), 384, 8)
+    return synthetic_steps(steps, tokens_per_step=9, model=model)[1]
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    """Kimi-K2-shaped steps (2 layers) and balanced dispatch's placement with E/4 spare slots."""
+    steps = kimi_shaped()
+    fit, held = split_steps(steps, 0.3)
+    phy2log = solve("stepaware", PlacementProblem(steps.model, fit, 8, redundant=96, dispatch="balanced",
+                                                  effort=2e7))
+    return held, phy2log, KIMI_EXPERT
+
+
+@pytest.fixture(scope="module")
+def gptoss():
+    steps = open_trace(SAMPLE, window=9).load("verify")
+    fit, held = split_steps(steps, 0.3)
+    phy2log = solve("stepaware", PlacementProblem(steps.model, fit, 8, redundant=8, dispatch="balanced",
+                                                  effort=2e7))
+    return held, phy2log, GPTOSS_EXPERT
+
+
+@pytest.mark.parametrize("trace", ["kimi", "gptoss"])
+def test_equals_balanced_dispatch_at_verify_batch(trace, request):
+    """At 9 tokens per step the rule is today's balanced rule, pick for pick, under the derived cost model."""
+    held, phy2log, shape = request.getfixturevalue(trace)
+    model = held.model
+    slots = phy2log.shape[1] // 8
+    q = pairs_per_read(derive_cost_model(shape, slots, model.top_k, step_tokens=9))
+    for layer in range(model.num_moe_layers):
+        masks = replica_layout(phy2log[layer], model.num_experts, 8).masks
+        counts = step_expert_counts(held, layer)
+        assert counts.sum(axis=1).max() < q
+        chosen = cost_rule(counts, masks, 8, q)
+        np.testing.assert_array_equal(chosen.full_alloc(counts), balanced_alloc(counts, masks, 8))
+        assert not chosen.rounds.any()
+
+
+@pytest.mark.parametrize("tokens", [144, 576])
+def test_within_two_percent_of_the_optimum_on_kimi_shaped_batches(kimi, tokens):
+    """Larger batches: the rule's predicted layer time (c included) within 2% of the MILP's proven bound."""
+    held, phy2log, shape = kimi
+    cost = Costing(shape, 8).ep(phy2log.shape[1] // 8, tokens)
+    masks = replica_layout(phy2log[0], 384, 8).masks
+    counts = step_expert_counts(verify_batches(held, tokens, 3, seed=1).steps, 0)
+    alloc = cost_rule(counts, masks, 8, pairs_per_read(cost)).full_alloc(counts)
+    a, b, c = cost.a_us_per_expert, cost.b_us_per_token, cost.c_us
+    for s in range(counts.shape[0]):
+        exact = exact_split(counts[s], masks, 8, a, b, time_limit=8)
+        assert allocation_cost(alloc[s], a, b).max() + c <= 1.02 * (exact.bound + c)
+
+
+def test_no_torch_or_sglang():
+    code = ("import sys, moeplace.cost_dispatch, moeplace.lplb, moeplace.dispatch_eval\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
