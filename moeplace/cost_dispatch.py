@@ -35,7 +35,7 @@ the same choice from the same ids, with no floating-point ties.
      of ranks at it, so the rule never ends above balanced dispatch's cost.
 
 A split expert's tokens go to its ranks in increasing rank order, in token-row order
-(``expert_slots``).
+(``pair_slots``).
 """
 
 from __future__ import annotations
@@ -44,9 +44,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplace.balanced import MAX_AUGMENT, fast_rule
+from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
+from moeplace.trace.steps import RoutingSteps
 
 MAX_ROUNDS = 16   # moves per step after the balanced rule (BENCHMARKS.md: how many the evaluated steps used)
 
@@ -193,15 +194,6 @@ def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None, 
     return CostDispatch(multi, alloc, distinct, tokens, base.pick, rounds)
 
 
-def expert_slots(alloc: np.ndarray, slots: np.ndarray, rank_of_pair: np.ndarray) -> np.ndarray:
-    """Physical slot of each pair of one expert given ``alloc [R]`` (its tokens per rank) and
-    ``slots [R]`` (its slot on each rank, ``ReplicaLayout.slots[e]``): the first ``alloc[r0]`` pairs in
-    token-row order go to the lowest rank r0 with tokens, and so on. rank_of_pair: [N] the pairs'
-    positions 0..N-1 among the expert's pairs of the step, in row order."""
-    ends = np.cumsum(alloc)
-    return slots[np.searchsorted(ends, rank_of_pair, side="right")]
-
-
 # ----------------------------------------------------------------------------- exact solver (oracle)
 
 @dataclass(frozen=True)
@@ -298,3 +290,39 @@ def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: 
 def allocation_cost(alloc: np.ndarray, a: float, b: float) -> np.ndarray:
     """[..., R] ``a * distinct + b * tokens`` per rank of ``alloc [..., E, R]`` (no c)."""
     return a * (alloc > 0).sum(axis=-2) + b * alloc.sum(axis=-2)
+
+
+# ----------------------------------------------------------------------------- a layer of a trace
+
+PLACED_AS = {"cost": "balanced"}    # the cost rule's spare slots are placed as balanced dispatch's
+
+
+def layer_dispatch(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> CostDispatch:
+    """The fast rule on every step of ``steps`` at one layer (``phy2log [P]`` its map)."""
+    masks = replica_layout(phy2log, steps.model.num_experts, ranks).masks
+    return cost_rule(step_expert_counts(steps, layer), masks, ranks, pairs_per_read(cost))
+
+
+def pair_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
+    """(step [N], slot [N]) of every valid (token row, top-k) pair of the token-row steps under the rule:
+    a split expert's pairs go to its ranks in increasing rank order, in token-row order."""
+    layout = replica_layout(phy2log, steps.model.num_experts, ranks)
+    chosen = layer_dispatch(steps, layer, phy2log, ranks, cost)
+    step_of_row, _, ids = steps.layer(layer)
+    valid = ids >= 0
+    step = np.broadcast_to(step_of_row[:, None], ids.shape)[valid]
+    expert = ids[valid].astype(np.int64)
+    slot = layout.slots[expert, np.maximum(chosen.pick[step, expert], 0)]
+    where = np.full(steps.model.num_experts, -1, np.int64)
+    where[chosen.multi] = np.arange(chosen.multi.size)
+    split = np.flatnonzero(where[expert] >= 0)
+    if split.size:
+        key = step[split] * steps.model.num_experts + expert[split]
+        order = np.argsort(key, kind="stable")                            # row order within (step, expert)
+        first = np.searchsorted(key[order], key[order], side="left")
+        position = np.empty(split.size, np.int64)
+        position[order] = np.arange(split.size) - first
+        ends = np.cumsum(chosen.alloc[step[split], where[expert[split]]], axis=1)   # [n, R]
+        rank = (position[:, None] >= ends).sum(axis=1)
+        slot[split] = layout.slots[expert[split], rank]
+    return step, slot

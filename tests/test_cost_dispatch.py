@@ -16,7 +16,7 @@ from moeplace.algorithms import PlacementProblem, solve
 from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
 from moeplace.commands.costing import Costing
 from moeplace.cost_derive import derive_cost_model
-from moeplace.cost_dispatch import (allocation_cost, cost_rule, cost_rule_step, exact_split, expert_slots,
+from moeplace.cost_dispatch import (allocation_cost, cost_rule, cost_rule_step, exact_split, pair_slots,
                                     pairs_per_read)
 from moeplace.costmodel import CostModel
 from moeplace.dispatch_eval import verify_batches
@@ -24,6 +24,7 @@ from moeplace.expert_shape import ExpertShape
 from moeplace.model import ModelSpec
 from moeplace.optimize import split_steps
 from moeplace.trace.load import open_trace
+from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
 from test_algorithms import SAMPLE
 from test_balanced import random_case
@@ -145,10 +146,20 @@ def test_below_one_read_of_pairs_the_rule_keeps_balanced_and_loses_less_than_the
             assert mine == pytest.approx(exact.value)
 
 
-def test_expert_slots_in_row_order():
-    slots = np.array([10, -1, 30, 40])
-    alloc = np.array([2, 0, 0, 3])
-    np.testing.assert_array_equal(expert_slots(alloc, slots, np.arange(5)), [10, 10, 40, 40, 40])
+def test_pair_slots_follow_the_allocation_in_row_order():
+    """A hot expert 0 with replicas on ranks 0 and 1 (slots 0 and 2) is split; its first pairs go to rank 0."""
+    model = ModelSpec("two ranks", 1, (0,), 3, 1)
+    ids = np.array([0] * 40 + [1] * 2 + [2] * 2)[:, None, None]
+    steps = RoutingSteps.from_topk(model, ids, [44], 5)
+    phy2log = np.array([[0, 1, 0, 2]])                          # rank 0: slots 0, 1; rank 1: slots 2, 3
+    cost = CostModel(10.0, 1.0, 0.0)
+    step, slot = pair_slots(steps, 0, phy2log[0], 2, cost)
+    alloc = cost_rule(step_expert_counts(steps, 0), replica_layout(phy2log[0], 3, 2).masks, 2, 10).full_alloc(
+        step_expert_counts(steps, 0))[0]
+    assert (alloc[0] > 0).all()
+    np.testing.assert_array_equal(slot[:40], [0] * alloc[0, 0] + [2] * alloc[0, 1])
+    np.testing.assert_array_equal(slot[40:], [1, 1, 3, 3])
+    np.testing.assert_array_equal(step, 0)
 
 
 def test_pairs_per_read():
