@@ -13,13 +13,14 @@ from typing import Any
 import numpy as np
 
 from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
+from moeplace.cost_dispatch import layer_dispatch, pair_slots
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.parallel import map_layers
 from moeplace.placement import Placement, replica_table
 from moeplace.trace.steps import RoutingSteps
 
-DISPATCH_RULES = ("dynamic", "static", "balanced")
+DISPATCH_RULES = ("dynamic", "static", "balanced", "cost")
 
 
 def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nodes: int,
@@ -55,14 +56,18 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
 
 
 def token_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, dispatch: str = "dynamic",
-                static_table: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                static_table: np.ndarray | None = None,
+                cost_model: CostModel | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The physical slot SGLang sends each (token row, top-k) pair of one layer to.
 
     phy2log: [P] this layer's map; static_table: [R, E] for ``static`` (SGLang's table when None).
     Returns (step [N], slot [N]) for the N valid pairs of the token-row steps. ``dynamic``: token row r
     picks replica ``r % num_replicas`` (by physical id); ``static``: the step's source rank picks its
-    fixed replica; ``balanced``: moeplace's per-step rule (``moeplace.balanced``).
+    fixed replica; ``balanced``: moeplace's per-step rule (``moeplace.balanced``); ``cost``: its rule by
+    ``cost_model`` (``moeplace.cost_dispatch``).
     """
+    if dispatch == "cost":
+        return pair_slots(steps, layer, phy2log, ranks, _needs_cost(cost_model))
     E = steps.model.num_experts
     step_of_row, row_in_step, ids = steps.layer(layer)
     valid = ids >= 0
@@ -84,16 +89,20 @@ def token_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int
 
 def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
                      dispatch: str = "dynamic", static_table: np.ndarray | None = None,
-                     ) -> tuple[np.ndarray, np.ndarray]:
+                     cost_model: CostModel | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Distinct experts and tokens per rank per step at one MoE layer.
 
     phy2log: [P] this layer's map. Returns (distinct [S, R], tokens [S, R]).
     ``dynamic``: a token row picks replica ``row % num_replicas`` (SGLang with --moe-a2a-backend none).
     ``static``: each source rank (the step's rank) has a fixed replica (SGLang with DeepEP).
     ``balanced``: all of a step's tokens for an expert go to the replica moeplace's rule picks.
+    ``cost``: moeplace's rule by ``cost_model``, which may split an expert's tokens.
     """
     if dispatch not in DISPATCH_RULES:
         raise MoeplaceError(f"unknown dispatch rule {dispatch!r}; choose from {', '.join(DISPATCH_RULES)}")
+    if dispatch == "cost":
+        chosen = layer_dispatch(steps, layer, phy2log, ranks, _needs_cost(cost_model))
+        return chosen.distinct, chosen.tokens
     if dispatch == "balanced":
         chosen = balanced_loads(steps, layer, phy2log, ranks)[0]
         return chosen.distinct, chosen.tokens
@@ -139,6 +148,12 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
             tokens[s] += np.bincount(r, weights=w, minlength=ranks).astype(np.int64)
             distinct[s] += np.bincount(r, weights=(w > 0), minlength=ranks).astype(np.int64)
     return distinct, tokens
+
+
+def _needs_cost(cost_model: CostModel | None) -> CostModel:
+    if cost_model is None:
+        raise MoeplaceError("the cost dispatch rule needs a cost model")
+    return cost_model
 
 
 def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int):
@@ -285,7 +300,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                 distinct, tokens = balanced.distinct, balanced.tokens
             else:
                 table = tables[layer] if tables is not None else None
-                distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table)
+                distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table, cost_model)
                 optimum = balanced_loads(steps, layer, phy2log, R)[1]
             out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
         return out
