@@ -9,6 +9,7 @@ import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.stepaware import search_moot
+from moeplace.cost_dispatch import PLACED_AS
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.parallel import layer_workers
@@ -113,7 +114,8 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     fit, held_out = split_steps(steps, holdout)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
-        p = PlacementProblem(model, steps_, ranks, nodes=nodes, redundant=redundant, dispatch=dispatch,
+        p = PlacementProblem(model, steps_, ranks, nodes=nodes, redundant=redundant,
+                             dispatch=PLACED_AS.get(dispatch, dispatch),
                              cost_model=cost_model, seed=seed, progress=report)
         if effort is not None:
             p.effort = effort
