@@ -298,6 +298,19 @@ def test_balanced_placement_turns_the_plugins_rule_on(model_dir: Path, balanced_
     assert shlex.split(stdout)[2:4] == ["-m", "sglang.launch_server"]
 
 
+def test_cost_rule_placement_runs_the_balanced_rule_and_says_so(tmp_path: Path, model_dir: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    p = round_robin(SPEC, ranks=4, redundant=4)
+    p.metrics = {"dispatch": "cost"}
+    save_placement(tmp_path / "cost.json", p)
+    code, stdout, stderr = run_cli(["launch", "--placement", str(tmp_path / "cost.json"), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
+    assert code == 0, stderr
+    assert stdout.startswith("MOEPLACE_DISPATCH=balanced ")
+    assert "warning: the placement was made for moeplace's cost rule; the SGLang plugin runs the balanced" in stderr
+
+
 @pytest.mark.parametrize("extra, env, expect", [
     ("--enable-dp-attention", None, "drop --enable-dp-attention"),
     ("", "dynamic", "MOEPLACE_DISPATCH='dynamic'"),

@@ -228,7 +228,7 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     placement = fit_placement(read_placement(placement_path, spec, layout), spec, layout)
     command = [python or sys.executable, "-m", "sglang.launch_server", *sglang_args,
                "--init-expert-location", str(target)]
-    warnings = [line for line in [dispatch_mismatch(placement, layout)] if line]
+    warnings = [line for line in [dispatch_mismatch(placement, layout), cost_rule_note(placement)] if line]
     return LaunchPlan(placement, target, command, dispatch_env(placement, sglang_args), warnings)
 
 
@@ -245,10 +245,19 @@ def dispatch_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
             + (" or pass --ep-dispatch-algorithm dynamic" if made_for == "dynamic" else ""))
 
 
+def cost_rule_note(placement: Placement) -> str | None:
+    """A line for a placement made for the cost rule, which the plugin does not run yet."""
+    if placement.metrics.get("dispatch") != "cost" or placement.num_redundant == 0:
+        return None
+    return ("the placement was made for moeplace's cost rule; the SGLang plugin runs the balanced rule in its place "
+            "(the same choice at verify batch; the cost rule has no GPU kernel yet)")
+
+
 def dispatch_env(placement: Placement, sglang_args: Sequence[str]) -> dict[str, str]:
     """``{"MOEPLACE_DISPATCH": "balanced"}`` for a placement whose spare slots were placed for balanced
-    dispatch (it needs the plugin's rule, and every rank must see the same router ids: no DP attention)."""
-    if placement.metrics.get("dispatch") != "balanced" or placement.num_redundant == 0:
+    dispatch, or for the cost rule, whose spare slots are placed alike (it needs the plugin's rule, and every
+    rank must see the same router ids: no DP attention)."""
+    if placement.metrics.get("dispatch") not in ("balanced", "cost") or placement.num_redundant == 0:
         return {}
     if any(a == "--enable-dp-attention" or a.startswith("--enable-dp-attention=") for a in sglang_args):
         raise MoeplaceError("the placement was made for balanced dispatch, which needs every rank to see the same "
