@@ -28,17 +28,17 @@ BATCH_GRID = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
-                      dispatch: str = "dynamic") -> np.ndarray:
+                      dispatch: str = "dynamic", cost: CostModel | None = None) -> np.ndarray:
     """[S, P] tokens each physical slot runs in each step at one layer, as SGLang dispatches them.
 
     phy2log: [P] this layer's map. Same rules as ``metrics.layer_rank_loads`` (dynamic: token row
-    ``row % replicas``; static: a fixed replica per source rank; balanced: moeplace's per-step
-    choice); token-row steps only.
+    ``row % replicas``; static: a fixed replica per source rank; balanced and cost: moeplace's per-step
+    rules, the latter by ``cost``); token-row steps only.
     """
     if steps.count_steps.size:
         raise MoeplaceError("per-slot work needs token rows; this trace has count-only steps")
     P, S = phy2log.shape[0], steps.num_steps
-    step_k, phys = token_slots(steps, layer, phy2log, ranks, dispatch)
+    step_k, phys = token_slots(steps, layer, phy2log, ranks, dispatch, cost_model=cost)
     return np.bincount(step_k * P + phys, minlength=S * P).reshape(S, P)
 
 
@@ -57,7 +57,7 @@ def work_key(counts: np.ndarray) -> tuple[int, ...]:
 def ep_layer_cost(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel,
                   dispatch: str = "dynamic") -> np.ndarray:
     """[S] µs of one layer under EP: the slowest rank's predicted cost."""
-    distinct, tokens = layer_rank_loads(steps, layer, phy2log, ranks, dispatch)
+    distinct, tokens = layer_rank_loads(steps, layer, phy2log, ranks, dispatch, cost_model=cost)
     return cost.cost(distinct, tokens).max(axis=1)
 
 
@@ -146,10 +146,16 @@ def flip_batch(verdicts: list[BatchVerdict]) -> float | None:
     """
     for lo, hi in zip(verdicts, verdicts[1:]):
         if lo.winner != hi.winner:
-            r0, r1 = np.log(lo.ep_us / lo.tp_us), np.log(hi.ep_us / hi.tp_us)
-            t = r0 / (r0 - r1)
-            return float(np.exp(np.log(lo.batch) + t * (np.log(hi.batch) - np.log(lo.batch))))
+            return crossing(lo.batch, hi.batch, lo.ep_us / lo.tp_us, hi.ep_us / hi.tp_us)
     return None
+
+
+def crossing(lo_batch: int, hi_batch: int, lo_ratio: float, hi_ratio: float) -> float:
+    """Batch size where a cost ratio that is ``lo_ratio`` at ``lo_batch`` and ``hi_ratio`` at ``hi_batch``
+    (on opposite sides of 1) reaches 1, interpolating its log linearly in log batch."""
+    r0, r1 = np.log(lo_ratio), np.log(hi_ratio)
+    t = r0 / (r0 - r1)
+    return float(np.exp(np.log(lo_batch) + t * (np.log(hi_batch) - np.log(lo_batch))))
 
 
 def model_check(model: ModelSpec, ranks: int, redundant: int) -> None:

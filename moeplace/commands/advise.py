@@ -5,13 +5,15 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from moeplace.advise import BATCH_GRID, flip_batch, model_check, resample_batches, step_costs, verdict
+from moeplace.advise import BATCH_GRID, crossing, flip_batch, model_check, resample_batches, step_costs, verdict
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, trace_options
+from moeplace.cost_dispatch import PLACED_AS
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
+from moeplace.layouts import Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest, layout_flips
 from moeplace.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
 from moeplace.report import steps_phrase
 
@@ -25,7 +27,8 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
               help="TP-MoE cost model (one rank, 1/R of every expert) to use instead of the one derived for "
                    "the model's experts.")
 @click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Redundant expert slots for the EP placements.")
+              help="Redundant expert slots for the EP placements; also the spare slots of the layouts with spares "
+                   "(default there: E/4, rounded down to a multiple of --ranks).")
 @effort_option(2e8, "2e8")
 @holdout_option(0.3, "Share of the trace's last steps held out: the placements are fitted on the rest and every "
                      "cost is measured on the held-out steps (0: all steps for both).")
@@ -33,10 +36,13 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
 def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
            window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
            holdout: float, as_json: bool) -> None:
-    """Say whether EP with the best placement or TP-MoE runs TRACE's MoE layers faster.
+    """Say whether EP with the best placement, TP-MoE, or EP groups with MoE TP inside run TRACE's MoE layers fastest.
 
     EP cost: the slowest rank per layer under DeepSeek EPLB and step-aware placements (the better one
-    counts). TP-MoE: every rank runs every activated expert at 1/R width. Both cost models are derived
+    counts). TP-MoE: every rank runs every activated expert at 1/R width. Then every layout SGLang can
+    run on the --ranks GPUs (--tp-size R --ep-size G: G EP groups, each expert split over R/G GPUs;
+    EP R, ..., TP-MoE), each without spare slots and with them (moeplace's cost rule, balanced dispatch
+    at verify batch), at every batch size, and the batches where the fastest changes. Cost models are derived
     for the model's experts (shape from --model or the trace's model name, its top-k; H200 measurements
     of SGLang's fused MoE kernel, with SGLang's launch grid for each batch size and the kernel config of
     the trace's batch) unless --cost-model / --tp-cost-model give files. Communication is not counted.
@@ -74,20 +80,38 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     for name in ("deepseek", "stepaware"):
         click.echo(f"placing: {name}", err=True)
         placements[name] = solve(name, PlacementProblem(steps.model, fit, ranks, redundant=redundant,
-                                                        dispatch=dispatch, cost_model=ep_cost, effort=effort))
+                                                        dispatch=PLACED_AS.get(dispatch, dispatch),
+                                                        cost_model=ep_cost, effort=effort))
     here = verdict(step_costs(sample, placements, ranks, ep_cost, tp_cost, dispatch), trace_batch)
     grid = []
+    samples = {}
     for batch in BATCH_GRID:
-        batches = resample_batches(held_out, batch, EVAL_STEPS // 4)
-        grid.append(verdict(step_costs(batches, placements, ranks, *cost_models(batch), dispatch), batch))
+        samples[batch] = resample_batches(held_out, batch, EVAL_STEPS // 4)
+        grid.append(verdict(step_costs(samples[batch], placements, ranks, *cost_models(batch), dispatch), batch))
     flip = flip_batch(grid)
+    spares = redundant or model.num_experts // 4 // ranks * ranks
+
+    def layout_cost(layout: Layout, batch: int) -> CostModel:
+        if layout.ep == 1 and tp_file:
+            return tp_file
+        return costing.group(layout.local_slots(model.num_experts), layout.moe_tp, batch, trace_batch)
+    layouts = compare_layouts(steps.model, fit, sample, samples,
+                              candidate_layouts(ranks, model.num_experts, costing.shape.intermediate, spares),
+                              layout_cost, trace_batch, effort, lambda n: click.echo(f"placing: {n}", err=True))
+    flips = layout_flips(layouts)
     if as_json:
         def row(v):
             return {"batch": v.batch, "ep_us": v.ep_us, "tp_us": v.tp_us, "ep_placement": v.ep_placement,
                     "winner": v.winner, "speedup": v.speedup}
         echo_json({"trace": trace, "ranks": ranks, "fit_steps": fit.num_steps, "eval_steps": sample.num_steps,
                    "evaluated_on": f"{which} steps", "at_trace": row(here), "grid": [row(v) for v in grid],
-                   "flip_batch": flip, "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json()})
+                   "flip_batch": flip, "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json(),
+                   "layouts": [{"name": r.layout.name, "ep_size": r.layout.ep, "moe_tp": r.layout.moe_tp,
+                                "spares": r.layout.spares, "rule": r.layout.rule, "at_trace_us": r.at_trace,
+                                "grid_us": {str(b): v for b, v in r.grid.items()},
+                                "placement": {str(b): v for b, v in r.placement.items()}} for r in layouts],
+                   "fastest_layout_at_trace": fastest(layouts).layout.name,
+                   "layout_flips": [{"batch": at, "below": lo, "above": hi} for at, lo, hi in flips]})
         return
     name = {"ep": f"EP ({here.ep_placement} placement)", "tp": "TP-MoE"}
     click.echo(f"placements fitted on {fit.num_steps:,} of the first {steps_phrase(fitted.num_steps, mode)}; "
@@ -110,9 +134,47 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
         click.echo(f"The answer flips at about {flip:.0f} tokens per step ({below.upper()} below, "
                    f"{above.upper()} above" + (f"; it changes {len(changes) - 1} more time(s) further up" if
                                                len(changes) > 1 else "") + ").")
+    unmeasured = [layout.name for layout in (r.layout for r in layouts)
+                  if isinstance(layout_cost(layout, trace_batch).provenance.get("derived_from"), list)]
+    echo_layouts(layouts, flips, ranks, trace_batch, unmeasured)
     click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce).")
     click.echo(f"EP cost model at {trace_batch} tokens per step: {ep_cost.describe()}")
     click.echo(f"TP cost model at {trace_batch} tokens per step: {tp_cost.describe()}")
     if not (cost_model_path and tp_cost_path):
         click.echo(f"Other rows: the same models with SGLang's launch grid for their tokens x top-{model.top_k} "
                    f"(kernel config kept at {trace_batch} tokens).")
+
+
+def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]], gpus: int, trace_batch: int,
+                 unmeasured: list[str]) -> None:
+    """The layouts table: MoE ms per step of each layout at each batch, the fastest, and where it changes;
+    ``unmeasured``: the layouts whose GPU shape has no measured cost file (marked *)."""
+    names = [r.layout.name + ("*" if r.layout.name in unmeasured else "") for r in results]
+    spares = next((r.layout.spares for r in results if r.layout.spares), 0)
+    click.echo(f"Layouts on {gpus} GPUs (SGLang --tp-size {gpus} --ep-size G: EPG, each expert split over the "
+               f"{gpus}/G GPUs of its group as xTP{gpus}/G; TP{gpus} is TP-MoE"
+               + (f"; +{spares}: {spares} spare slots, moeplace's cost rule" if spares else "") + "), MoE ms per step:")
+    widths = [max(7, len(n)) for n in names]
+    click.echo("tokens/step " + " ".join(n.rjust(w) for n, w in zip(names, widths)) + "   fastest")
+    for batch in sorted(results[0].grid):
+        click.echo(f"{batch:>11} " + " ".join(f"{r.grid[batch] / 1e3:{w}.2f}" for r, w in zip(results, widths))
+                   + f"   {fastest(results, batch).layout.name}")
+    best = fastest(results)
+    second = min((r for r in results if r is not best), key=lambda r: r.at_trace, default=None)
+    click.echo(f"At this trace's traffic ({trace_batch} tokens per step) the fastest layout is {best.layout.name}, "
+               f"{best.at_trace / 1e3:.2f} ms of MoE per step"
+               + (f", {second.at_trace / best.at_trace:.2f}x faster than {second.layout.name}" if second else "")
+               + (f" (SGLang: --tp-size {gpus} --ep-size {best.layout.ep}; moeplace optimize --ranks {gpus} "
+                  f"--ep-size {best.layout.ep} places for it)" if best.layout.ep > 1 else "") + ".")
+    if not flips:
+        click.echo(f"{fastest(results, min(results[0].grid)).layout.name} is the fastest layout at every batch size "
+                   f"from {min(results[0].grid)} to {max(results[0].grid)} tokens.")
+    else:
+        parts = [f"{flips[0][1]} up to about {flips[0][0]:.0f} tokens per step"]
+        parts += [f"{below} up to about {at:.0f}" for at, below, _ in flips[1:]]
+        parts.append(f"{flips[-1][2]} above")
+        click.echo("The fastest layout flips: " + ", then ".join(parts) + ".")
+    if unmeasured:
+        click.echo("*: no measured cost file for that GPU's expert shape; its model is derived from the experts' bytes "
+                   "(a TP slice of small experts measured up to 1.4x slower than derived, BENCHMARKS.md \"Derived cost "
+                   "model\"; scripts/calibrate_cost.py measures one; scripts/replay_placement.py times the layouts).")

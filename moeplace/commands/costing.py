@@ -37,6 +37,14 @@ class Costing:
         return derive_cost_model(self.shape, local_slots, self.top_k, step_tokens=step_tokens,
                                  config_tokens=config_tokens)
 
+    def group(self, local_slots: int, moe_tp: int, step_tokens: int = STEP_TOKENS,
+              config_tokens: int | None = None) -> CostModel:
+        """One GPU of an EP group with MoE TP ``moe_tp`` inside (``moeplace.layouts``): ``local_slots``
+        slots, each 1/moe_tp of an expert (a --cost-model file stands for whole experts only)."""
+        if moe_tp == 1:
+            return self.ep(local_slots, step_tokens, config_tokens)
+        return self.tp(moe_tp, local_slots, step_tokens, config_tokens)
+
     def tp(self, ranks: int, experts: int, step_tokens: int = STEP_TOKENS,
            config_tokens: int | None = None) -> CostModel:
         """A rank holding 1/ranks of every one of ``experts`` experts (TP-MoE), for steps of ``step_tokens``."""

@@ -1,0 +1,161 @@
+"""EP x TP layouts: G expert-parallel groups on N GPUs, each expert split over the N/G GPUs of its group.
+
+Dimension letters: S steps, L MoE layers, E logical experts, P physical slots, G EP groups.
+
+SGLang 0.5.23 runs MoE tensor parallelism inside EP groups: ``--tp-size N --ep-size G`` gives
+``moe_tp_size = N // G`` (``model_runner_components/moe_ep_setup.py``); each of the G groups holds
+``P / G`` slots (the placement's ranks are the groups), and each of its N/G GPUs holds 1/(N/G) of
+every one of those experts' intermediate dimension (``fused_moe_triton/layer.py`` asserts it divides).
+With ``--moe-a2a-backend none`` every GPU sees every token and runs its group's activated experts, at
+1/(N/G) width, on the pairs routed to its group; the partial outputs are summed. So a layer costs its
+slowest group's GPU: ``a' * distinct_g + b' * pairs_g + c'`` with a cost model for experts of
+intermediate ``I / (N/G)`` and ``P / G`` local slots (``moeplace.cost_derive``). EP N is G = N; TP-MoE
+is G = 1, where every GPU runs every activated expert on every pair. Communication (EP dispatch and
+combine, the all-reduce) is not counted.
+
+A layout with spare slots uses moeplace's rule by cost (``moeplace.cost_dispatch``: balanced dispatch
+at verify batch) on stepaware's placement for it; without, the better of DeepSeek EPLB and stepaware.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from moeplace.advise import crossing, ep_layer_cost
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.cost_dispatch import PLACED_AS
+from moeplace.costmodel import CostModel
+from moeplace.errors import MoeplaceError
+from moeplace.model import ModelSpec
+from moeplace.trace.steps import RoutingSteps
+
+SPARE_RULE = "cost"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``ep`` EP groups on ``gpus`` GPUs (MoE TP ``gpus // ep`` inside each), ``spares`` spare slots."""
+
+    gpus: int
+    ep: int
+    spares: int = 0
+
+    @property
+    def moe_tp(self) -> int:
+        return self.gpus // self.ep
+
+    @property
+    def name(self) -> str:
+        base = f"TP{self.gpus}" if self.ep == 1 else f"EP{self.ep}" + (f"xTP{self.moe_tp}" if self.moe_tp > 1 else "")
+        return base + (f"+{self.spares}" if self.spares else "")
+
+    @property
+    def rule(self) -> str:
+        """The replica rule the layout is costed with (one replica each: every rule is the same)."""
+        return SPARE_RULE if self.spares else "dynamic"
+
+    def local_slots(self, num_experts: int) -> int:
+        return (num_experts + self.spares) // self.ep
+
+
+def check_split(gpus: int, ep: int, num_experts: int, intermediate: int, spares: int = 0) -> None:
+    """Raise MoeplaceError (one line) unless SGLang can run ``ep`` groups on ``gpus`` GPUs for this model."""
+    if ep < 1 or gpus % ep:
+        raise MoeplaceError(f"--ep-size {ep} must divide the {gpus} GPUs (--ranks)")
+    moe_tp = gpus // ep
+    if intermediate % moe_tp:
+        raise MoeplaceError(f"the experts' intermediate size {intermediate} does not split over MoE TP {moe_tp} "
+                            f"({gpus} GPUs / --ep-size {ep}); SGLang refuses it")
+    if (num_experts + spares) % ep:
+        raise MoeplaceError(f"{num_experts} experts + {spares} spare slots do not split over {ep} EP groups")
+
+
+def candidate_layouts(gpus: int, num_experts: int, intermediate: int, spares: int) -> list[Layout]:
+    """Every EP size dividing ``gpus`` (EP N first, TP-MoE last) that SGLang can run, each also with
+    ``spares`` spare slots where they and the experts split over its groups (none for TP-MoE)."""
+    out = []
+    for ep in (g for g in range(gpus, 0, -1) if gpus % g == 0):
+        if intermediate % (gpus // ep) or num_experts % ep:
+            continue
+        out.append(Layout(gpus, ep))
+        if ep > 1 and spares and spares % ep == 0 and (num_experts + spares) // ep <= num_experts:
+            out.append(Layout(gpus, ep, spares))
+    return out
+
+
+def fit_layout(model: ModelSpec, fit: RoutingSteps, layout: Layout, cost: CostModel,
+               effort: float) -> dict[str, np.ndarray]:
+    """name -> phy2log [L, P] of the placements a layout is costed with (fitted on ``fit``)."""
+    E, L = model.num_experts, model.num_moe_layers
+    if layout.ep == 1:
+        return {"all experts": np.broadcast_to(np.arange(E), (L, E)).copy()}
+
+    def place(algorithm: str, spares: int, rule: str) -> np.ndarray:
+        return solve(algorithm, PlacementProblem(model, fit, layout.ep, redundant=spares,
+                                                 dispatch=PLACED_AS.get(rule, rule), cost_model=cost, effort=effort))
+    if layout.spares:
+        return {"stepaware": place("stepaware", layout.spares, layout.rule)}
+    return {name: place(name, 0, "dynamic") for name in ("deepseek", "stepaware")}
+
+
+def layout_step_costs(steps: RoutingSteps, placements: dict[str, np.ndarray], layout: Layout,
+                      cost: CostModel) -> dict[str, np.ndarray]:
+    """[S] µs per step (all MoE layers) of each of a layout's placements: its slowest group's GPU per layer."""
+    out = {}
+    for name, phy2log in placements.items():
+        out[name] = sum(ep_layer_cost(steps, layer, phy2log[layer], layout.ep, cost, layout.rule)
+                        for layer in range(steps.model.num_moe_layers))
+    return out
+
+
+@dataclass(frozen=True)
+class LayoutCosts:
+    """A layout's mean µs per step (all MoE layers) at the trace's batch and at each batch size,
+    with the better of its placements (named in ``placement``)."""
+
+    layout: Layout
+    at_trace: float
+    grid: dict[int, float]
+    placement: dict[int, str]
+
+
+def compare_layouts(model: ModelSpec, fit: RoutingSteps, at_trace: RoutingSteps, grid: dict[int, RoutingSteps],
+                    layouts: list[Layout], cost: Callable[[Layout, int], CostModel], trace_batch: int,
+                    effort: float, progress: Callable[[str], None] = lambda name: None) -> list[LayoutCosts]:
+    """Fit every layout's placements on ``fit`` (costed at ``trace_batch``) and cost them on ``at_trace``
+    and on the batches of ``grid`` (batch tokens -> steps), each with its cost model ``cost(layout, batch)``."""
+    out = []
+    for layout in layouts:
+        progress(layout.name)
+        placements = fit_layout(model, fit, layout, cost(layout, trace_batch), effort)
+
+        def best(steps: RoutingSteps, batch: int) -> tuple[float, str]:
+            costs = layout_step_costs(steps, placements, layout, cost(layout, batch))
+            name = min(costs, key=lambda k: costs[k].mean())
+            return float(costs[name].mean()), name
+        here = best(at_trace, trace_batch)
+        per_batch = {batch: best(steps, batch) for batch, steps in grid.items()}
+        out.append(LayoutCosts(layout, here[0], {b: v[0] for b, v in per_batch.items()},
+                               {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}))
+    return out
+
+
+def fastest(results: list[LayoutCosts], batch: int | None = None) -> LayoutCosts:
+    """The layout with the lowest cost at ``batch`` (None: at the trace's batch); ties: the earlier one."""
+    return min(results, key=lambda r: r.at_trace if batch is None else r.grid[batch])
+
+
+def layout_flips(results: list[LayoutCosts]) -> list[tuple[float, str, str]]:
+    """(batch where it flips, fastest below, fastest above) for each change of the fastest layout over
+    the grid, the batch interpolated where the two layouts' costs cross (``advise.crossing``)."""
+    batches = sorted(results[0].grid)
+    flips = []
+    for lo, hi in zip(batches, batches[1:]):
+        a, b = fastest(results, lo), fastest(results, hi)
+        if a.layout != b.layout:
+            at = crossing(lo, hi, a.grid[lo] / b.grid[lo], a.grid[hi] / b.grid[hi])
+            flips.append((at, a.layout.name, b.layout.name))
+    return flips
