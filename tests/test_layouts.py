@@ -111,3 +111,29 @@ def test_advise_prints_the_layouts(capsys):
     assert by_name["TP8"]["at_trace_us"] == pytest.approx(data["at_trace"]["tp_us"])
     assert by_name["EP8"]["at_trace_us"] == pytest.approx(data["at_trace"]["ep_us"])
     assert data["fastest_layout_at_trace"] == min(by_name, key=lambda n: by_name[n]["at_trace_us"])
+
+
+def test_optimize_places_for_the_ep_groups(tmp_path, capsys):
+    from moeplace.placement import check_placement, load_placement
+    from test_cli_optimize import FAST
+
+    out = tmp_path / "p.json"
+    code, stdout, err = run_main(capsys, "optimize", SAMPLE, "--ranks", "8", "--ep-size", "4", "--mode", "verify",
+                                 "--dispatch", "balanced", "--redundant", "8", *FAST, "-o", out)
+    assert code == 0, err
+    assert "4 EP groups x MoE TP 2 on 8 GPUs (SGLang --tp-size 8 --ep-size 4), 8 redundant" in stdout
+    assert "spare slots: 8 (2 per EP group) hold" in stdout and "1/2 of each expert: experts 2880x1440" in stdout
+    placement = load_placement(out)
+    check_placement(placement)
+    assert placement.ranks == 4 and placement.num_redundant == 8
+    assert placement.metrics["ep_split"] == {"gpus": 8, "ep_size": 4, "moe_tp": 2}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--ep-size", "3"], "--ep-size 3 must divide the 8 GPUs"),
+    (["--ep-size", "4", "--redundant", "2"], "do not split evenly over 4 ranks"),
+])
+def test_optimize_refuses_a_split_sglang_cannot_run(tmp_path, capsys, args, fragment):
+    code, stdout, err = run_main(capsys, "optimize", SAMPLE, "--ranks", "8", *args, "-o", tmp_path / "p.json")
+    assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()

@@ -13,6 +13,7 @@ from moeplace.commands.costing import Costing, cost_model_line, resolve_costing
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
                                        trace_options)
 from moeplace.errors import MoeplaceError
+from moeplace.layouts import check_split
 from moeplace.model import ModelSpec
 from moeplace.optimize import holdout_cut
 from moeplace.optimize import optimize as run_optimize
@@ -26,28 +27,29 @@ from moeplace.report import comparison_rows, evaluate, format_table, plot_contex
 FIT_GAP = 0.05
 
 
-def slot_gb(model: ModelSpec, costing: Costing) -> float:
-    """GB (1e9 bytes) of expert weights one slot per GPU holds: one expert in every MoE layer."""
-    return model.num_moe_layers * costing.shape.bytes / 1e9
+def slot_gb(model: ModelSpec, costing: Costing, moe_tp: int = 1) -> float:
+    """GB (1e9 bytes) of expert weights one slot per EP rank puts on each of its GPUs: one expert in every
+    MoE layer, split over the ``moe_tp`` GPUs of the rank's group."""
+    return model.num_moe_layers * costing.shape.bytes / moe_tp / 1e9
 
 
-def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing) -> float:
-    """Extra expert weights per GPU that ``redundant`` spare slots hold, in GB."""
-    return redundant / ranks * slot_gb(model, costing)
+def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1) -> float:
+    """Extra expert weights per GPU that ``redundant`` spare slots over ``ranks`` EP ranks hold, in GB."""
+    return redundant / ranks * slot_gb(model, costing, moe_tp)
 
 
 def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_memory: float | None,
-                costing: Costing) -> int:
-    """--redundant, or the most spare slots (a multiple of --ranks) that --replica-memory GB per GPU holds."""
+                costing: Costing, moe_tp: int = 1) -> int:
+    """--redundant, or the most spare slots (a multiple of the EP ranks) that --replica-memory GB per GPU holds."""
     if replica_memory is None:
         return redundant or 0
     if redundant is not None:
         raise click.UsageError("give --redundant or --replica-memory, not both")
-    per_gpu = int(replica_memory // slot_gb(model, costing))
+    per_gpu = int(replica_memory // slot_gb(model, costing, moe_tp))
     per_gpu = min(per_gpu, model.num_experts - model.num_experts // ranks)   # a rank never holds an expert twice
     if per_gpu < 1:
         raise click.BadParameter(f"{replica_memory:g} GB per GPU holds no spare slot: one costs "
-                                 f"{slot_gb(model, costing):.2f} GB "
+                                 f"{slot_gb(model, costing, moe_tp):.2f} GB "
                                  f"({costing.shape.describe()})", param_hint="--replica-memory")
     return per_gpu * ranks
 
@@ -56,6 +58,10 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 @trace_options
 @click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Nodes the ranks span; > 1 places hierarchically (nodes, then ranks).")
+@click.option("--ep-size", type=click.IntRange(min=1), default=None,
+              help="EP groups (SGLang's --ep-size with --tp-size set to --ranks): each expert is split over the "
+                   "--ranks / EP-SIZE GPUs of its group (SGLang's MoE TP), and the placement is for the groups. "
+                   "Default: --ranks (plain EP). `moeplace advise` says which split is fastest.")
 @click.option("--redundant", type=click.IntRange(min=0), default=None,
               help="Spare physical slots for replicas (SGLang's --ep-num-redundant-experts; default 0). "
                    "With --dispatch balanced, replicas let each step pick where an expert runs.")
@@ -79,7 +85,7 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-             window: int, top_k: int | None, max_steps: int, nodes: int, redundant: int | None,
+             window: int, top_k: int | None, max_steps: int, nodes: int, ep_size: int | None, redundant: int | None,
              replica_memory: float | None, algorithm: str, holdout: float,
              seed: int, effort: float | None, balance_floor: float | None, out: str, sglang_out: str | None,
              as_json: bool, plot_dir: str | None) -> None:
@@ -111,11 +117,15 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref,
                               derived_needed=cost_model_path is None or replica_memory is not None)
-    redundant = spare_slots(model, ranks, redundant, replica_memory, costing)
-    check_ranks(src, ranks, redundant)
-    cost_model = costing.ep((model.num_experts + redundant) // ranks)
-    today_cost = costing.ep(model.num_experts // ranks)   # the reference row's ranks hold no spare slot
-    result = run_optimize(src, ranks, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
+    groups = ep_size or ranks
+    moe_tp = ranks // groups
+    if ep_size is not None:
+        check_split(ranks, groups, model.num_experts, costing.shape.intermediate)
+    redundant = spare_slots(model, groups, redundant, replica_memory, costing, moe_tp)
+    check_ranks(src, groups, redundant)
+    cost_model = costing.group((model.num_experts + redundant) // groups, moe_tp)
+    today_cost = costing.group(model.num_experts // groups, moe_tp)   # the reference row's ranks hold no spare slot
+    result = run_optimize(src, groups, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                           seed, max_steps, effort, balance_floor,
                           progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
                           reference_cost_model=today_cost)
@@ -125,9 +135,13 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     fitted_steps = result.fitted[0].summary["steps"] if result.fitted else 0
     which = "held-out" if holdout else "fitted"
     warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
+    if ep_size is not None:   # what `moeplace launch` passes to SGLang
+        result.placement.metrics["ep_split"] = {"gpus": ranks, "ep_size": groups, "moe_tp": moe_tp}
+    split = (f"{ranks} ranks" if ep_size is None else
+             f"{groups} EP groups x MoE TP {moe_tp} on {ranks} GPUs (SGLang --tp-size {ranks} --ep-size {groups})")
     with all_or_nothing():   # the placement, SGLang's file and the plots: all of them or none
         plots = (write_plots(result.evaluations, plot_dir,
-                             plot_context(trace, mode, result.eval_steps, which, ranks)) if plot_dir else [])
+                             plot_context(trace, mode, result.eval_steps, which, groups)) if plot_dir else [])
         if sglang_out:
             save_sglang(sglang_out, result.placement)
         save_placement(out, result.placement)
@@ -138,16 +152,17 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                    "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
                    "fitted_column_steps": fitted_steps, "baseline": result.baseline, "rows": rows,
                    "warnings": warnings, "cost_model": cost_model.to_json(), "plots": plots,
-                   "spare_slots": redundant, "replica_gb_per_gpu": replica_gb(model, ranks, redundant, costing)})
+                   "spare_slots": redundant, "ep_size": groups, "moe_tp": moe_tp,
+                   "replica_gb_per_gpu": replica_gb(model, groups, redundant, costing, moe_tp)})
         return
     table_on = f"the last {result.eval_steps:,}, held out" if holdout else "the same steps"
     click.echo(f"fitted on the first {steps_phrase(result.fit_steps, mode)}; table on {table_on}; "
-               f"{ranks} ranks, {redundant} redundant, dispatch {dispatch}")
+               f"{split}, {redundant} redundant, dispatch {dispatch}")
     if result.note:
         click.echo(f"note: {result.note}")
     if redundant:
-        click.echo(f"spare slots: {redundant} ({redundant // ranks} per GPU) hold "
-                   f"{replica_gb(model, ranks, redundant, costing):.2f} GB of extra expert weights per GPU "
+        click.echo(f"spare slots: {redundant} ({redundant // groups} per {'GPU' if moe_tp == 1 else 'EP group'}) hold "
+                   f"{replica_gb(model, groups, redundant, costing, moe_tp):.2f} GB of extra expert weights per GPU "
                    f"({costing.shape.describe()})")
     click.echo(format_table(rows, result.baseline))
     if result.fitted:
