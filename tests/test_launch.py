@@ -331,3 +331,59 @@ def test_placement_for_sglangs_rule_adds_no_environment(model_dir: Path, placeme
                                     *sglang_args(model_dir)])
     assert code == 0, stderr
     assert "MOEPLACE_DISPATCH" not in stdout
+
+
+# ----------------------------------------------------------------------------- EP x TP splits (issue 22)
+
+@pytest.fixture
+def split_file(tmp_path: Path) -> Path:
+    """A placement for 4 EP groups x MoE TP 2 on 8 GPUs (what `optimize --ranks 8 --ep-size 4` writes)."""
+    p = round_robin(SPEC, ranks=4, redundant=0)
+    p.metrics = {"ep_split": {"gpus": 8, "ep_size": 4, "moe_tp": 2}}
+    path = tmp_path / "split.json"
+    save_placement(path, p)
+    return path
+
+
+def sglang_parse(argv: list[str]):
+    """SGLang 0.5.23's own parser over a launch_server argument list."""
+    import argparse
+
+    pytest.importorskip("sglang")
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    args, unknown = parser.parse_known_args(argv)
+    assert not unknown, unknown
+    return args
+
+
+@pytest.mark.parametrize("given, added", [
+    ("", ["--ep-size", "4", "--tp-size", "8"]),
+    ("--tp 8", ["--ep-size", "4"]),
+    ("--tp-size 8 --ep 4", []),
+])
+def test_launch_passes_the_placements_split(model_dir: Path, split_file: Path, given: str, added: list[str]) -> None:
+    code, stdout, stderr = run_cli(["launch", "--placement", str(split_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, given)])
+    assert code == 0, stderr
+    argv = shlex.split(stdout)[3:]
+    assert argv[:-2] == [*sglang_args(model_dir, given), *added]
+    args = sglang_parse(argv)
+    assert (args.tp_size, args.ep_size) == (8, 4)
+    assert "warning" not in stderr
+
+
+def test_launch_split_refusals_and_warnings(tmp_path: Path, model_dir: Path, split_file: Path) -> None:
+    # another EP size than the placement's groups: refused, one line
+    code, stdout, stderr = run_cli(["launch", "--placement", str(split_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 8 --ep 8")])
+    assert_refused(tmp_path, code, stdout, stderr, "placement is for 4 ranks but SGLang will run with ep_size 8")
+    # the same groups with another MoE TP: runs, and says the costs were for the other split
+    code, stdout, stderr = run_cli(["launch", "--placement", str(split_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4")])
+    assert code == 0, stderr
+    assert sglang_parse(shlex.split(stdout)[3:]).ep_size == 4
+    assert ("warning: the placement was made for 4 EP groups x MoE TP 2 on 8 GPUs; --tp-size 4 runs MoE TP 1"
+            in stderr)

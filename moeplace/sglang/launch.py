@@ -11,6 +11,8 @@ What SGLang 0.5.23 does with the flags we read (``srt/arg_groups/fields/parallel
   group (deepep, mooncake, flashinfer, ...) overrides it with ``tp_size`` whatever was given.
 - slots per layer P = routed experts + ``--ep-num-redundant-experts``; rank r owns slots
   ``[r*P/ep, (r+1)*P/ep)``; MoE tensor parallelism is ``tp_size // ep_size``.
+- a placement made by ``optimize --ep-size`` records its split; launch adds ``--ep-size`` and
+  ``--tp-size`` from it where the arguments leave them out.
 - ``--init-expert-location`` is read as a file only when it ends in ``.json`` or ``.pt``; any other
   string is parsed as inline JSON.
 - argparse accepts unique prefixes of long options (``--tp`` for ``--tp-size``).
@@ -73,6 +75,7 @@ class SglangLayout:
     ep_dispatch_algorithm: str | None = None
     enable_eplb: bool = False
     revision: str | None = None
+    given: frozenset[str] = frozenset()   # the fields the arguments set
 
     @property
     def effective_ep_size(self) -> int:
@@ -131,7 +134,7 @@ def parse_sglang_args(args: Sequence[str]) -> SglangLayout:
                 raise MoeplaceError(f"SGLang argument {name} must be positive, got {value}")
         else:
             found[field_name] = value
-    return SglangLayout(**found)  # type: ignore[arg-type]
+    return SglangLayout(**found, given=frozenset(found))  # type: ignore[arg-type]
 
 
 def fit_placement(p: Placement, spec: ModelSpec, layout: SglangLayout) -> Placement:
@@ -225,11 +228,41 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
         # SGLang reads a file only for .json/.pt names; anything else it parses as inline JSON.
         raise MoeplaceError(f"{target}: the SGLang placement file name must end in .json")
     check_outputs({"--sglang-file": target}, inputs={"--placement": placement_path, "--model": folder / "config.json"})
-    placement = fit_placement(read_placement(placement_path, spec, layout), spec, layout)
+    read = read_placement(placement_path, spec, layout)
+    added = split_flags(read, layout)
+    if added:
+        sglang_args = [*sglang_args, *added]
+        layout = parse_sglang_args(sglang_args)
+    placement = fit_placement(read, spec, layout)
     command = [python or sys.executable, "-m", "sglang.launch_server", *sglang_args,
                "--init-expert-location", str(target)]
-    warnings = [line for line in [dispatch_mismatch(placement, layout), cost_rule_note(placement)] if line]
+    warnings = [line for line in [dispatch_mismatch(placement, layout), cost_rule_note(placement),
+                                  split_mismatch(placement, layout)] if line]
     return LaunchPlan(placement, target, command, dispatch_env(placement, sglang_args), warnings)
+
+
+def split_flags(placement: Placement, layout: SglangLayout) -> list[str]:
+    """The EP x TP split a placement was made for (``optimize --ep-size``) as the SGLang flags the arguments
+    leave out: ``--ep-size`` (its EP groups) and ``--tp-size`` (its GPUs)."""
+    split = placement.metrics.get("ep_split")
+    if not isinstance(split, dict):
+        return []
+    flags = []
+    if "ep_size" not in layout.given and layout.moe_a2a_backend not in EP_SPANNING_A2A_BACKENDS:
+        flags += ["--ep-size", str(split["ep_size"])]
+    if "tp_size" not in layout.given:
+        flags += ["--tp-size", str(split["gpus"])]
+    return flags
+
+
+def split_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
+    """A line when SGLang's --tp-size gives the placement's EP groups another MoE TP than it was costed for."""
+    split = placement.metrics.get("ep_split")
+    if not isinstance(split, dict) or layout.tp_size == split["gpus"]:
+        return None
+    return (f"the placement was made for {split['ep_size']} EP groups x MoE TP {split['moe_tp']} on {split['gpus']} "
+            f"GPUs; --tp-size {layout.tp_size} runs MoE TP {layout.tp_size // layout.effective_ep_size} (the placement "
+            f"fits, its costs were for the other split)")
 
 
 def dispatch_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
