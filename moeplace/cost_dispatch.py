@@ -27,12 +27,12 @@ the same choice from the same ids, with no floating-point ties.
      distinct experts there, and what moving tokens could still gain is under ``b * pairs`` (at a
      9-token Kimi-shaped step under 3 µs of a ~170 µs layer). This makes the rule balanced dispatch,
      pick for pick, at verify batch;
-  3. otherwise, up to ``MAX_ROUNDS`` times: on the busiest rank r (lowest rank on ties), for every
-     expert with tokens there and a replica on another rank r', the better of moving all of its tokens
-     to r' (r sheds a read) and moving the share that levels the two ranks (r' may gain a read); take
-     the move whose two ranks end highest the lowest (ties: a whole move, then the lowest expert id, then
-     the lowest r'), if both end below r's cost; else stop. Each move lowers the maximum or the number
-     of ranks at it, so the rule never ends above balanced dispatch's cost.
+  3. otherwise, up to ``MAX_ROUNDS`` times: on every rank r at the maximum cost, for every expert with
+     tokens there and a replica on another rank r', the better of moving all of its tokens to r' (r
+     sheds a read) and moving the share that levels the two ranks (r' may gain a read); take the move
+     whose two ranks end highest the lowest (ties: a whole move, then the lowest expert id, source
+     rank, target rank), if both end below the maximum; else stop. Each move lowers the maximum or the
+     number of ranks at it, so the rule never ends above balanced dispatch's cost.
 
 A split expert's tokens go to its ranks in increasing rank order, in token-row order
 (``pair_slots``).
@@ -85,28 +85,27 @@ def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | N
     multi = np.flatnonzero(bits.sum(axis=1) > 1)
     for _ in range(max_rounds):
         cost = q * (alloc > 0).sum(axis=0) + alloc.sum(axis=0)
-        top = int(np.argmax(cost))
-        best = None          # (pair max, partial?, expert, target, tokens moved)
+        top = int(cost.max())
+        best = None          # (pair max, partial?, expert, source, target, tokens moved)
         for e in multi:
-            here = int(alloc[e, top])
-            if here == 0:
-                continue
-            for r in np.flatnonzero(bits[e]):
-                if r == top:
-                    continue
-                dest = int(cost[r]) + (q if alloc[e, r] == 0 else 0)
-                options = [(max(int(cost[top]) - q - here, dest + here), 0, here)]
-                if here >= 2:
-                    m = min(max((int(cost[top]) - dest) // 2, 1), here - 1)
-                    options.append((max(int(cost[top]) - m, dest + m), 1, m))
-                for value, partial, m in options:
-                    key = (value, partial, int(e), int(r), m)
-                    if best is None or key < best:
-                        best = key
-        if best is None or best[0] >= cost[top]:
+            for src in np.flatnonzero((cost == top) & (alloc[e] > 0)):
+                here = int(alloc[e, src])
+                for r in np.flatnonzero(bits[e]):
+                    if r == src:
+                        continue
+                    dest = int(cost[r]) + (q if alloc[e, r] == 0 else 0)
+                    options = [(max(top - q - here, dest + here), 0, here)]
+                    if here >= 2:
+                        m = min(max((top - dest) // 2, 1), here - 1)
+                        options.append((max(top - m, dest + m), 1, m))
+                    for value, partial, m in options:
+                        key = (value, partial, int(e), int(src), int(r), m)
+                        if best is None or key < best:
+                            best = key
+        if best is None or best[0] >= top:
             break
-        _, _, e, r, m = best
-        alloc[e, top] -= m
+        _, _, e, src, r, m = best
+        alloc[e, src] -= m
         alloc[e, r] += m
     return alloc
 
@@ -164,31 +163,30 @@ def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None, 
             break
         n = live.size
         rows = np.arange(n)
-        a = alloc[live]                                                   # [n, M, R]
+        a = alloc[live][:, :, :, None]                                    # [n, M, R source, 1]
         cost = q * distinct[live] + tokens[live]                          # [n, R]
-        top = cost.argmax(axis=1)
-        cmax = cost[rows, top][:, None, None]
-        here = a[rows, :, top][:, :, None]                                # [n, M, 1]
-        dest = cost[:, None, :] + q * (a == 0)                            # [n, M, R]
-        allowed = replica & (here > 0) & (np.arange(R) != top[:, None])[:, None, :]
-        whole = np.maximum(cmax - q - here, dest + here)
-        share = np.clip((cmax - dest) // 2, 1, np.maximum(here - 1, 1))
-        part = np.where(here >= 2, np.maximum(cmax - share, dest + share), big)
+        cmax = cost.max(axis=1)[:, None, None, None]
+        dest = (cost[:, None, None, :] + q * (alloc[live] == 0)[:, :, None, :])   # [n, M, 1, R target]
+        allowed = ((cost == cmax[:, 0, 0])[:, None, :, None] & (a > 0) & replica[:, :, None, :]
+                   & ~np.eye(R, dtype=bool)[None, None])
+        whole = np.maximum(cmax - q - a, dest + a)
+        share = np.clip((cmax - dest) // 2, 1, np.maximum(a - 1, 1))
+        part = np.where(a >= 2, np.maximum(cmax - share, dest + share), big)
         use_part = part < whole
         value = np.where(allowed, np.minimum(whole, part), big)
-        key = (value * 2 + use_part).reshape(n, -1)                      # ties: a whole move first
-        flat = key.argmin(axis=1)                                         # then the lowest expert, rank
-        ok = key[rows, flat] // 2 < cmax[:, 0, 0]
-        live, rows, flat, top = live[ok], rows[ok], flat[ok], top[ok]
-        i, r = flat // R, flat % R
-        m = np.where(use_part[rows, i, r], share[rows, i, r], here[rows, i, 0])
-        emptied = m == alloc[live, i, top]
+        key = (value * 2 + use_part).reshape(n, -1)                      # ties: a whole move first, then
+        flat = key.argmin(axis=1)                                         # the lowest expert, source, target
+        ok = key[rows, flat] // 2 < cmax[:, 0, 0, 0]
+        live, rows, flat = live[ok], rows[ok], flat[ok]
+        i, src, r = flat // (R * R), flat // R % R, flat % R
+        m = np.where(use_part[rows, i, src, r], share[rows, i, src, r], alloc[live, i, src])
+        emptied = m == alloc[live, i, src]
         opened = alloc[live, i, r] == 0
-        alloc[live, i, top] -= m
+        alloc[live, i, src] -= m
         alloc[live, i, r] += m
-        tokens[live, top] -= m
+        tokens[live, src] -= m
         tokens[live, r] += m
-        distinct[live, top] -= emptied
+        distinct[live, src] -= emptied
         distinct[live, r] += opened
         rounds[live] += 1
     return CostDispatch(multi, alloc, distinct, tokens, base.pick, rounds)
