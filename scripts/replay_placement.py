@@ -21,6 +21,16 @@ placement with E/4 and E/2 spare slots.
 
 ``measure --jobs gptoss`` / ``--jobs kimi`` times one trace's workloads, so two GPUs can share the
 work (``report --times a.json,b.json`` merges them).
+
+Issue 22 (not yet run on a GPU): ``prepare --batch-tokens 9,36,72,144,288,576`` replays batches of 1 to 64
+requests verifying 9 tokens, built from the held-out steps (each job times its batch's kernel config);
+``--cost-rule`` adds moeplace's rule by cost on the balanced placement with E/4 spares (``cost+r..``);
+``--layouts`` adds EP groups with MoE TP inside (``ep4xtp2``, ``ep2xtp4``, without and with E/4 spares
+under the cost rule; TP-MoE is the ``tp`` row):
+
+    python scripts/replay_placement.py prepare --out out/rp22 --batch-tokens 9,36,72,144,288,576 --cost-rule --layouts
+    python3 scripts/replay_placement.py measure --work out/rp22 --jobs kimi --out $OUT/replay22_kimi.json
+    python scripts/replay_placement.py report --work out/rp22 --times replay22_kimi.json
 """
 
 from __future__ import annotations
@@ -54,6 +64,26 @@ def placement_specs(num_experts: int) -> list[tuple[str, str, int, str]]:
         (f"balanced+r{quarter}", "stepaware", quarter, "balanced"),
         (f"balanced+r{half}", "stepaware", half, "balanced"),
     ]
+
+
+def extra_specs(num_experts: int, ranks: int, cost_rule: bool, layouts: bool) -> list[tuple[str, str, int, str, int]]:
+    """(tag, algorithm, spare slots, rule, EP groups) of issue 22's rows: the cost rule with E/4 spare slots
+    (on the balanced placement), and EP groups with MoE TP inside, without and with E/4 spares."""
+    quarter = num_experts // 4
+    out = [(f"cost+r{quarter}", "stepaware", quarter, "cost", ranks)] if cost_rule else []
+    for ep in ((ranks // 2, ranks // 4) if layouts else ()):
+        if ep >= 2 and ranks % ep == 0 and num_experts % ep == 0:
+            tag = f"ep{ep}xtp{ranks // ep}"
+            out += [(tag, "stepaware", 0, "dynamic", ep), (f"{tag}+r{quarter}", "stepaware", quarter, "cost", ep)]
+    return out
+
+
+def rank_cost(hidden: int, inter: int, slots: int, top_k: int, moe_tp: int, step_tokens: int):
+    """The derived cost model of one GPU holding ``slots`` experts, each 1/moe_tp of ``hidden x inter`` (bf16)."""
+    from moeplace.cost_derive import derive_cost_model
+    from moeplace.expert_shape import ExpertShape
+    shape = ExpertShape(hidden, inter, "bf16", "replay")
+    return derive_cost_model(shape.tp_slice(moe_tp) if moe_tp > 1 else shape, slots, top_k, step_tokens=step_tokens)
 
 
 def ep_shape(hidden: int, inter: int, slots_per_rank: int, top_k: int) -> dict:
@@ -92,18 +122,22 @@ def load_trace(name: str, gptoss_path: str, test_steps: int | None = None):
             "SYNTHETIC Kimi-K2-shaped trace (9 tokens per step; 12 layers replayed, scaled to 60)")
 
 
-def fit_placements(train, ranks: int, effort: float, log=print,
-                   only: list[str] | None = None) -> dict[str, tuple[np.ndarray, str]]:
-    """tag -> (phy2log [L, P], dispatch rule) for the specs of ``placement_specs`` (those in ``only``)."""
+def fit_placements(train, ranks: int, effort: float, log=print, only: list[str] | None = None,
+                   extra: list[tuple[str, str, int, str, int]] = ()) -> dict[str, tuple[np.ndarray, str]]:
+    """tag -> (phy2log [L, P], dispatch rule) for the specs of ``placement_specs`` (those in ``only``), then
+    ``extra`` (``extra_specs``: placed for their EP groups; the cost rule's spares as balanced dispatch's)."""
     from moeplace.algorithms import PlacementProblem, solve
+    from moeplace.cost_dispatch import PLACED_AS
     out = {}
-    for tag, alg, red, dispatch in placement_specs(train.model.num_experts):
+    for tag, alg, red, dispatch, groups in [(*spec, ranks) for spec in placement_specs(train.model.num_experts)] \
+            + list(extra):
         if only is not None and tag not in only:
             continue
         t0 = time.time()
-        problem = PlacementProblem(train.model, train, ranks, redundant=red, dispatch=dispatch, effort=effort)
+        problem = PlacementProblem(train.model, train, groups, redundant=red, dispatch=PLACED_AS.get(dispatch, dispatch),
+                                   effort=effort)
         out[tag] = (solve(alg, problem), dispatch)
-        log(f"{tag}: placed for {ranks} ranks in {time.time() - t0:.1f} s")
+        log(f"{tag}: placed for {groups} ranks in {time.time() - t0:.1f} s")
     return out
 
 
@@ -114,9 +148,11 @@ class WorkIndex:
         self.jobs: dict[str, dict] = {}   # job name -> {"shape": RankMoe kwargs, "keys": [counts...]}
         self._ids: dict[str, dict] = {}
 
-    def key_id(self, job: str, shape: dict, key: tuple[int, ...]) -> int:
+    def key_id(self, job: str, shape: dict, key: tuple[int, ...], step_tokens: int | None = None) -> int:
         if job not in self.jobs:
             self.jobs[job] = {"shape": shape, "keys": []}
+            if step_tokens is not None:
+                self.jobs[job]["step_tokens"] = step_tokens
             self._ids[job] = {}
         ids = self._ids[job]
         if key not in ids:
@@ -126,22 +162,28 @@ class WorkIndex:
 
 
 def index_workloads(index: WorkIndex, name: str, test, placements: dict, ranks: int, hidden: int,
-                    inter: int) -> dict[str, np.ndarray]:
+                    inter: int, step_tokens: int = 9, groups: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """idx/<tag> [S, L, R] (EP) and idx/tp [S, L] workload ids, job/<tag> the job each lives in.
 
     Ids are given step by step (all placements of step 0 first), so a time cut while measuring drops
-    the last steps of every placement alike.
+    the last steps of every placement alike. step_tokens: the steps' tokens (a job per batch size other
+    than 9); groups: tag -> EP groups for the EP x TP rows (default ``ranks``), each GPU of a group timed
+    with 1/(ranks / groups) of every expert.
     """
     from moeplace.advise import rank_work, slot_token_counts, work_key
     L, E, K = test.model.num_moe_layers, test.model.num_experts, test.model.top_k
+    batch = "" if step_tokens == 9 else f"-b{step_tokens}"
     work, jobs, shapes = {}, {}, {}
     for tag, (phy2log, dispatch) in placements.items():
-        spr = phy2log.shape[1] // ranks
-        jobs[tag], shapes[tag] = f"{name}-ep-{spr}", ep_shape(hidden, inter, spr, K)
-        work[tag] = np.stack([rank_work(slot_token_counts(test, layer, phy2log[layer], ranks, dispatch), ranks)
-                              for layer in range(L)], axis=1)             # [S, L, R, spr]
+        ep = (groups or {}).get(tag, ranks)
+        moe_tp, spr = ranks // ep, phy2log.shape[1] // ep
+        jobs[tag] = f"{name}{batch}-ep-{spr}" + (f"-tp{moe_tp}" if moe_tp > 1 else "")
+        shapes[tag] = ep_shape(hidden, -(-inter // moe_tp), spr, K)
+        cost = rank_cost(hidden, inter, spr, K, moe_tp, step_tokens) if dispatch == "cost" else None
+        work[tag] = np.stack([rank_work(slot_token_counts(test, layer, phy2log[layer], ep, dispatch, cost), ep)
+                              for layer in range(L)], axis=1)             # [S, L, groups, spr]
     # TP-MoE: one rank runs every activated expert (1/R wide) on all pairs of the step.
-    jobs["tp"], shapes["tp"] = f"{name}-tp{ranks}-{E}", tp_shape(hidden, inter, ranks, E, K)
+    jobs["tp"], shapes["tp"] = f"{name}{batch}-tp{ranks}-{E}", tp_shape(hidden, inter, ranks, E, K)
     tp_counts = np.zeros((test.num_steps, L, 1, E), np.int64)
     for layer in range(L):
         step_of_row, _, ids = test.layer(layer)
@@ -154,7 +196,8 @@ def index_workloads(index: WorkIndex, name: str, test, placements: dict, ranks: 
         for tag, w in work.items():
             for layer in range(L):
                 for r in range(w.shape[2]):
-                    idx[tag][s, layer, r] = index.key_id(jobs[tag], shapes[tag], work_key(w[s, layer, r]))
+                    idx[tag][s, layer, r] = index.key_id(jobs[tag], shapes[tag], work_key(w[s, layer, r]),
+                                                         None if step_tokens == 9 else step_tokens)
     arrays = {}
     for tag in work:
         arrays[f"idx/{tag}"] = idx[tag][:, :, 0] if tag == "tp" else idx[tag]
@@ -176,6 +219,7 @@ def timed_steps(us_len: int, idx: np.ndarray) -> int:
 
 def prepare(args) -> None:
     """Placements and per-(step, layer, rank) work keys for every trace; unique keys per GPU job."""
+    from moeplace.dispatch_eval import verify_batches
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     index = WorkIndex()
@@ -184,18 +228,25 @@ def prepare(args) -> None:
         if args.only and name not in args.only.split(","):
             continue
         train, test, label = load_trace(name, args.gptoss)
-        placements = fit_placements(train, args.ranks, args.effort, lambda m: print(f"{name} {m}", flush=True))
-        arrays = {f"phy2log/{tag}": p for tag, (p, _) in placements.items()}
-        arrays.update(index_workloads(index, name, test, placements, args.ranks, TRACES[name]["hidden"],
-                                      TRACES[name]["inter"]))
-        np.savez_compressed(out / f"{name}.npz", **arrays)
-        # The test steps themselves, so report predicts from exactly what was replayed.
-        np.savez_compressed(out / f"{name}_test.npz", topk_ids=test.topk_ids, token_offsets=test.token_offsets,
-                            model=json.dumps(test.model.to_json()))
-        meta[name] = {"label": label, "train_steps": train.num_steps, "test_steps": test.num_steps,
-                      "layers": test.model.num_moe_layers, "experts": test.model.num_experts,
-                      "ranks": args.ranks, "effort": args.effort,
-                      "dispatch": {tag: d for tag, (_, d) in placements.items()}}
+        extra = extra_specs(test.model.num_experts, args.ranks, args.cost_rule, args.layouts)
+        groups = {tag: g for tag, *_, g in extra}
+        placements = fit_placements(train, args.ranks, args.effort, lambda m: print(f"{name} {m}", flush=True),
+                                    extra=extra)
+        for tokens in map(int, args.batch_tokens.split(",")):
+            key = name if tokens == 9 else f"{name}-b{tokens}"
+            steps = test if tokens == 9 else verify_batches(test, tokens, test.num_steps, seed=tokens).steps
+            arrays = {f"phy2log/{tag}": p for tag, (p, _) in placements.items()}
+            arrays.update(index_workloads(index, name, steps, placements, args.ranks, TRACES[name]["hidden"],
+                                          TRACES[name]["inter"], tokens, groups))
+            np.savez_compressed(out / f"{key}.npz", **arrays)
+            # The test steps themselves, so report predicts from exactly what was replayed.
+            np.savez_compressed(out / f"{key}_test.npz", topk_ids=steps.topk_ids, token_offsets=steps.token_offsets,
+                                model=json.dumps(steps.model.to_json()))
+            meta[key] = {"label": label + ("" if tokens == 9 else f", batches of {tokens} tokens"), "trace": name,
+                         "batch_tokens": tokens, "train_steps": train.num_steps, "test_steps": steps.num_steps,
+                         "layers": steps.model.num_moe_layers, "experts": steps.model.num_experts,
+                         "ranks": args.ranks, "effort": args.effort, "groups": groups,
+                         "dispatch": {tag: d for tag, (_, d) in placements.items()}}
     (out / "work.json").write_text(json.dumps({"jobs": index.jobs, "traces": meta}))
     for job, j in index.jobs.items():
         print(f"job {job}: {len(j['keys'])} distinct rank workloads", flush=True)
@@ -235,7 +286,8 @@ def measure(args) -> None:
     for job, end in zip(wanted, ends):
         t0 = time.time()
         keys = jobs[job]["keys"]
-        times = time_workloads(sgl, jobs[job]["shape"], keys, args.step_tokens, args.reps, end)
+        times = time_workloads(sgl, jobs[job]["shape"], keys, jobs[job].get("step_tokens", args.step_tokens),
+                               args.reps, end)
         result["jobs"][job] = {"us": times, "complete": len(times) == len(keys)}
         print(f"{job}: {len(times)}/{len(keys)} workloads in {time.time() - t0:.0f} s", flush=True)
         Path(args.out).write_text(json.dumps(result))
@@ -248,22 +300,23 @@ def replayed_ms(us: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 
 def predicted_us(name: str, test, tag: str, phy2log: np.ndarray | None, ranks: int, dispatch: str,
-                 layers: range | None = None, hidden: int | None = None, inter: int | None = None) -> np.ndarray:
+                 layers: range | None = None, hidden: int | None = None, inter: int | None = None,
+                 step_tokens: int = 9, groups: int | None = None) -> np.ndarray:
     """[S] µs per step the derived cost model predicts (what the commands use) over ``layers``.
 
-    hidden, inter: the expert shape (default: the trace's, from TRACES).
+    hidden, inter: the expert shape (default: the trace's, from TRACES); step_tokens: the steps' tokens;
+    groups: EP groups of an EP x TP row (default ``ranks``).
     """
     from moeplace.advise import ep_layer_cost, tp_layer_cost
-    from moeplace.cost_derive import derive_cost_model
-    from moeplace.expert_shape import ExpertShape
-    shape = ExpertShape(hidden or TRACES[name]["hidden"], inter or TRACES[name]["inter"], "bf16", name)
-    E = test.model.num_experts
+    hidden, inter = hidden or TRACES[name]["hidden"], inter or TRACES[name]["inter"]
+    E, K = test.model.num_experts, test.model.top_k
     layers = layers if layers is not None else range(test.model.num_moe_layers)
     if tag == "tp":
-        cost = derive_cost_model(shape.tp_slice(ranks), E, test.model.top_k)
+        cost = rank_cost(hidden, inter, E, K, ranks, step_tokens)
         return sum(tp_layer_cost(test, layer, cost) for layer in layers)
-    cost = derive_cost_model(shape, phy2log.shape[1] // ranks, test.model.top_k)
-    return sum(ep_layer_cost(test, layer, phy2log[layer], ranks, cost, dispatch) for layer in layers)
+    ep = groups or ranks
+    cost = rank_cost(hidden, inter, phy2log.shape[1] // ep, K, ranks // ep, step_tokens)
+    return sum(ep_layer_cost(test, layer, phy2log[layer], ep, cost, dispatch) for layer in layers)
 
 
 def load_test(work_dir: Path, name: str):
@@ -275,11 +328,12 @@ def load_test(work_dir: Path, name: str):
     return RoutingSteps.from_topk(model, t["topk_ids"], np.diff(t["token_offsets"]), 5)
 
 
-def placement_label(tag: str, dispatch: str, ranks: int) -> str:
+def placement_label(tag: str, dispatch: str, ranks: int, groups: int | None = None) -> str:
     if tag == "tp":
         return f"TP-MoE (1/{ranks} of every expert)"
     red = tag.split("+r")[1] if "+r" in tag else ""
-    return f"EP, {red} redundant, {dispatch}" if red else "EP"
+    split = "EP" if not groups or groups == ranks else f"EP{groups} x MoE TP {ranks // groups}"
+    return f"{split}, {red} redundant, {dispatch}" if red else split
 
 
 def write_report(lines: list[str], summary: dict, out: str) -> None:
@@ -304,6 +358,7 @@ def report(args) -> None:
             arrays = np.load(work_dir / f"{name}.npz")
             test = load_test(work_dir, name)
             ranks = meta.get("ranks", RANKS)
+            trace, tokens, groups = meta.get("trace", name), meta.get("batch_tokens", 9), meta.get("groups", {})
             tags = [k.split("/", 1)[1] for k in arrays.files if k.startswith("idx/")]
             done = {t: timed_steps(len(jobs.get(str(arrays[f"job/{t}"]), {"us": []})["us"]), arrays[f"idx/{t}"])
                     for t in tags}
@@ -322,12 +377,13 @@ def report(args) -> None:
                     continue
                 dispatch = meta.get("dispatch", {}).get(tag, "dynamic")
                 phy2log = None if tag == "tp" else arrays[f"phy2log/{tag}"]
-                scale = TRACES[name].get("layer_scale", 1)   # replayed layers -> the model's MoE layers
+                scale = TRACES[trace].get("layer_scale", 1)   # replayed layers -> the model's MoE layers
                 measured = replayed_ms(np.array(job["us"]), idx) * scale
-                predicted = predicted_us(name, test, tag, phy2log, ranks, dispatch) * scale
+                predicted = predicted_us(trace, test, tag, phy2log, ranks, dispatch, step_tokens=tokens,
+                                         groups=groups.get(tag)) * scale
                 m, p = measured.mean() / 1e3, predicted.mean() / 1e3
                 step_err = float(np.mean(np.abs(predicted - measured) / measured))
-                mode = placement_label(tag, dispatch, ranks)
+                mode = placement_label(tag, dispatch, ranks, groups.get(tag))
                 rows[tag] = {"mode": mode, "measured_ms": m, "predicted_ms": p, "error": p / m - 1,
                              "step_abs_error": step_err}
                 lines.append(f"| {tag.split('+')[0]} | {mode} | {m:.2f} | {p:.2f} | {p / m - 1:+.1%} | "
@@ -354,6 +410,10 @@ def main() -> None:
     a.add_argument("--effort", type=float, default=2e8)
     a.add_argument("--ranks", type=int, default=RANKS, help="EP ranks the placements are made for")
     a.add_argument("--only", default="")
+    a.add_argument("--batch-tokens", default="9", help="tokens per replayed step, a comma list (issue 22: "
+                   "9,36,72,144,288,576; batches of 9-token requests built from the held-out steps)")
+    a.add_argument("--cost-rule", action="store_true", help="add the cost rule's row (E/4 spare slots)")
+    a.add_argument("--layouts", action="store_true", help="add EP groups with MoE TP inside (EP R/2, EP R/4)")
     b = sub.add_parser("measure")
     b.add_argument("--work", default="out/replay")
     b.add_argument("--out", required=True)
