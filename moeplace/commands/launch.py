@@ -27,7 +27,9 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
     and --ep-num-redundant-experts (slots = experts + redundant). --enable-eplb is
     refused (SGLang's rebalancer would replace the placement), and a placement whose
     spare slots were placed for another replica choice than SGLang's for the given
-    --moe-a2a-backend / --ep-dispatch-algorithm is warned about.
+    --moe-a2a-backend / --ep-dispatch-algorithm is warned about. A placement made by
+    `optimize --ep-size G` (G EP groups with MoE TP inside) adds --ep-size G and
+    --tp-size where the arguments leave them out.
 
     \b
     Example:

@@ -102,7 +102,9 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     With spare slots (--redundant or --replica-memory) the table starts with what SGLang runs without
     moeplace, and compares against it: DeepSeek EPLB, no spare slots, SGLang's own rule (static under
     --dispatch static, else dynamic). With --dispatch balanced, replicas go where moeplace's per-step
-    replica choice (the plugin's MOEPLACE_DISPATCH=balanced) gains most.
+    replica choice (the plugin's MOEPLACE_DISPATCH=balanced) gains most; --dispatch cost places them alike
+    and scores moeplace's rule by cost. With --ep-size G the placement is for G EP groups on the --ranks
+    GPUs, each expert split over the GPUs of its group (`moeplace advise` compares the splits).
 
     \b
     Example:
@@ -110,6 +112,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
           -o placement.json --sglang-out init_expert_location.json
       moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --mode verify \\
           --dispatch balanced --replica-memory 3 -o placement.json --sglang-out init_expert_location.json
+      moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --ep-size 4 --mode verify -o placement.json
     """
     check_outputs({"-o": out, "--sglang-out": sglang_out}, inputs=trace_inputs(trace, cost_model_path, model_ref),
                   folders={"--plot-dir": plot_dir})
