@@ -33,6 +33,7 @@ from moeplace.model import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
 SPARE_RULE = "cost"
+EVEN = 0.01          # layouts this close (relative) are reported as even, not as a flip
 
 
 @dataclass(frozen=True)
@@ -150,12 +151,14 @@ def fastest(results: list[LayoutCosts], batch: int | None = None) -> LayoutCosts
 
 def layout_flips(results: list[LayoutCosts]) -> list[tuple[float, str, str]]:
     """(batch where it flips, fastest below, fastest above) for each change of the fastest layout over
-    the grid, the batch interpolated where the two layouts' costs cross (``advise.crossing``)."""
+    the grid, the batch interpolated where the two layouts' costs cross (``advise.crossing``). Two
+    layouts within ``EVEN`` of each other at both batches are even: no flip."""
     batches = sorted(results[0].grid)
     flips = []
     for lo, hi in zip(batches, batches[1:]):
         a, b = fastest(results, lo), fastest(results, hi)
-        if a.layout != b.layout:
+        even = all(abs(a.grid[x] / b.grid[x] - 1) <= EVEN for x in (lo, hi))
+        if a.layout != b.layout and not even:
             at = crossing(lo, hi, a.grid[lo] / b.grid[lo], a.grid[hi] / b.grid[hi])
             flips.append((at, a.layout.name, b.layout.name))
     return flips

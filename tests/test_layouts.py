@@ -137,3 +137,14 @@ def test_optimize_refuses_a_split_sglang_cannot_run(tmp_path, capsys, args, frag
     code, stdout, err = run_main(capsys, "optimize", SAMPLE, "--ranks", "8", *args, "-o", tmp_path / "p.json")
     assert code == 2 and err.count("\n") == 1 and fragment in err and "Traceback" not in err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_near_ties_are_no_flip():
+    def costs(ep, values):
+        return LayoutCosts(Layout(8, ep), values[0], dict(zip((1, 10, 100), values)), {})
+    # EP4xTP2 wins at 10 by 0.5% and EP8 at 100 by 0.4%: even at both, so no flip between them
+    results = [costs(8, (30.0, 40.0, 50.0)), costs(4, (31.0, 39.8, 50.2)), costs(1, (10.0, 80.0, 400.0))]
+    assert fastest(results, 10).layout.name == "EP4xTP2" and fastest(results, 100).layout.name == "EP8"
+    assert [(lo, hi) for _, lo, hi in layout_flips(results)] == [("TP8", "EP4xTP2")]
+    results[1] = costs(4, (31.0, 39.8, 60.0))                  # clearly slower at 100: a flip again
+    assert [(lo, hi) for _, lo, hi in layout_flips(results)] == [("TP8", "EP4xTP2"), ("EP4xTP2", "EP8")]

@@ -13,7 +13,8 @@ from moeplace.commands.options import effort_option, holdout_option, trace_optio
 from moeplace.cost_dispatch import PLACED_AS
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.layouts import Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest, layout_flips
+from moeplace.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
+                              layout_flips)
 from moeplace.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
 from moeplace.report import steps_phrase
 
@@ -161,9 +162,14 @@ def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]]
                    + f"   {fastest(results, batch).layout.name}")
     best = fastest(results)
     second = min((r for r in results if r is not best), key=lambda r: r.at_trace, default=None)
+    if second is None:
+        versus = ""
+    elif second.at_trace / best.at_trace - 1 <= EVEN:
+        versus = f", even with {second.layout.name} (within {100 * EVEN:.0f}%)"
+    else:
+        versus = f", {second.at_trace / best.at_trace:.2f}x faster than {second.layout.name}"
     click.echo(f"At this trace's traffic ({trace_batch} tokens per step) the fastest layout is {best.layout.name}, "
-               f"{best.at_trace / 1e3:.2f} ms of MoE per step"
-               + (f", {second.at_trace / best.at_trace:.2f}x faster than {second.layout.name}" if second else "")
+               f"{best.at_trace / 1e3:.2f} ms of MoE per step" + versus
                + (f" (SGLang: --tp-size {gpus} --ep-size {best.layout.ep}; moeplace optimize --ranks {gpus} "
                   f"--ep-size {best.layout.ep} places for it)" if best.layout.ep > 1 else "") + ".")
     if not flips:
@@ -173,7 +179,8 @@ def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]]
         parts = [f"{flips[0][1]} up to about {flips[0][0]:.0f} tokens per step"]
         parts += [f"{below} up to about {at:.0f}" for at, below, _ in flips[1:]]
         parts.append(f"{flips[-1][2]} above")
-        click.echo("The fastest layout flips: " + ", then ".join(parts) + ".")
+        click.echo("The fastest layout flips: " + ", then ".join(parts)
+                   + f" (layouts within {100 * EVEN:.0f}% of each other count as even).")
     if unmeasured:
         click.echo("*: no measured cost file for that GPU's expert shape; its model is derived from the experts' bytes "
                    "(a TP slice of small experts measured up to 1.4x slower than derived, BENCHMARKS.md \"Derived cost "
