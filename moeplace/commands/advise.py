@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from moeplace.advise import BATCH_GRID, crossing, flip_batch, model_check, resample_batches, step_costs, verdict
+from moeplace.advise import BATCH_GRID, flip_batch, model_check, resample_batches, step_costs, verdict
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import resolve_costing
@@ -173,8 +173,8 @@ def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]]
                + (f" (SGLang: --tp-size {gpus} --ep-size {best.layout.ep}; moeplace optimize --ranks {gpus} "
                   f"--ep-size {best.layout.ep} places for it)" if best.layout.ep > 1 else "") + ".")
     if not flips:
-        click.echo(f"{fastest(results, min(results[0].grid)).layout.name} is the fastest layout at every batch size "
-                   f"from {min(results[0].grid)} to {max(results[0].grid)} tokens.")
+        click.echo(f"The fastest layout does not change by more than {100 * EVEN:.0f}% from {min(results[0].grid)} to "
+                   f"{max(results[0].grid)} tokens per step: {fastest(results, min(results[0].grid)).layout.name}.")
     else:
         parts = [f"{flips[0][1]} up to about {flips[0][0]:.0f} tokens per step"]
         parts += [f"{below} up to about {at:.0f}" for at, below, _ in flips[1:]]
