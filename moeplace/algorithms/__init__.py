@@ -65,6 +65,7 @@ ALGORITHMS: dict[str, str] = {
     "deepseek": "moeplace.algorithms.baselines:deepseek",
     "deepseek-hierarchical": "moeplace.algorithms.baselines:deepseek_hierarchical",
     "contiguous": "moeplace.algorithms.baselines:contiguous",
+    "naive-spares": "moeplace.algorithms.baselines:naive_spares",
 }
 DEFAULT_ALGORITHM = "stepaware"
 
