@@ -2,8 +2,8 @@
 
 Dimension letters: S steps, E logical experts, R ranks, X subsets of ranks (2^R).
 
-Under balanced dispatch the best a step can do has a closed form (Hall's theorem for this flow): with
-``f[X]`` the number of the step's active experts whose replicas all lie in the rank set X,
+Under balanced dispatch the best a step can do has a closed form (Hall's theorem for this flow, ``hall``):
+with ``f[X]`` the number of the step's active experts whose replicas all lie in the rank set X,
 
     optimum = max over non-empty X of ceil(f[X] / |X|).
 
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moeplace.algorithms.hall import subset_counts, subset_sizes
 from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps, _ranges
@@ -43,29 +44,6 @@ MAX_SEARCH_RANKS = 12
 SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
 MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
-
-
-def subset_sizes(ranks: int) -> np.ndarray:
-    """[X] number of ranks in each rank set (bit r of the index: rank r)."""
-    x = np.arange(1 << ranks)
-    return np.array([bin(v).count("1") for v in x], np.int16)
-
-
-def subset_counts(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
-    """f [S, X] int16: active experts whose replica ranks all lie in each rank set. active: [S, E] bool."""
-    S = active.shape[0]
-    X = 1 << ranks
-    s, e = np.nonzero(active)
-    f = np.bincount(s * X + masks[e], minlength=S * X).reshape(S, X).astype(np.int16)
-    for r in range(ranks):                          # sum over subsets (zeta transform), bit by bit
-        view = f.reshape(S, X >> (r + 1), 2, 1 << r)
-        view[:, :, 1, :] += view[:, :, 0, :]
-    return f
-
-
-def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """[S] the optimal max distinct experts per rank of each step, from ``subset_counts``."""
-    return ((f[:, 1:] + sizes[1:] - 1) // sizes[1:]).max(axis=1)
 
 
 def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
