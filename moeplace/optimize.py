@@ -17,6 +17,7 @@ from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import steps_from_counts
 
 BASELINES = ("contiguous", "deepseek")
+SPARE_BASELINE = "naive-spares"   # also a row under balanced dispatch with spare slots (issue 19's naive layout)
 SGLANG_RULES = ("dynamic", "static")   # SGLang's own dispatch among replicas; balanced is moeplace's
 TODAY = "deepseek, no spares, dynamic"   # the reference row when spares are asked for (SGLang without moeplace)
 # The fitted column: E[max distinct] on at most this many of the fitted steps, evenly spaced (enough
@@ -121,7 +122,8 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         return p
 
     problem(fit, progress).check()
-    maps = {name: solve(name, problem(fit, lambda n: None)) for name in BASELINES if name != algorithm}
+    baselines = BASELINES + ((SPARE_BASELINE,) if dispatch == "balanced" and redundant else ())
+    maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
     maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
