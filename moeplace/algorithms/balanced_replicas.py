@@ -43,6 +43,8 @@ from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps, _ranges
 
+from moeplace.algorithms import DEFAULT_EFFORT
+
 if TYPE_CHECKING:
     from moeplace.algorithms import PlacementProblem
 
@@ -52,6 +54,8 @@ MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of a
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
 CV_LAYERS = 2             # layers the cross-validation of the smoothing fits
+EXCHANGE_CELLS = 1e8      # each layer's exchange search work at the default effort (replica_exchange), so a
+                          # layer gets the same search whatever the model's depth
 
 
 def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -256,7 +260,7 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
     steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
     masks = replica_layout(base, E, R).masks
     masks = add_replicas(steps, masks, R, problem.redundant // R, counts.sum(axis=0), weight)
-    masks = exchange_masks(steps, weight, masks, R, problem.effort / problem.model.num_moe_layers)
+    masks = exchange_masks(steps, weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
     return masks_to_phy2log(masks, R, problem.num_physical // R)
 
 
