@@ -95,20 +95,18 @@ def exchange_masks(active: np.ndarray, weight: np.ndarray, masks: np.ndarray, ra
     masks = masks.astype(np.int16).copy()
     weight = np.asarray(weight, np.float64)
     S, E = active.shape
-    if S * (2 * E * E) > budget:         # not even one pass (K >= 1 masks): leave the layout as it is
+    uniq = np.unique(masks)                                      # exchanges keep the multiset of masks
+    pass_cost = S * (uniq.size * (uniq.size + E) + E * E)
+    if pass_cost > budget:                                       # not even one pass: leave the layout
         return masks.astype(np.int64)
     f = subset_counts(active, masks, ranks)
     tables = StepTables(f, ranks)
     act = active.astype(np.float32)
     weighted = act * weight.astype(np.float32)[:, None]
     ids = np.arange(1 << ranks, dtype=np.int16)
-    while True:
-        uniq, cls = np.unique(masks, return_inverse=True)
-        cost = S * (uniq.size * (uniq.size + E) + E * E)
-        if cost > budget:
-            break
-        budget -= cost
-        gain = _exchange_gains(tables, weighted, act, uniq, cls)
+    while pass_cost <= budget:
+        budget -= pass_cost
+        gain = _exchange_gains(tables, weighted, act, uniq, np.searchsorted(uniq, masks))
         changed = np.zeros(E, bool)
         accepted = 0
         for k in np.argsort(gain, axis=None, kind="stable")[:np.count_nonzero(gain < -MIN_GAIN)]:
@@ -134,7 +132,7 @@ def exchange_masks(active: np.ndarray, weight: np.ndarray, masks: np.ndarray, ra
             accepted += 1
             if budget <= 0:
                 break
-        if not accepted or budget <= 0:
+        if not accepted:
             break
     return masks.astype(np.int64)
 
