@@ -154,7 +154,7 @@ def fast_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int,
 class Dispatch:
     """The fast rule's choice for S steps of one layer.
 
-    pick: [S, E] rank each active expert goes to, -1 where inactive
+    pick: [S, E] int8 rank each active expert goes to, -1 where inactive
     distinct: [S, R] distinct experts per rank; tokens: [S, R] tokens per rank
     augments: [S] augmenting paths used
     """
@@ -174,36 +174,48 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     act = counts > 0
     bits = ((masks[:, None] >> np.arange(R)) & 1).astype(bool)            # [E, R]
     nrep = bits.sum(axis=1)
-    single = np.flatnonzero(nrep == 1)
     multi = np.flatnonzero(nrep > 1)
-    pick = np.full((S, E), -1, np.int64)
-    home = bits[single].argmax(axis=1)
-    pick[:, single] = np.where(act[:, single], home, -1)
-    onehot = bits[single].astype(np.float64)      # BLAS; exact for counts below 2^53
-    distinct = (act[:, single] @ onehot).astype(np.int64)
-    tokens = (counts[:, single] @ onehot).astype(counts.dtype)
-    for e in multi:                                                       # step 2, in expert order
-        s = np.flatnonzero(act[:, e])
-        if not s.size:
-            continue
-        cand = np.flatnonzero(bits[e])
-        order = np.lexsort((np.broadcast_to(cand, (s.size, cand.size)), tokens[s][:, cand], distinct[s][:, cand]))
-        r = cand[order[:, 0]]
+    pick = np.full((S, E), -1, np.int8)                                   # ranks <= MAX_RANKS fit in int8
+    step_of, expert_of = np.nonzero(act)                                  # active pairs, by step then expert id
+    is_single = nrep[expert_of] == 1
+    home = bits.argmax(axis=1)
+    s1, e1 = step_of[is_single], expert_of[is_single]                     # step 1: single replicas
+    pick[s1, e1] = home[e1]
+    distinct = np.bincount(s1 * R + home[e1], minlength=S * R).reshape(S, R)
+    tokens = np.bincount(s1 * R + home[e1], weights=counts[s1, e1], minlength=S * R).reshape(S, R)
+    tokens = tokens.astype(counts.dtype)
+    # Step 2, in expert order within each step: round k takes every step's k-th active multi-replica
+    # expert at once (one expert a step a round, so the updates never collide). The order (fewest
+    # distinct, then fewest tokens, then lowest rank) is one integer key.
+    s2, e2 = step_of[~is_single], expert_of[~is_single]
+    nth = np.arange(s2.size) - np.searchsorted(s2, s2)                     # k: position within its step
+    by_round = np.argsort(nth, kind="stable")
+    starts = np.searchsorted(nth[by_round], np.arange(int(nth.max(initial=-1)) + 2))
+    token_span = int(np.rint(counts.sum(axis=1).max(initial=0))) + 1
+    never = np.iinfo(np.int64).max
+    for k in range(starts.size - 1):
+        s, e = s2[by_round[starts[k]:starts[k + 1]]], e2[by_round[starts[k]:starts[k + 1]]]
+        key = np.where(bits[e], (distinct[s] * token_span + tokens[s]) * R + np.arange(R), never)
+        r = key.argmin(axis=1)
         pick[s, e] = r
         distinct[s, r] += 1
         tokens[s, r] += counts[s, e]
     augments = np.zeros(S, np.int64)
     if multi.size:
-        _augment(counts, masks, bits, multi, pick, distinct, tokens, augments, max_augment)
+        _augment(counts, masks, multi, (s2, e2), pick, distinct, tokens, augments, max_augment)
     return Dispatch(pick, distinct, tokens, augments)
 
 
-def _augment(counts: np.ndarray, masks: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.ndarray,
-             distinct: np.ndarray, tokens: np.ndarray, augments: np.ndarray, max_augment: int | None) -> None:
-    """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``)."""
+def _augment(counts: np.ndarray, masks: np.ndarray, multi: np.ndarray, pairs: tuple[np.ndarray, np.ndarray],
+             pick: np.ndarray, distinct: np.ndarray, tokens: np.ndarray, augments: np.ndarray,
+             max_augment: int | None) -> None:
+    """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). pairs: the active
+    (step, expert) pairs of the experts with several replicas."""
     S, R = distinct.shape
     live = np.arange(S)
     mm = masks[multi]                                                     # [M] masks of multi experts
+    pair_step, pair_expert = pairs
+    position = np.full(S, -1, np.int64)
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
         rounds += 1
@@ -214,8 +226,14 @@ def _augment(counts: np.ndarray, masks: np.ndarray, bits: np.ndarray, multi: np.
             return
         d, top = distinct[live], distinct[live].max(axis=1)
         n = live.size
-        pk = pick[live][:, multi]                                         # [n, M]
-        adj = np.stack([np.bitwise_or.reduce(np.where(pk == a, mm, 0), axis=1) for a in range(R)], axis=1)
+        # adj[i, a]: the ranks an expert on rank a of step live[i] could move to (OR of their masks)
+        position[:] = -1
+        position[live] = np.arange(n)
+        mine = position[pair_step] >= 0
+        where = position[pair_step[mine]] * R + pick[pair_step[mine], pair_expert[mine]]
+        adj = np.zeros(n * R, np.int64)
+        np.bitwise_or.at(adj, where, masks[pair_expert[mine]])
+        adj = adj.reshape(n, R)
         roots = d == top[:, None]                                         # [n, R]
         seen, level = roots.copy(), roots.copy()
         parent = np.full((n, R), -1, np.int64)

@@ -20,6 +20,7 @@ from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import steps_from_counts
 
 BASELINES = ("contiguous", "deepseek")
+SPARE_BASELINE = "naive-spares"   # also a row under balanced dispatch with spare slots (issue 19's naive layout)
 SGLANG_RULES = ("dynamic", "static")   # SGLang's own dispatch among replicas; balanced is moeplace's
 TODAY = "deepseek, no spares, dynamic"   # the reference row when spares are asked for (SGLang without moeplace)
 # The fitted column: E[max distinct] on at most this many of the fitted steps, evenly spaced (enough
@@ -112,10 +113,11 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         notes.append(f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
                      f"independent tokens (no co-activation); metrics are for those sampled steps")
     fit, held_out = split_steps(steps, holdout)
+    placed_as = PLACED_AS.get(dispatch, dispatch)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
         p = PlacementProblem(model, steps_, ranks, nodes=nodes, redundant=redundant,
-                             dispatch=PLACED_AS.get(dispatch, dispatch),
+                             dispatch=placed_as,
                              cost_model=cost_model, seed=seed, progress=report)
         if effort is not None:
             p.effort = effort
@@ -128,7 +130,8 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     if moot:
         notes.append(f"{moot}, so stepaware skipped its search")
     note = "; ".join(notes)
-    maps = {name: solve(name, problem(fit, lambda n: None)) for name in BASELINES if name != algorithm}
+    baselines = BASELINES + ((SPARE_BASELINE,) if placed_as == "balanced" and redundant else ())
+    maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
     maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}

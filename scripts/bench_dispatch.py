@@ -84,7 +84,7 @@ def make_layout(args) -> tuple[np.ndarray, ReplicaLayout]:
 
 def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
     """Held-out synthetic steps grouped into ``args.calls`` batches of ``tokens`` rows."""
-    from moeplace.algorithms.balanced_replicas import step_optimum, subset_counts, subset_sizes
+    from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
     from moeplace.trace.synthetic import synthetic_steps
 
     model = one_layer_model(args)

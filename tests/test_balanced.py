@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.balanced_replicas import (add_replicas, masks_to_phy2log, replica_gains, step_optimum,
-                                                   subset_counts, subset_sizes)
+from moeplace.algorithms.balanced_replicas import add_replicas, masks_to_phy2log, replica_gains
+from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
 from moeplace.balanced import (MAX_AUGMENT, exact_assign, fast_rule, fast_rule_step, rank_loads,
                                replica_layout, step_expert_counts)
 from moeplace.errors import MoeplaceError

@@ -23,8 +23,11 @@ def test_optimize_balanced_with_spare_slots(tmp_path, capsys):
     rows = {r["placement"]: r for r in data["rows"]}
     assert data["baseline"] == TODAY and list(rows)[0] == TODAY
     assert rows[TODAY]["spare_slots"] == 0 and rows["stepaware"]["spare_slots"] == 8
-    # balanced dispatch with spare slots beats what SGLang runs today, and never beats the optimum
+    # balanced dispatch with spare slots beats what SGLang runs today and the naive spare layout (a row
+    # of its own), and never beats the optimum
     assert rows["stepaware"]["e_max_distinct"] < rows[TODAY]["e_max_distinct"]
+    assert rows["naive-spares"]["spare_slots"] == 8
+    assert rows["stepaware"]["e_max_distinct"] <= rows["naive-spares"]["e_max_distinct"]
     for r in rows.values():
         assert r["lower_bound"] - 1e-9 <= r["optimum"] <= r["e_max_distinct"] + 1e-9
     assert data["replica_gb_per_gpu"] == pytest.approx(GPTOSS_EXPERT_GB)
@@ -49,6 +52,7 @@ def test_no_spare_slots_keeps_the_plain_table(tmp_path, capsys):
                                  "-o", tmp_path / "p.json")
     assert code == 0, err
     assert TODAY not in stdout and "per-step opt." not in stdout and "baseline: deepseek" in stdout
+    assert "naive-spares" not in stdout
 
 
 @pytest.mark.parametrize("args, fragments", [

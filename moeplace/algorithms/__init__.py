@@ -17,6 +17,9 @@ from moeplace.model import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
 
+DEFAULT_EFFORT = 2.4e9   # swap-search work over all layers (steps x slots x ranks per round)
+
+
 @dataclass
 class PlacementProblem:
     """What an algorithm is asked: place ``model``'s experts on ``ranks`` GPUs with ``redundant`` spare slots.
@@ -32,7 +35,7 @@ class PlacementProblem:
     dispatch: str = "dynamic"
     cost_model: CostModel = field(default_factory=CostModel)
     seed: int = 0
-    effort: float = 2.4e9  # swap-search work over all layers (steps x slots x ranks per round)
+    effort: float = DEFAULT_EFFORT
     balance_floor: float = 0.98  # stepaware keeps token balancedness >= this share of DeepSeek EPLB's
     progress: Callable[[int], None] = lambda n: None  # called with the number of layers just finished
 
@@ -65,6 +68,7 @@ ALGORITHMS: dict[str, str] = {
     "deepseek": "moeplace.algorithms.baselines:deepseek",
     "deepseek-hierarchical": "moeplace.algorithms.baselines:deepseek_hierarchical",
     "contiguous": "moeplace.algorithms.baselines:contiguous",
+    "naive-spares": "moeplace.algorithms.baselines:naive_spares",
 }
 DEFAULT_ALGORITHM = "stepaware"
 

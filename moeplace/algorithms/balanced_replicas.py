@@ -2,24 +2,26 @@
 
 Dimension letters: S steps, E logical experts, R ranks, X subsets of ranks (2^R).
 
-Under balanced dispatch the best a step can do has a closed form (Hall's theorem for this flow): with
-``f[X]`` the number of the step's active experts whose replicas all lie in the rank set X,
-
-    optimum = max over non-empty X of ceil(f[X] / |X|).
-
-A spare slot gives expert e a replica on rank r: f[X] drops by one for the sets X that held all of
-e's replicas but not r. The step's optimum drops (by one) exactly when every *tight* set (one that
-reaches the maximum) loses one expert and was only one expert over M - 1 ("fragile"); that is, when
-e is active, e's replicas lie in the intersection of the tight sets, and r lies outside their union.
-So the gain of every (expert, rank) pair over all steps is one matrix product, exact, and the search
-adds the best replica, updates the steps where that expert is active, and repeats:
+Under balanced dispatch a step's optimum is Hall's ``max over X of ceil(f[X] / |X|)`` (``hall``), f[X]
+the step's active experts whose replicas all lie in the rank set X. A spare slot gives expert e a
+replica on rank r: f[X] drops by one for the sets X that held all of e's replicas but not r. The step's
+optimum drops (by one) exactly when every *tight* set (one that reaches the maximum) loses one expert
+and was only one expert over M - 1 ("fragile"); that is, when e is active, e's replicas lie in the
+intersection of the tight sets, and r lies outside their union. So the gain of every (expert, rank)
+pair over all steps is one matrix product, exact. Per layer:
 
 1. start from a placement without spare slots (``stepaware``'s), each rank with R_spare / R free slots;
-2. add replicas by exact gain in E[optimum] on a sample of the fitted steps, in rounds: one replica a
-   round where spare slots are few (several chosen against the same state can chase the same steps),
-   up to BATCH_MAX where they are many; among equal gains prefer the pair that takes an expert out of
-   every tight set of more steps that are not fragile (progress toward a later gain), then the busier
-   expert, then the lower expert id and rank (deterministic).
+2. the steps to fit: a sample of the fitted steps, and, for a share of the objective chosen by
+   cross-validation on the fitted steps (``choose_smoothing``), smoothed steps without co-activation
+   (``smoothed_steps``), so that a short capture's one-off co-activations do not decide the last
+   replicas;
+3. add replicas by exact gain in E[optimum] on those steps, in rounds: one replica a round where spare
+   slots are few (several chosen against the same state can chase the same steps), up to BATCH_MAX
+   where they are many; among equal gains prefer the pair that takes an expert out of every tight set
+   of more steps that are not fragile (progress toward a later gain), then the busiest expert per
+   replica, then the lower expert id and rank (deterministic);
+4. exchange the replica sets of two experts while that lowers E[optimum] exactly (``replica_exchange``),
+   within the problem's work budget: the first copies were placed before the replicas were known.
 
 The fast rule reached the optimum on every step measured (BENCHMARKS.md), so this is what SGLang gets.
 Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets).
@@ -27,14 +29,21 @@ Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
+from moeplace.algorithms.replica_exchange import exchange_masks
+from moeplace.algorithms.smoothed_steps import with_smoothed_steps
 from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps, _ranges
+
+from moeplace.algorithms import DEFAULT_EFFORT
 
 if TYPE_CHECKING:
     from moeplace.algorithms import PlacementProblem
@@ -43,29 +52,10 @@ MAX_SEARCH_RANKS = 12
 SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
 MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
-
-
-def subset_sizes(ranks: int) -> np.ndarray:
-    """[X] number of ranks in each rank set (bit r of the index: rank r)."""
-    x = np.arange(1 << ranks)
-    return np.array([bin(v).count("1") for v in x], np.int16)
-
-
-def subset_counts(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
-    """f [S, X] int16: active experts whose replica ranks all lie in each rank set. active: [S, E] bool."""
-    S = active.shape[0]
-    X = 1 << ranks
-    s, e = np.nonzero(active)
-    f = np.bincount(s * X + masks[e], minlength=S * X).reshape(S, X).astype(np.int16)
-    for r in range(ranks):                          # sum over subsets (zeta transform), bit by bit
-        view = f.reshape(S, X >> (r + 1), 2, 1 << r)
-        view[:, :, 1, :] += view[:, :, 0, :]
-    return f
-
-
-def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """[S] the optimal max distinct experts per rank of each step, from ``subset_counts``."""
-    return ((f[:, 1:] + sizes[1:] - 1) // sizes[1:]).max(axis=1)
+SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
+CV_LAYERS = 2             # layers the cross-validation of the smoothing fits
+EXCHANGE_CELLS = 1e8      # each layer's exchange search work at the default effort (replica_exchange), so a
+                          # layer gets the same search whatever the model's depth
 
 
 def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -96,15 +86,15 @@ def _by_size(ranks: int) -> tuple[np.ndarray, np.ndarray]:
     return np.argsort(sizes, kind="stable"), np.searchsorted(np.sort(sizes), np.arange(1, ranks + 1))
 
 
-def _pair_scores(steps: np.ndarray, experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray,
-                 inter: np.ndarray, union: np.ndarray, ranks: int, num_experts: int, progress: float) -> np.ndarray:
-    """[E, R] score of active (step, expert) pairs (steps, experts: [N]; fragile, inter, union: [N], of
+def _pair_scores(experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, inter: np.ndarray,
+                 union: np.ndarray, weight: np.ndarray, ranks: int, num_experts: int, progress: float) -> np.ndarray:
+    """[E, R] score of active (step, expert) pairs (experts: [N]; fragile, inter, union, weight: [N], of
     each pair's step). A pair whose expert has every replica inside all tight sets of its step gains
-    the whole step for each rank outside them all when the step is fragile, and ``progress`` (one
-    step nearer to a later gain) when it is not."""
+    the step's weight for each rank outside them all when the step is fragile, and ``progress`` of it
+    (one step nearer to a later gain) when it is not."""
     keep = (masks[experts] & ~inter) == 0
     w = ((union[keep, None] >> np.arange(ranks)) & 1) == 0
-    w = w * np.where(fragile[keep], 1.0, progress)[:, None]
+    w = w * (np.where(fragile[keep], 1.0, progress) * weight[keep])[:, None]
     index = (experts[keep, None] * ranks + np.arange(ranks)).ravel()
     return np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks).reshape(num_experts, ranks)
 
@@ -115,10 +105,13 @@ def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarr
     f = subset_counts(active, masks, ranks)
     fragile, inter, union = _tight(f, subset_sizes(ranks), ranks)
     s, e = np.nonzero(active)
-    gains = _pair_scores(s, e, masks, fragile[s], inter[s], union[s], ranks, active.shape[1], 0.0)
+    gains = _pair_scores(e, masks, fragile[s], inter[s], union[s], np.ones(s.size), ranks, active.shape[1], 0.0)
     return np.where(((masks[:, None] >> np.arange(ranks)) & 1) == 1, 0.0, gains)
 
 
+def _popcount(masks: np.ndarray, ranks: int) -> np.ndarray:
+    """[E] replicas per expert from masks [E]."""
+    return ((masks[:, None] >> np.arange(ranks)) & 1).sum(axis=1)
 
 
 def spare_rounds_batch(spare: int) -> int:
@@ -127,17 +120,19 @@ def spare_rounds_batch(spare: int) -> int:
 
 
 def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
-                 expert_weight: np.ndarray) -> np.ndarray:
+                 expert_weight: np.ndarray, step_weight: np.ndarray | None = None) -> np.ndarray:
     """New replica masks [E] after adding ``spare_per_rank`` replicas to every rank.
 
     active: [S, E] bool, the steps to fit; masks: [E] replica ranks before (bit sets);
-    expert_weight: [E] breaks ties toward busier experts.
+    expert_weight: [E] breaks ties toward the busiest expert per replica; step_weight: [S] what each
+    step counts for (default 1).
     """
     if ranks > MAX_SEARCH_RANKS:
         raise MoeplaceError(f"balanced replica placement enumerates rank sets: at most {MAX_SEARCH_RANKS} "
                             f"ranks, got {ranks}")
     masks = masks.astype(np.int16)
     S, E = active.shape
+    step_weight = np.ones(S) if step_weight is None else np.asarray(step_weight, np.float64)
     sizes = subset_sizes(ranks)
     ids = np.arange(1 << ranks, dtype=np.int16)
     rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
@@ -149,16 +144,21 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
 
     def contribution(pairs: np.ndarray) -> np.ndarray:
         s = pair_step[pairs]
-        return _pair_scores(s, pair_expert[pairs], masks, fragile[s], inter[s], union[s], ranks, E, PROGRESS_WEIGHT)
+        return _pair_scores(pair_expert[pairs], masks, fragile[s], inter[s], union[s], step_weight[s], ranks, E,
+                            PROGRESS_WEIGHT)
 
     score = contribution(np.arange(pair_step.size))
-    tie = 1e-6 * (expert_weight / max(float(expert_weight.max(initial=0)), 1e-12))
+    # Where gains tie (none left on the fitted steps, say), the busiest expert per replica goes first, so
+    # replicas spread over experts rather than pile onto the busiest one.
+    tie_unit = 1e-6 * float(step_weight.min(initial=1.0)) / max(float(expert_weight.max(initial=0)), 1e-12)
+    copies = _popcount(masks, ranks)
     room = np.full(ranks, spare_per_rank)
     batch = spare_rounds_batch(spare_per_rank * ranks)
     while room.sum():
         allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
         if not allowed.any():
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
+        tie = tie_unit * expert_weight / copies
         total = np.where(allowed, score + tie[:, None], -np.inf)
         # A round adds the best pairs of distinct experts at once (their gains were computed against
         # the same state), then updates the steps they touch.
@@ -186,27 +186,81 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         score -= contribution(pairs)              # with the old masks, then with the new ones
         for e, r in chosen:
             masks[e] |= rank_bits[r]
+            copies[e] += 1
             room[r] -= 1
         fragile[hit], inter[hit], union[hit] = new_fragile, new_inter, new_union
         score += contribution(pairs)
     return masks.astype(np.int64)
 
 
-def search_steps(problem: PlacementProblem, rng: np.random.Generator) -> RoutingSteps:
-    """The fitted steps the search sees: all, or SEARCH_CELLS / (rank sets + experts) of them at random."""
-    sample = max(SEARCH_CELLS // ((1 << problem.ranks) + problem.model.num_experts), 1)
+@dataclass(frozen=True)
+class SpareSearch:
+    """What the spare-slot search of every layer sees.
+
+    steps: the fitted steps it fits (all, or a sample of ``sample_size``); smoothing: the share of its
+    objective given to smoothed steps (``smoothed_steps``), chosen by cross-validation; seed: for them.
+    """
+
+    steps: RoutingSteps
+    smoothing: float
+    seed: int
+
+
+def sample_size(problem: PlacementProblem) -> int:
+    """Steps the search fits at most: SEARCH_CELLS / (rank sets + experts)."""
+    return max(SEARCH_CELLS // ((1 << problem.ranks) + problem.model.num_experts), 1)
+
+
+def search_steps(problem: PlacementProblem, rng: np.random.Generator) -> SpareSearch:
+    """The fitted steps the search sees (all, or ``sample_size`` of them at random) and its smoothing."""
+    sample = sample_size(problem)
     steps = problem.steps
-    return steps if steps.num_steps <= sample else steps.take(np.sort(rng.choice(steps.num_steps, sample,
-                                                                                   replace=False)))
+    if steps.num_steps > sample:
+        steps = steps.take(np.sort(rng.choice(steps.num_steps, sample, replace=False)))
+    return SpareSearch(steps, choose_smoothing(problem, int(rng.integers(2**31))), int(rng.integers(2**31)))
 
 
-def place(problem: PlacementProblem, layer: int, base: np.ndarray, steps: RoutingSteps) -> np.ndarray:
-    """phy2log [P] of one layer: ``base [E]`` (one copy of each expert, E / R a rank) plus the problem's
-    spare slots, placed for balanced dispatch on ``steps`` (``search_steps``)."""
+def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
+    """The share of smoothed steps (one of SMOOTHING_SHARES) whose spare slots do best on steps the fit
+    did not see: two-fold cross-validation on the first and second half of the fitted steps (time order,
+    so that the folds differ as tomorrow's traffic differs from today's), on CV_LAYERS layers, first
+    copies by DeepSeek EPLB and replicas by ``add_replicas`` (no exchanges). Ties: the smaller share."""
+    S, L = problem.steps.num_steps, problem.model.num_moe_layers
     R, E = problem.ranks, problem.model.num_experts
-    counts = step_expert_counts(steps, layer)
+    if S < 2:
+        return 0.0
+    rng = np.random.default_rng(seed)
+    sizes = subset_sizes(R)
+    halves = (problem.steps.take(np.arange(S // 2)), problem.steps.take(np.arange(S // 2, S)))
+    sample = max(sample_size(problem) // 2, 1)
+    loss = np.zeros(len(SMOOTHING_SHARES))
+    for layer in np.unique(np.linspace(0, L - 1, min(CV_LAYERS, L)).round().astype(int)):
+        counts = [step_expert_counts(half, int(layer)) for half in halves]
+        for fit, test in ((0, 1), (1, 0)):
+            weight = counts[fit].sum(axis=0)
+            base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
+            active = counts[fit] > 0
+            if active.shape[0] > sample:
+                active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
+            for i, share in enumerate(SMOOTHING_SHARES):
+                steps, step_weight = with_smoothed_steps(active, share, sample // 2, rng)
+                masks = add_replicas(steps, replica_layout(base, E, R).masks, R, problem.redundant // R, weight,
+                                     step_weight)
+                loss[i] += step_optimum(subset_counts(counts[test] > 0, masks, R), sizes).mean()
+    return float(SMOOTHING_SHARES[int(np.argmin(loss))])
+
+
+def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: SpareSearch) -> np.ndarray:
+    """phy2log [P] of one layer: ``base [E]`` (one copy of each expert, E / R a rank) plus the problem's
+    spare slots, placed for balanced dispatch on ``search`` (``search_steps``): replicas by exact gain,
+    then exchanges of two experts' replica sets by exact gain, on the sampled and smoothed steps."""
+    R, E = problem.ranks, problem.model.num_experts
+    counts = step_expert_counts(search.steps, layer)
+    rng = np.random.default_rng([search.seed, layer])
+    steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
     masks = replica_layout(base, E, R).masks
-    masks = add_replicas(counts > 0, masks, R, problem.redundant // R, counts.sum(axis=0))
+    masks = add_replicas(steps, masks, R, problem.redundant // R, counts.sum(axis=0), weight)
+    masks = exchange_masks(steps, weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
     return masks_to_phy2log(masks, R, problem.num_physical // R)
 
 

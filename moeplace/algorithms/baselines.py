@@ -1,4 +1,5 @@
-"""Baselines: SGLang's trivial layout and DeepSeek EPLB (token-count balancing)."""
+"""Baselines: SGLang's trivial layout, DeepSeek EPLB (token-count balancing), and the naive spare-slot
+layout that a balanced-dispatch placement must beat."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 
 from moeplace.algorithms import PlacementProblem
 from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.errors import MoeplaceError
 
 
 def contiguous(problem: PlacementProblem) -> np.ndarray:
@@ -76,3 +78,55 @@ def deepseek(problem: PlacementProblem) -> np.ndarray:
 def deepseek_hierarchical(problem: PlacementProblem) -> np.ndarray:
     """DeepSeek EPLB, hierarchical policy: pack expert groups onto nodes, then replicate and pack within."""
     return _deepseek(problem, hierarchical=True)
+
+
+def naive_spares(problem: PlacementProblem) -> np.ndarray:
+    """The naive spare-slot layout (issue 19): DeepSeek EPLB without spare slots, then one more replica of
+    each of the ``redundant`` hottest experts of each layer (``hot_expert_spares``). phy2log [L, P]."""
+    weight = problem.steps.expert_token_counts()
+    E, R = problem.model.num_experts, problem.ranks
+    if E % R:
+        raise MoeplaceError(f"the naive spare-slot layout places one copy of each expert first: the {E} "
+                            f"experts must split evenly over {R} ranks")
+    base, _, _ = rebalance_experts(weight, E, 1, 1, R, False)
+    problem.progress(problem.model.num_moe_layers)
+    return np.stack([hot_expert_spares(row, w, R, problem.redundant) for row, w in zip(base, weight)])
+
+
+def hot_expert_spares(phy2log: np.ndarray, weight: np.ndarray, ranks: int, redundant: int) -> np.ndarray:
+    """phy2log [E + redundant] of one layer: ``phy2log [E]`` (one copy of each expert, E / ranks a rank)
+    plus one replica of each of the ``redundant`` hottest experts (``weight [E]`` tokens; ties: lower id).
+
+    Hottest first, each extra replica goes to a rank that holds the fewest extras so far among those
+    with room and without a copy, the nearest after the expert's own rank (r + 1, r + 2, ... mod ranks).
+    An expert with no such rank is passed over for the next; past ``redundant = E`` the hottest take
+    further replicas in the same order.
+    """
+    E = weight.shape[0]
+    spr = E // ranks
+    home = np.empty(E, np.int64)
+    home[phy2log] = np.arange(E) // spr
+    holds = np.zeros((E, ranks), bool)
+    holds[np.arange(E), home] = True
+    extras = np.zeros(ranks, np.int64)
+    room = redundant // ranks
+    hot = np.lexsort((np.arange(E), -weight))
+    left = redundant
+    while left:
+        placed = left
+        for e in hot:
+            after = (home[e] + 1 + np.arange(ranks)) % ranks        # nearest first after its own rank
+            free = after[~holds[e, after] & (extras[after] < room)]
+            if not free.size:
+                continue
+            r = free[np.argmin(extras[free])]                        # argmin: the nearest of the fewest
+            holds[e, r] = True
+            extras[r] += 1
+            left -= 1
+            if not left:
+                break
+        if left == placed:
+            raise MoeplaceError(f"{redundant} spare slots do not fit on {ranks} ranks without a rank "
+                                f"holding an expert twice")
+    _, expert = np.nonzero(holds.T)                                 # rank-major, experts ascending
+    return expert

@@ -70,7 +70,9 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
                    "(the experts' shape and format from --model or the trace's known model).")
 @click.option("--algorithm", type=click.Choice(list(ALGORITHMS)), default=DEFAULT_ALGORITHM, show_default=True,
               help="stepaware minimises the expected per-step maximum rank load; deepseek* balance average "
-                   "token counts (DeepSeek EPLB); contiguous is SGLang's default layout.")
+                   "token counts (DeepSeek EPLB); contiguous is SGLang's default layout; naive-spares is DeepSeek "
+                   "EPLB plus one replica of each of the hottest experts (a row of the table under --dispatch "
+                   "balanced with spare slots).")
 @holdout_option(0.3, "Share of the trace's last steps held out: the placement is fitted on the rest and the "
                      "table reports the held-out steps, with a fitted column (0: fit and report on all steps).")
 @seed_option("The same seed gives the same placement.")
