@@ -286,6 +286,7 @@ class MlaVerify:
         backend: Backend = "auto",
         sm90_config: Optional[Sm90Config] = None,
         page_size: Optional[int] = None,
+        merge_config: Optional[mla_verify_composed.MergeConfig] = None,
     ) -> None:
         if num_heads < 1 or max_draft < 1 or max_bs < 1:
             raise ValueError(f"need num_heads, max_draft, max_bs >= 1, got "
@@ -313,7 +314,8 @@ class MlaVerify:
         self.own_backend = self.backend
         if self.backend == "composed":
             self.composed = mla_verify_composed.ComposedVerify(
-                mla_verify_composed.load_flash_mla(), num_heads, max_draft, max_bs, self.device)
+                mla_verify_composed.load_flash_mla(), num_heads, max_draft, max_bs, self.device,
+                merge_config)
             self.own_backend = select_backend("auto", capability, mla_verify_sm90.load)
         if self.own_backend == "sm90":
             self._init_sm90(sm90_config or Sm90Config())

@@ -93,6 +93,19 @@ def _pad_queries_kernel(Q, Q_pad, qo_indptr, H, stride_qt, stride_qh,
 
 
 @triton.jit
+def _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb, stride_ps, stride_ph,
+                 stride_lb, stride_lh, stride_ls):
+    """FlashMLA's rows of (request b, head h): (lse [D] in log2 units, -inf where has_p is
+    False, out [D, DVB] fp32, 0 there; FlashMLA's values in those rows are never read)."""
+    lse_p = tl.load(L_pre + b * stride_lb + h * stride_lh + offs_i * stride_ls, mask=has_p,
+                    other=float("-inf")) * 1.4426950408889634
+    lse_p = tl.where(has_p, lse_p, float("-inf"))
+    o_p = tl.load(O_pre + b * stride_pb + offs_i[:, None] * stride_ps + h * stride_ph
+                  + offs_v[None, :], mask=has_p[:, None], other=0.0).to(tl.float32)
+    return lse_p, o_p
+
+
+@triton.jit
 def _tree_merge_kernel(
     Q, K_ext, V_ext, Mask, mask_indptr, qo_indptr, kv_indptr, O_pre, L_pre, Out, Lse,
     qk_scale,
@@ -101,7 +114,7 @@ def _tree_merge_kernel(
     stride_ot, stride_oh, stride_lt,
     D_MAX: tl.constexpr, BLOCK_D: tl.constexpr, DVB: tl.constexpr, MASK_MODE: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr, HAS_LSE: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Tree part of (request b, head h, value slice) merged with the prefix part.
 
@@ -109,6 +122,9 @@ def _tree_merge_kernel(
     O_pre [B, D_max, H, DN] bf16 (FlashMLA's out, strides given); L_pre [B, H, D_max] fp32
     natural log; Out [T, H, DN]; Lse [T, H] natural log. qk_scale is sm_scale * log2(e).
     The QK product is repeated per value slice (it is 16 x 16 x 576): more programs in flight.
+    PDL: launched as a programmatic dependent of FlashMLA's last kernel; the tree part (which
+    reads only inputs written before FlashMLA ran) overlaps its tail, and ``gdc_wait`` comes
+    before FlashMLA's outputs are read. Without PDL every load is issued up front.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -131,6 +147,11 @@ def _tree_merge_kernel(
     kp = tl.load(k_row[:, None] + DN + offs_dp[None, :], mask=rows_ok[:, None], other=0.0)
     vn = tl.load(V_ext + tok[:, None] * stride_vet + offs_v[None, :], mask=rows_ok[:, None],
                  other=0.0)
+    # Prefix part: FlashMLA's row, unless the request has no prefix (lse +inf, out 0 there).
+    has_p = rows_ok & (n > 0)
+    if not PDL:
+        lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
+                                  stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
     if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
         qn = qn.to(tl.float32)
         qp = qp.to(tl.float32)
@@ -148,14 +169,10 @@ def _tree_merge_kernel(
     p = tl.math.exp2(s - m_t[:, None])
     l_t = tl.sum(p, 1)
     acc = tl.dot(p.to(vn.dtype), vn)  # [BLOCK_D, DVB]
-
-    # Prefix part: FlashMLA's row, unless the request has no prefix (lse +inf, out 0 there).
-    has_p = rows_ok & (n > 0)
-    lse_p = tl.load(L_pre + b * stride_lb + h * stride_lh + offs_i * stride_ls, mask=has_p,
-                    other=float("-inf")) * 1.4426950408889634
-    lse_p = tl.where(has_p, lse_p, float("-inf"))
-    o_p = tl.load(O_pre + b * stride_pb + offs_i[:, None] * stride_ps + h * stride_ph
-                  + offs_v[None, :], mask=has_p[:, None], other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
+                                  stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
     big = tl.maximum(lse_p, m_t)
     w_p = tl.math.exp2(lse_p - big)
     w_t = tl.math.exp2(m_t - big)
@@ -175,19 +192,21 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
                mask_indptr, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
                o_pre: torch.Tensor, lse_pre: torch.Tensor, out: torch.Tensor,
                lse: Optional[torch.Tensor], sm_scale: float, max_draft: int,
-               dv_split: int = 4, upcast: bool = False) -> None:
+               config: Optional["MergeConfig"] = None, upcast: bool = False) -> None:
     """Launch ``_tree_merge_kernel``: out (and lse) from FlashMLA's prefix (o_pre, lse_pre).
 
     o_pre [B, >= D_max, H, 512], lse_pre [B, H, >= D_max] natural log (any strides, last dim of
     o_pre contiguous); the other arguments as ``MlaVerify.forward`` takes them.
     """
+    cfg = config or MergeConfig()
     bs = qo_indptr.shape[0] - 1
     heads = q.shape[1]
-    dvb = V_DIM // dv_split
+    dvb = V_DIM // cfg.dv_split
+    launch = dict(launch_pdl=True) if cfg.pdl else {}
     mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
     mip_arg = mask_indptr if mask_indptr is not None else kv_indptr
     lse_arg = lse if lse is not None else lse_pre
-    _tree_merge_kernel[(bs, heads, dv_split)](
+    _tree_merge_kernel[(bs, heads, cfg.dv_split)](
         q, k_ext, v_ext, mask_arg, mip_arg, qo_indptr, kv_indptr, o_pre, lse_pre, out, lse_arg,
         sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_ext.stride(0), v_ext.stride(0),
@@ -196,8 +215,22 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
         out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
         D_MAX=max_draft, BLOCK_D=max(16, triton.next_power_of_2(max_draft)), DVB=dvb,
         MASK_MODE=mask_mode, HAS_MASK_INDPTR=mask_indptr is not None, HAS_LSE=lse is not None,
-        DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast, num_warps=4,
-    )
+        DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        **launch)
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    """Launch settings of ``_tree_merge_kernel``.
+
+    dv_split: programs per (request, head), each a 512 / dv_split slice of the values (the
+    16 x 16 QK product is repeated in each). pdl: programmatic dependent launch after FlashMLA
+    (Triton's ``launch_pdl``; never in the interpreter).
+    """
+
+    dv_split: int = 4
+    num_warps: int = 4
+    pdl: bool = False
 
 
 _flash: dict[str, Any] = {}
@@ -245,8 +278,9 @@ class ComposedVerify:
     """
 
     def __init__(self, flash: Any, num_heads: int, max_draft: int, max_bs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, config: Optional[MergeConfig] = None) -> None:
         self.flash = flash
+        self.config = config or MergeConfig()
         self.num_heads, self.max_draft, self.max_bs = num_heads, max_draft, max_bs
         self.device = device
         self.seqlens = torch.zeros(max_bs, dtype=torch.int32, device=device)
@@ -303,4 +337,4 @@ class ComposedVerify:
             q4, k_cache, plan.block_table, plan.seqlens, V_DIM, plan.meta,
             softmax_scale=sm_scale, causal=False, use_legacy=True)
         tree_merge(q, k_ext, v_ext, mask, mask_mode, mask_indptr, qo_indptr, kv_indptr, o_pre,
-                   lse_pre, out, lse, sm_scale, self.max_draft)
+                   lse_pre, out, lse, sm_scale, self.max_draft, self.config)

@@ -32,6 +32,7 @@ import torch
 from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
 from sglang_wheel import register_packages, stub, unpack
 from moeplace_kernels.mla_verify_api import MlaVerify, Sm90Config, hopper_candidates
+from moeplace_kernels.mla_verify_composed import MergeConfig
 from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
 KV_BYTES = 576 * 2
@@ -192,6 +193,8 @@ def main() -> None:
                     help="peers to time, comma-separated (composed, sm90, triton, flashmla)")
     ap.add_argument("--extra-cases", action="store_true",
                     help="also 1k and batch 8 x 4k (the shapes the path rule is read from)")
+    ap.add_argument("--sweep-composed", action="store_true",
+                    help="also time the composed path's merge-kernel settings (MergeConfig)")
     ap.add_argument("--sweep-sm90", action="store_true",
                     help="also time the Hopper kernel's launch settings (Sm90Config variants)")
     args = ap.parse_args()
@@ -276,6 +279,10 @@ def main() -> None:
             ops[backend] = MlaVerify(H, D, 8, backend=backend, page_size=64)
         except (ValueError, RuntimeError) as exc:
             print(f"moeplace {backend} unavailable: {exc}", flush=True)
+    if args.sweep_composed and "composed" in ops:
+        for cfg in COMPOSED_SWEEP:
+            ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, 8, backend="composed",
+                                                          page_size=64, merge_config=cfg)
     if args.sweep_sm90 and "sm90" in ops:
         for cfg in SM90_SWEEP:
             ops[f"sm90 {sm90_tag(cfg)}"] = MlaVerify(H, D, 8, backend="sm90", sm90_config=cfg)
@@ -335,6 +342,16 @@ SM90_SWEEP = [Sm90Config(min_tiles=2, pdl=True), Sm90Config(min_tiles=1, pdl=Tru
               Sm90Config(evict_first=False)]
 
 
+COMPOSED_SWEEP = [MergeConfig(pdl=True), MergeConfig(dv_split=2, pdl=True),
+                  MergeConfig(dv_split=8, pdl=True), MergeConfig(dv_split=8, num_warps=2, pdl=True),
+                  MergeConfig(num_warps=8, pdl=True), MergeConfig(dv_split=8),
+                  MergeConfig(dv_split=2)]
+
+
+def merge_tag(cfg: MergeConfig) -> str:
+    return f"dv{cfg.dv_split} w{cfg.num_warps} pdl{int(cfg.pdl)}"
+
+
 def sm90_tag(cfg: Sm90Config) -> str:
     return f"mt{cfg.min_tiles} pdl{int(cfg.pdl)} ef{int(cfg.evict_first)}"
 
@@ -350,7 +367,7 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
     times = {(k, c): (us, ctx) for k, c, ctx, us in peers}
     head = "| case | " + " | ".join(f"{k} µs (TB/s)" for k in kernels)
     mine = [k for k in kernels if k.startswith("moeplace")]
-    head += "".join(f" | {k.split()[-1]} / FlashMLA" for k in mine) + " |"
+    head += "".join(f" | {k[len('moeplace '):]} / FlashMLA" for k in mine) + " |"
     lines = [head, "| --- |" + " ---: |" * (len(kernels) + len(mine))]
     for c in labels:
         cells = []

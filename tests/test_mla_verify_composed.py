@@ -343,8 +343,26 @@ def test_composed_batch8_and_auto_route():
         check_composed(case, 9, op=op)
 
 
+MERGE_CONFIGS = [dict(), dict(pdl=True), dict(dv_split=8, num_warps=2, pdl=True),
+                 dict(dv_split=2, num_warps=8)]
+
+
 @pytest.mark.gpu
-def test_composed_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("cfg", MERGE_CONFIGS, ids=str)
+def test_composed_merge_configs(cfg):
+    """Every merge-kernel setting the benchmark sweeps (any may become the default)."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    op = MlaVerify(8, 16, 5, backend="composed", page_size=64,
+                   merge_config=mla_verify_composed.MergeConfig(**cfg))
+    check_composed(paged_case([16, 9, 1, 4, 16], 8, [0, 65, 9000, 1, 70000], layout="full",
+                              seed=7), 16, op=op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_composed_cuda_graph_replay_with_new_lengths(pdl):
     """Plan and forward captured once; replays with other lengths in the same buffers."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
@@ -359,7 +377,8 @@ def test_composed_cuda_graph_replay_with_new_lengths():
                   kv_indices=torch.zeros(bs * cap, dtype=torch.long, device="cuda"),
                   mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone())
     static["v_ext"] = static["k_ext"][..., :512]
-    op = MlaVerify(H, D, bs, backend="composed", page_size=64)
+    op = MlaVerify(H, D, bs, backend="composed", page_size=64,
+                   merge_config=mla_verify_composed.MergeConfig(pdl=pdl))
     out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
 
     def load(case):
