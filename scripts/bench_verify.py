@@ -193,6 +193,8 @@ def main() -> None:
                     help="peers to time, comma-separated (composed, sm90, triton, flashmla)")
     ap.add_argument("--extra-cases", action="store_true",
                     help="also 1k and batch 8 x 4k (the shapes the path rule is read from)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the composed path's pieces apart (FlashMLA, merge, plan)")
     ap.add_argument("--sweep-composed", action="store_true",
                     help="also time the composed path's merge-kernel settings (MergeConfig)")
     ap.add_argument("--sweep-sm90", action="store_true",
@@ -304,6 +306,10 @@ def main() -> None:
             if plan is not None:  # the per-batch part, once per step (not per layer)
                 record(f"moeplace {kernel} plan", label, str(sum(ctx)), sum(ctx) * KV_BYTES,
                        graph_time_us(run_plan(p, op)))
+                if args.breakdown and kernel == "composed":
+                    for piece, fn in composed_pieces(p, op, plan, out).items():
+                        record(f"composed piece: {piece}", label, str(sum(ctx)),
+                               sum(ctx) * KV_BYTES, graph_time_us(fn))
             us = graph_time_us(run_ours(p, op, out, plan))
             peers.append((f"moeplace {kernel}", label, ctx, us))
             record(f"moeplace {kernel}", f"{label} (err {err:.0e})", str(sum(ctx)),
@@ -383,6 +389,40 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines.append(f"(copy bandwidth of this run: {copy_gbs / 1e3:.2f} TB/s)")
     return lines
+
+
+def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
+    """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
+    from moeplace_kernels.mla_verify_composed import PAGE, _block_table_kernel, tree_merge
+
+    cv = op.composed
+    bs, D, H = p["bs"], p["D"], p["H"]
+    q4 = p["q"].view(bs, D, H, 576)
+    pages = p["pool"].shape[0] // PAGE
+    k_cache = p["pool"][:pages * PAGE].unflatten(0, (pages, PAGE))
+
+    def flash():
+        return cv.flash.flash_mla_with_kvcache(q4, k_cache, plan.block_table, plan.seqlens, 512,
+                                               plan.meta, softmax_scale=op.sm_scale,
+                                               causal=False, use_legacy=True)
+
+    o_pre, lse_pre = flash()
+
+    def merge():
+        tree_merge(p["q"], p["k_ext"], p["v_ext"], p["mask_qlen"], 1, None, p["qo_indptr"],
+                   p["kv_indptr"], o_pre, lse_pre, out, None, op.sm_scale, D, cv.config)
+
+    def table():
+        _block_table_kernel[(bs, 4)](p["kv_indptr"], p["kv_indices"], plan.block_table,
+                                     plan.seqlens, plan.block_table.stride(0), PAGE_SIZE=PAGE,
+                                     BLOCK=256, NPROG=4, num_warps=1)
+
+    def metadata():
+        cv.flash.get_mla_decoding_metadata(plan.seqlens, D * H, 1, H, False, None,
+                                           use_legacy=True)
+
+    return {"FlashMLA decode (prefix, no mask)": flash, "tree/merge kernel": merge,
+            "block table kernel": table, "FlashMLA metadata": metadata}
 
 
 def load_flash_mla():
