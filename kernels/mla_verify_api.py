@@ -358,6 +358,12 @@ class MlaVerify:
             return "composed"
         return self.own_backend
 
+    def reserve_kv(self, kv_tokens: int) -> None:
+        """Size the composed path's per-batch buffers for kv_indices of ``kv_tokens`` slot ids
+        (call outside graph capture, as SGLang's ``init_cuda_graph_state`` is); else a no-op."""
+        if self.composed is not None:
+            self.composed.reserve(self.max_bs, kv_tokens)
+
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
              kv_indices: torch.Tensor) -> Optional[mla_verify_composed.ComposedPlan]:
         """Per-batch state for ``forward(..., plan=)``: FlashMLA's block table, lengths and

@@ -272,9 +272,11 @@ class ComposedPlan:
 class ComposedVerify:
     """Buffers and launches of the composed path for one MlaVerify (one head count).
 
-    Buffers: block table [max_bs, P] int32 (P grows with kv_indices' length, never inside a
-    capture: SGLang's graph buffers keep one length), seqlens [max_bs] int32, and for ragged draft
-    counts a padded query buffer [max_bs, D_max, H, 576] bf16.
+    Buffers: block table [max_bs, P] int32 (P = kv_indices' length / 64: ``reserve`` sizes it
+    for the longest kv_indices buffer before any graph capture, ``plan`` grows it otherwise),
+    seqlens [max_bs] int32, and for ragged draft counts a padded query buffer
+    [max_bs, D_max, H, 576] bf16, made on first need (SGLang's verify batches are never ragged).
+    Grown with ``torch.empty``: every entry FlashMLA reads is written by each plan.
     """
 
     def __init__(self, flash: Any, num_heads: int, max_draft: int, max_bs: int,
@@ -288,17 +290,21 @@ class ComposedVerify:
         self.q_pad: Optional[torch.Tensor] = None
         self.hoisted_meta = True  # False once get_mla_decoding_metadata failed: lazy fill
 
+    def reserve(self, bs: int, kv_tokens: int) -> None:
+        """Size the block table and lengths for ``bs`` requests over ``kv_tokens`` slot ids."""
+        pages = max(1, triton.cdiv(kv_tokens, PAGE))
+        if pages > self.block_table.shape[1] or bs > self.block_table.shape[0]:
+            self.block_table = torch.empty(max(bs, self.block_table.shape[0]),
+                                           max(pages, 2 * self.block_table.shape[1]),
+                                           dtype=torch.int32, device=self.device)
+        if bs > self.seqlens.shape[0]:
+            self.seqlens = torch.empty(bs, dtype=torch.int32, device=self.device)
+
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
              kv_indices: torch.Tensor) -> ComposedPlan:
         """Block table, lengths and FlashMLA's scheduler metadata for this batch (no host sync)."""
         bs = qo_indptr.shape[0] - 1
-        pages = max(1, triton.cdiv(kv_indices.numel(), PAGE))
-        if pages > self.block_table.shape[1] or bs > self.block_table.shape[0]:
-            self.block_table = torch.zeros(max(bs, self.block_table.shape[0]),
-                                           max(pages, 2 * self.block_table.shape[1]),
-                                           dtype=torch.int32, device=self.device)
-        if bs > self.seqlens.shape[0]:
-            self.seqlens = torch.zeros(bs, dtype=torch.int32, device=self.device)
+        self.reserve(bs, kv_indices.numel())
         table, seqlens = self.block_table[:bs], self.seqlens[:bs]
         _block_table_kernel[(bs, 4)](kv_indptr, kv_indices, table, seqlens, table.stride(0),
                                      PAGE_SIZE=PAGE, BLOCK=256, NPROG=4, num_warps=1)

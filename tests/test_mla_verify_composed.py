@@ -255,6 +255,16 @@ def test_env_override_and_cpu_device(monkeypatch):
         torch.zeros(1, dtype=torch.long)) is None
 
 
+def test_composed_buffers_reserved_ahead():
+    """Sized once for the longest kv_indices (before any capture), never shrunk by a plan."""
+    cv = mla_verify_composed.ComposedVerify(object(), 8, 9, 4, torch.device("cpu"))
+    cv.reserve(4, 64 * 1000 + 1)
+    table = cv.block_table
+    assert table.shape == (4, 1001) and cv.seqlens.shape == (4,)
+    cv.reserve(2, 640)
+    assert cv.block_table is table
+
+
 # --- GPU: the whole path ----------------------------------------------------------------------
 def _need_composed():
     if not torch.cuda.is_available():

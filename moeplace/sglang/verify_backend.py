@@ -132,6 +132,9 @@ class VerifyState:
         self.ops.clear()
         self.plans.clear()
         op = self._op(int(self.backend.num_head))
+        graph_kv = getattr(self.backend, "cuda_graph_kv_indices", None)
+        if graph_kv is not None:  # the graphs' kv_indices buffer: plan tables sized before capture
+            op.reserve_kv(graph_kv.numel())
         if not VerifyState.announced:   # one line per process: the kernel is on, and which build serves
             VerifyState.announced = True
             print(f"moeplace verify kernel on: {op.backend} backend, {op.num_heads} heads x {self.max_draft} "
