@@ -3,22 +3,28 @@
 Dimension letters as in ``mla_verify.py`` (B requests, D draft tokens, T = sum(D), H heads,
 C = 576 KV values per token, DN = 512 of them also V).
 
-Two backends behind one interface:
+Three backends behind one interface:
+  * ``composed``: FlashMLA's SM90 decode for the prefix plus one Triton kernel for the tree and
+    the merge (``mla_verify_composed.py``); on compute capability 9.0 where ``sgl_flash_mla``
+    imports and the pool is laid out in 64-token pages (``page_size`` a multiple of 64). Under
+    "auto" it serves the batch sizes ``prefer_composed`` names, the own kernel the rest;
   * ``sm90``: the Hopper CUDA kernel (``csrc/mla_verify_sm90.cu``, loaded by
     ``mla_verify_sm90.py``), chosen automatically on compute capability 9.0 when nvcc can build it;
   * ``triton``: the Triton kernel (``mla_verify.py``), everywhere else (sm_120 keeps its own tile
     preset) and in Triton's CPU interpreter.
-``MOEPLACE_VERIFY_BACKEND=triton`` (or ``sm90``) overrides the automatic choice.
+``MOEPLACE_VERIFY_BACKEND=composed`` (or ``sm90``, ``triton``) overrides the automatic choice.
 
 Usage (CUDA-graph safe: allocate once, then call ``forward`` inside capture and replay)::
 
-    op = MlaVerify(num_heads=8, max_draft=9, max_bs=32, device="cuda")
+    op = MlaVerify(num_heads=8, max_draft=9, max_bs=32, device="cuda", page_size=64)
+    plan = op.plan(qo_indptr, kv_indptr, kv_indices)       # once per batch
     out = op.forward(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices,
-                     mask=qlen_only_mask, mask_layout="qlen_only")
+                     mask=qlen_only_mask, mask_layout="qlen_only", plan=plan)  # per layer
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, replace
@@ -27,7 +33,7 @@ from typing import Callable, Literal, Optional
 import torch
 import triton
 
-from moeplace_kernels import mla_verify_sm90
+from moeplace_kernels import mla_verify_composed, mla_verify_sm90
 from moeplace_kernels.mla_verify import (
     LOG2E,
     MASK_CAUSAL,
@@ -39,8 +45,9 @@ from moeplace_kernels.mla_verify import (
 
 MaskLayout = Literal["causal", "qlen_only", "full"]
 _MASK_MODES = {"causal": MASK_CAUSAL, "qlen_only": MASK_QLEN_ONLY, "full": MASK_FULL}
-Backend = Literal["auto", "sm90", "triton"]
+Backend = Literal["auto", "composed", "sm90", "triton"]
 BACKEND_ENV = "MOEPLACE_VERIFY_BACKEND"
+log = logging.getLogger(__name__)
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1) multiplies bf16 tiles wrongly: upcast there.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -163,26 +170,81 @@ class Sm90Config:
     evict_first: bool = True
 
 
-def select_backend(requested: Backend, capability: Optional[tuple[int, int]],
-                   load_library: Callable[[], object]) -> str:
-    """'sm90' or 'triton' for a device of ``capability`` (None: not a CUDA device).
+def composed_refusal(page_size: Optional[int], max_draft: int) -> Optional[str]:
+    """Why the composed path cannot serve this pool and draft width, or None if it can."""
+    if page_size is None or page_size % mla_verify_composed.PAGE:
+        got = "unknown" if page_size is None else str(page_size)
+        return (f"needs the KV pool in {mla_verify_composed.PAGE}-token pages (SGLang --page-size "
+                f"{mla_verify_composed.PAGE}), page size {got}")
+    if max_draft > mla_verify_composed.MAX_TREE:
+        return (f"serves at most {mla_verify_composed.MAX_TREE} drafts per request, "
+                f"max_draft={max_draft}")
+    return None
 
-    "auto" takes the Hopper kernel only on compute capability 9.0 and only if ``load_library``
-    returns it (it warns once and returns None where nvcc is missing or the build fails);
-    "sm90" insists (ValueError elsewhere, RuntimeError if it cannot be built).
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
+def select_backend(requested: Backend, capability: Optional[tuple[int, int]],
+                   load_library: Callable[[], object],
+                   load_flash: Optional[Callable[[], object]] = None,
+                   page_size: Optional[int] = None, max_draft: int = 1) -> str:
+    """'composed', 'sm90' or 'triton' for a device of ``capability`` (None: not a CUDA device).
+
+    "auto" takes the composed path on compute capability 9.0 where ``load_flash`` returns
+    FlashMLA and ``composed_refusal`` has nothing against the pool (one warning line names the
+    reason where it has), else the Hopper kernel if ``load_library`` returns it (it warns once
+    and returns None where nvcc is missing or the build fails), else Triton. Without
+    ``load_flash`` the composed path is not considered. "composed" and "sm90" insist
+    (ValueError for the wrong device or pool, RuntimeError if the piece cannot be had).
     """
-    if requested not in ("auto", "sm90", "triton"):
-        raise ValueError(f"backend must be auto, sm90 or triton, got {requested!r}")
+    if requested not in ("auto", "composed", "sm90", "triton"):
+        raise ValueError(f"backend must be auto, composed, sm90 or triton, got {requested!r}")
     if requested == "triton":
         return "triton"
     hopper = capability == (9, 0)
+    if requested == "composed":
+        if not hopper:
+            raise ValueError(f"the composed backend needs compute capability 9.0, got {capability}")
+        why = composed_refusal(page_size, max_draft)
+        if why is not None:
+            raise ValueError(f"the composed backend {why}")
+        if load_flash is None or load_flash() is None:
+            raise RuntimeError("the composed backend needs sgl_flash_mla (see the warning above)")
+        return "composed"
     if requested == "sm90":
         if not hopper:
             raise ValueError(f"the sm90 backend needs compute capability 9.0, got {capability}")
         if load_library() is None:
             raise RuntimeError("the sm90 backend could not be built (see the warning above)")
         return "sm90"
-    return "sm90" if hopper and load_library() is not None else "triton"
+    own = "sm90" if hopper and load_library() is not None else "triton"
+    if hopper and load_flash is not None:
+        why = composed_refusal(page_size, max_draft)
+        if why is None:
+            if load_flash() is not None:  # it warns itself where it does not import
+                return "composed"
+        else:
+            _warn_once(f"moeplace: the composed MLA verify path (FlashMLA) {why}; the {own} "
+                       "kernel runs")
+    return own
+
+
+# Batch sizes the composed path serves under "auto" (the own kernel the rest), from
+# scripts/bench_verify.py on the H200 (BENCHMARKS.md, "Composed verify path").
+COMPOSED_MIN_BS = 1
+
+
+def prefer_composed(bs: int, num_heads: int, max_draft: int) -> bool:
+    """Whether "auto" runs the composed path for a batch of ``bs`` (host-known shapes only, so
+    the choice is fixed per captured CUDA graph; the contexts live on the device)."""
+    return bs >= COMPOSED_MIN_BS and max_draft <= mla_verify_composed.MAX_TREE
 
 
 def sm90_rows(rows: int) -> tuple[int, int, int]:
@@ -207,6 +269,9 @@ class MlaVerify:
     gets split_slots // B splits per request at most (capped at 256).
     Workspace (sm90): the same tensors with split_slots = grid_x + max_bs (one CTA per SM and
     row block along the KV; a CTA whose tiles span requests writes one partial per request).
+    Composed: the own kernel's workspace (it serves what ``prefer_composed`` leaves to it) plus
+    ``ComposedVerify``'s block table, lengths and padded queries. ``page_size``: tokens per page
+    of the KV pool (the composed path needs a multiple of 64; None: unknown, so not composed).
     """
 
     def __init__(
@@ -220,6 +285,8 @@ class MlaVerify:
         config: Optional[TileConfig] = None,
         backend: Backend = "auto",
         sm90_config: Optional[Sm90Config] = None,
+        page_size: Optional[int] = None,
+        merge_config: Optional[mla_verify_composed.MergeConfig] = None,
     ) -> None:
         if num_heads < 1 or max_draft < 1 or max_bs < 1:
             raise ValueError(f"need num_heads, max_draft, max_bs >= 1, got "
@@ -238,8 +305,19 @@ class MlaVerify:
             backend = "triton" if config is not None else os.environ.get(BACKEND_ENV, "auto")
         if max_draft > mla_verify_sm90.MAX_DRAFT and backend == "auto":
             backend = "triton"
-        self.backend = select_backend(backend, capability, mla_verify_sm90.load)
-        if self.backend == "sm90":
+        self.forced = backend != "auto"
+        self.page_size = page_size
+        self.backend = select_backend(backend, capability, mla_verify_sm90.load,
+                                      mla_verify_composed.load_flash_mla if cuda else None,
+                                      page_size, max_draft)
+        self.composed = None
+        self.own_backend = self.backend
+        if self.backend == "composed":
+            self.composed = mla_verify_composed.ComposedVerify(
+                mla_verify_composed.load_flash_mla(), num_heads, max_draft, max_bs, self.device,
+                merge_config)
+            self.own_backend = select_backend("auto", capability, mla_verify_sm90.load)
+        if self.own_backend == "sm90":
             self._init_sm90(sm90_config or Sm90Config())
         else:
             major = capability[0] if capability else 9
@@ -273,6 +351,29 @@ class MlaVerify:
         self.l_part = torch.empty((self.split_slots, self.rows_pad),
                                   dtype=torch.float32, device=self.device)
 
+    def path_for(self, bs: int) -> str:
+        """The kernel that serves a batch of ``bs``: 'composed', 'sm90' or 'triton'."""
+        if self.backend == "composed" and (self.forced or prefer_composed(
+                bs, self.num_heads, self.max_draft)):
+            return "composed"
+        return self.own_backend
+
+    def reserve_kv(self, kv_tokens: int) -> None:
+        """Size the composed path's per-batch buffers for kv_indices of ``kv_tokens`` slot ids
+        (call outside graph capture, as SGLang's ``init_cuda_graph_state`` is); else a no-op."""
+        if self.composed is not None:
+            self.composed.reserve(self.max_bs, kv_tokens)
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+             kv_indices: torch.Tensor) -> Optional[mla_verify_composed.ComposedPlan]:
+        """Per-batch state for ``forward(..., plan=)``: FlashMLA's block table, lengths and
+        scheduler metadata where the composed path serves this batch, else None (the own kernels
+        derive their split plan inside each launch). Device work only: graph-capturable."""
+        bs = qo_indptr.shape[0] - 1
+        if self.path_for(bs) != "composed":
+            return None
+        return self.composed.plan(qo_indptr, kv_indptr, kv_indices)
+
     def max_splits(self, bs: int) -> int:
         """Split grid size per request for a batch of ``bs`` (fixed per captured graph)."""
         return max(1, min(256, self.split_slots // bs))
@@ -291,6 +392,7 @@ class MlaVerify:
         mask_indptr: Optional[torch.Tensor] = None,
         out: Optional[torch.Tensor] = None,
         lse: Optional[torch.Tensor] = None,
+        plan: Optional[mla_verify_composed.ComposedPlan] = None,
     ) -> torch.Tensor:
         """Attention of every draft row over its request's prefix and (tree-masked) drafts.
 
@@ -301,14 +403,25 @@ class MlaVerify:
         laid out as ``mask_layout`` ("qlen_only": D x D per request at b * D_max^2 or mask_indptr[b];
         "full": SGLang FULL_MASK, D x (N + D) at mask_indptr[b], prefix columns ignored);
         out [T, H, 512]; lse [T, H] fp32 natural-log log-sum-exp, optional.
-        Returns out. No host sync and no allocation when ``out`` is given.
+        plan: ``self.plan(...)`` of this batch (the same kv_indptr and kv_indices tensors); the
+        composed path plans itself without it (once per call instead of once per batch).
+        Returns out. No host sync, and no allocation when ``out`` is given (the composed path:
+        FlashMLA allocates its own outputs, from the graph's pool inside a capture).
         """
         bs = qo_indptr.shape[0] - 1
+        path = self.path_for(bs)
         self._check(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
-                    mask_layout, mask_indptr, bs)
+                    mask_layout, mask_indptr, bs, path)
         if out is None:
             out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=q.dtype, device=q.device)
-        if self.backend == "sm90":
+        if path == "composed":
+            if plan is None or plan.bs != bs or plan.kv_indptr is not kv_indptr \
+                    or plan.kv_indices is not kv_indices:
+                plan = self.composed.plan(qo_indptr, kv_indptr, kv_indices)
+            self.composed.forward(plan, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, mask,
+                                  _MASK_MODES[mask_layout], mask_indptr, out, lse, self.sm_scale)
+            return out
+        if path == "sm90":
             self._forward_sm90(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
                                mask_layout, mask_indptr, out, lse, bs)
             return out
@@ -389,7 +502,7 @@ class MlaVerify:
         self.sm90.forward(self.variant, sp, cp, stream, q.device.index, cfg.pdl)
 
     def _check(self, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
-               mask_layout, mask_indptr, bs) -> None:
+               mask_layout, mask_indptr, bs, path) -> None:
         """Raise ValueError on a malformed call; reads shapes, dtypes and strides only."""
         if q.dim() != 3 or q.shape[1] != self.num_heads or q.shape[2] != KV_DIM:
             raise ValueError(f"q must be [T, {self.num_heads}, {KV_DIM}], got {tuple(q.shape)}")
@@ -424,8 +537,8 @@ class MlaVerify:
             raise ValueError(f"mask must be bool/uint8, got {mask.dtype}")
         if mask_layout == "full" and mask_indptr is None:
             raise ValueError("the 'full' mask layout needs mask_indptr")
-        if self.backend == "sm90":
-            # The kernels load whole rows with 16-byte vector loads.
+        if path != "triton":
+            # The kernels (FlashMLA's too) load whole rows with 16-byte vector loads.
             for name, t in (("q", q), ("k_ext", k_ext), ("v_ext", v_ext), ("kv_pool", kv_pool)):
                 if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
                     raise ValueError(f"{name} rows must be 16-byte aligned for the sm90 kernel")

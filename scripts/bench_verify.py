@@ -1,7 +1,10 @@
 """Benchmark MLA tree-verify: moeplace's kernels vs FlashMLA and SGLang 0.5.23's, on one GPU.
 
 Peers timed in the same process at the same contexts (8 heads x 9-token binary tree unless
---heads/--drafts say otherwise, shuffled slot ids, page size 1):
+--heads/--drafts say otherwise; the KV in shuffled 64-token pages, so every peer reads the same
+pool, and the composed path can):
+  moeplace composed FlashMLA's decode for the prefix (no mask, with its lse) + our tree/merge
+                   kernel; timed per layer (its per-batch plan outside the graph, timed apart)
   moeplace sm90    the Hopper CUDA kernel (sm_90 only), tree mask, partials merged in L2
   moeplace triton  the Triton kernel (the default elsewhere)
   FlashMLA         sgl-flash-mla's SM90 dense decode (``flash_mla_with_kvcache(..., causal=True,
@@ -29,6 +32,7 @@ import torch
 from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
 from sglang_wheel import register_packages, stub, unpack
 from moeplace_kernels.mla_verify_api import MlaVerify, Sm90Config, hopper_candidates
+from moeplace_kernels.mla_verify_composed import MergeConfig
 from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
 KV_BYTES = 576 * 2
@@ -75,14 +79,25 @@ def binary_tree_mask(D: int) -> torch.Tensor:
     return m
 
 
+def paged_slots(ctx: list[int], shuffle: bool) -> tuple[torch.Tensor, int]:
+    """(slot ids, pool slots): each request in whole 64-token pages, pages shuffled if asked."""
+    pages = [(n + 63) // 64 for n in ctx]
+    n_pages = sum(pages) + 16
+    order = (torch.randperm(n_pages, device="cuda") if shuffle
+             else torch.arange(n_pages, device="cuda"))
+    ids, first = [], 0
+    within = torch.arange(64, device="cuda")
+    for n, k in zip(ctx, pages):
+        ids.append((order[first:first + k, None] * 64 + within).reshape(-1)[:n])
+        first += k
+    return torch.cat(ids), n_pages * 64
+
+
 def make_problem(ctx: list[int], H: int, D: int, shuffle: bool, tree: bool = True):
-    """Tensors of one verify step; the pool holds exactly the used slots (+ slack)."""
+    """Tensors of one verify step; the pool holds exactly the used pages (+ slack)."""
     bs = len(ctx)
-    total = sum(ctx)
-    slots = total + 1024
+    ids, slots = paged_slots(ctx, shuffle)
     pool = torch.randn(slots, 1, 576, device="cuda").to(torch.bfloat16)
-    ids = (torch.randperm(slots, device="cuda")[:total] if shuffle
-           else torch.arange(total, device="cuda"))
     m = binary_tree_mask(D) if tree else torch.ones(D, D, dtype=torch.bool).tril()
     qlen = m.reshape(-1).repeat(bs).to(torch.uint8).cuda()
     full = torch.cat([torch.cat([torch.ones(D, c, dtype=torch.bool), m], 1).reshape(-1)
@@ -101,10 +116,14 @@ def make_problem(ctx: list[int], H: int, D: int, shuffle: bool, tree: bool = Tru
     )
 
 
-def run_ours(p, op: MlaVerify, out):
+def run_ours(p, op: MlaVerify, out, plan=None):
     return lambda: op.forward(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"],
                               p["kv_indptr"], p["kv_indices"], mask=p["mask_qlen"],
-                              mask_layout="qlen_only", out=out)
+                              mask_layout="qlen_only", out=out, plan=plan)
+
+
+def run_plan(p, op: MlaVerify):
+    return lambda: op.plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"])
 
 
 def run_sglang_extend(ext, p, out):
@@ -170,8 +189,14 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=9, help="draft tokens verified per request")
     ap.add_argument("--precompile", type=int, default=0,
                     help="compile the sweep configs first in this many processes")
-    ap.add_argument("--kernels", default="sm90,triton,flashmla",
-                    help="peers to time, comma-separated (sm90, triton, flashmla)")
+    ap.add_argument("--kernels", default="composed,sm90,triton,flashmla",
+                    help="peers to time, comma-separated (composed, sm90, triton, flashmla)")
+    ap.add_argument("--extra-cases", action="store_true",
+                    help="also 1k and batch 8 x 4k (the shapes the path rule is read from)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the composed path's pieces apart (FlashMLA, merge, plan)")
+    ap.add_argument("--sweep-composed", action="store_true",
+                    help="also time the composed path's merge-kernel settings (MergeConfig)")
     ap.add_argument("--sweep-sm90", action="store_true",
                     help="also time the Hopper kernel's launch settings (Sm90Config variants)")
     args = ap.parse_args()
@@ -243,15 +268,23 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     gen = torch.Generator().manual_seed(1)
     mixed = [int(x) for x in torch.randint(4096, 131072, (8,), generator=gen)]  # 56k..131k
-    cases = [(f"b1 {c}", [c]) for c in contexts] + [("b8 mixed", mixed)]
+    cases = [(f"b1 {c}", [c]) for c in contexts] + [("b8 mixed", mixed),
+                                                     ("b5 ragged", RAGGED_5)]
+    if args.extra_cases:
+        cases = [("b1 1024", [1024])] + cases + [("b8 4096", [4096] * 8),
+                                                 ("b8 16384", [16384] * 8)]
     kernels = args.kernels.split(",")
     flash = load_flash_mla() if "flashmla" in kernels else None
     ops = {}
-    for backend in [k for k in ("sm90", "triton") if k in kernels]:
+    for backend in [k for k in ("composed", "sm90", "triton") if k in kernels]:
         try:
-            ops[backend] = MlaVerify(H, D, 8, backend=backend)
+            ops[backend] = MlaVerify(H, D, 8, backend=backend, page_size=64)
         except (ValueError, RuntimeError) as exc:
             print(f"moeplace {backend} unavailable: {exc}", flush=True)
+    if args.sweep_composed and "composed" in ops:
+        for cfg in COMPOSED_SWEEP:
+            ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, 8, backend="composed",
+                                                          page_size=64, merge_config=cfg)
     if args.sweep_sm90 and "sm90" in ops:
         for cfg in SM90_SWEEP:
             ops[f"sm90 {sm90_tag(cfg)}"] = MlaVerify(H, D, 8, backend="sm90", sm90_config=cfg)
@@ -263,13 +296,21 @@ def main() -> None:
                                 p["kv_indptr"], p["kv_indices"], 576 ** -0.5, p["mask_qlen"],
                                 "qlen_only")
         for kernel, op in ops.items():
-            run_ours(p, op, out)()
+            plan = op.plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"])
+            run_ours(p, op, out, plan)()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if not err < 1e-2:
                 print(f"moeplace {kernel} {label}: relative error {err:.1e}, not timed",
                       flush=True)
                 continue
-            us = graph_time_us(run_ours(p, op, out))
+            if plan is not None:  # the per-batch part, once per step (not per layer)
+                record(f"moeplace {kernel} plan", label, str(sum(ctx)), sum(ctx) * KV_BYTES,
+                       graph_time_us(run_plan(p, op)))
+                if args.breakdown and kernel == "composed":
+                    for piece, fn in composed_pieces(p, op, plan, out).items():
+                        record(f"composed piece: {piece}", label, str(sum(ctx)),
+                               sum(ctx) * KV_BYTES, graph_time_us(fn))
+            us = graph_time_us(run_ours(p, op, out, plan))
             peers.append((f"moeplace {kernel}", label, ctx, us))
             record(f"moeplace {kernel}", f"{label} (err {err:.0e})", str(sum(ctx)),
                    sum(ctx) * KV_BYTES, us)
@@ -290,8 +331,9 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     lines = [f"Device: {name}; copy bandwidth measured in this run: {copy_gbs:.0f} GB/s "
-             f"(read + write). H={H} heads, D={D}-token binary tree, shuffled slot ids, page size "
-             f"1 (FlashMLA: a causal chain over 64-token pages). Batch-8 contexts: {mixed}.", ""]
+             f"(read + write). H={H} heads, D={D}-token binary tree, KV in shuffled 64-token "
+             f"pages (FlashMLA: a causal chain over its own copy in 64-token pages). Batch-8 "
+             f"contexts: {mixed}; ragged batch 5: {RAGGED_5}.", ""]
     lines += peers_table(peers, copy_gbs)
     lines += ["", "| kernel | case | tokens | µs | GB/s | % of copy |",
               "| --- | --- | --- | ---: | ---: | ---: |"]
@@ -306,19 +348,33 @@ SM90_SWEEP = [Sm90Config(min_tiles=2, pdl=True), Sm90Config(min_tiles=1, pdl=Tru
               Sm90Config(evict_first=False)]
 
 
+COMPOSED_SWEEP = [MergeConfig(pdl=True), MergeConfig(dv_split=2, pdl=True),
+                  MergeConfig(dv_split=8, pdl=True), MergeConfig(dv_split=8, num_warps=2, pdl=True),
+                  MergeConfig(num_warps=8, pdl=True), MergeConfig(dv_split=8),
+                  MergeConfig(dv_split=2)]
+
+
+def merge_tag(cfg: MergeConfig) -> str:
+    return f"dv{cfg.dv_split} w{cfg.num_warps} pdl{int(cfg.pdl)}"
+
+
 def sm90_tag(cfg: Sm90Config) -> str:
     return f"mt{cfg.min_tiles} pdl{int(cfg.pdl)} ef{int(cfg.evict_first)}"
 
 
+RAGGED_5 = [1500, 9000, 31000, 77000, 120000]
+
+
 def peers_table(peers, copy_gbs: float) -> list[str]:
-    """Markdown: one row per case, µs and TB/s of each kernel, and sm90's speed-up on the rest."""
+    """Markdown: one row per case, µs and TB/s of each kernel, then each moeplace kernel's time
+    over FlashMLA's (the issue's goal: composed <= 1.05 from 16k, <= 1.15 at 4k)."""
     kernels = list(dict.fromkeys(k for k, _, _, _ in peers))
     labels = list(dict.fromkeys(c for _, c, _, _ in peers))
     times = {(k, c): (us, ctx) for k, c, ctx, us in peers}
     head = "| case | " + " | ".join(f"{k} µs (TB/s)" for k in kernels)
-    others = [k for k in kernels if k in ("moeplace triton", "FlashMLA")]
-    head += "".join(f" | sm90 vs {k}" for k in others) + " |"
-    lines = [head, "| --- |" + " ---: |" * (len(kernels) + len(others))]
+    mine = [k for k in kernels if k.startswith("moeplace")]
+    head += "".join(f" | {k[len('moeplace '):]} / FlashMLA" for k in mine) + " |"
+    lines = [head, "| --- |" + " ---: |" * (len(kernels) + len(mine))]
     for c in labels:
         cells = []
         for k in kernels:
@@ -327,12 +383,46 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
                 cells.append(f"{us:.1f} ({sum(ctx) * KV_BYTES / us / 1e6:.2f})")
             else:
                 cells.append("")
-        for k in others:
-            mine, theirs = times.get(("moeplace sm90", c)), times.get((k, c))
-            cells.append(f"{theirs[0] / mine[0]:.2f}x" if mine and theirs else "")
+        for k in mine:
+            ours, theirs = times.get((k, c)), times.get(("FlashMLA", c))
+            cells.append(f"{ours[0] / theirs[0]:.2f}" if ours and theirs else "")
         lines.append(f"| {c} | " + " | ".join(cells) + " |")
     lines.append(f"(copy bandwidth of this run: {copy_gbs / 1e3:.2f} TB/s)")
     return lines
+
+
+def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
+    """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
+    from moeplace_kernels.mla_verify_composed import PAGE, _block_table_kernel, tree_merge
+
+    cv = op.composed
+    bs, D, H = p["bs"], p["D"], p["H"]
+    q4 = p["q"].view(bs, D, H, 576)
+    pages = p["pool"].shape[0] // PAGE
+    k_cache = p["pool"][:pages * PAGE].unflatten(0, (pages, PAGE))
+
+    def flash():
+        return cv.flash.flash_mla_with_kvcache(q4, k_cache, plan.block_table, plan.seqlens, 512,
+                                               plan.meta, softmax_scale=op.sm_scale,
+                                               causal=False, use_legacy=True)
+
+    o_pre, lse_pre = flash()
+
+    def merge():
+        tree_merge(p["q"], p["k_ext"], p["v_ext"], p["mask_qlen"], 1, None, p["qo_indptr"],
+                   p["kv_indptr"], o_pre, lse_pre, out, None, op.sm_scale, D, cv.config)
+
+    def table():
+        _block_table_kernel[(bs, 4)](p["kv_indptr"], p["kv_indices"], plan.block_table,
+                                     plan.seqlens, plan.block_table.stride(0), PAGE_SIZE=PAGE,
+                                     BLOCK=256, NPROG=4, num_warps=1)
+
+    def metadata():
+        cv.flash.get_mla_decoding_metadata(plan.seqlens, D * H, 1, H, False, None,
+                                           use_legacy=True)
+
+    return {"FlashMLA decode (prefix, no mask)": flash, "tree/merge kernel": merge,
+            "block table kernel": table, "FlashMLA metadata": metadata}
 
 
 def load_flash_mla():

@@ -14,6 +14,10 @@ triton_backend = pytest.importorskip("sglang.srt.layers.attention.triton_backend
 pytestmark = pytest.mark.sglang
 
 
+HOOKED = ("__init__", "init_cuda_graph_state", "init_forward_metadata",
+          "init_forward_metadata_in_graph")
+
+
 def _bare_backend(**attrs):
     """A real TritonAttnBackend object with only the attributes ``attach`` reads.
 
@@ -46,8 +50,8 @@ def test_install_wraps_init_and_graph_state_once(monkeypatch):
     from moeplace.sglang import verify_backend
 
     cls = triton_backend.TritonAttnBackend
-    monkeypatch.setattr(cls, "__init__", cls.__init__)
-    monkeypatch.setattr(cls, "init_cuda_graph_state", cls.init_cuda_graph_state)
+    for name in HOOKED:  # restored after the test
+        monkeypatch.setattr(cls, name, getattr(cls, name))
     monkeypatch.setenv(verify_backend.ENV_FLAG, "1")
     monkeypatch.delattr(cls, verify_backend._INSTALLED_ATTR, raising=False)
     orig = cls.__init__
@@ -56,6 +60,8 @@ def test_install_wraps_init_and_graph_state_once(monkeypatch):
     assert wrapped is not orig and wrapped.__wrapped__ is orig
     verify_backend.install()  # idempotent
     assert cls.__init__ is wrapped
+    for name in HOOKED[1:]:
+        assert getattr(cls, name).__wrapped__ is not None
     monkeypatch.delattr(cls, verify_backend._INSTALLED_ATTR)
 
 
@@ -123,8 +129,8 @@ def test_graph_state_keeps_sglang_full_mask_and_takes_an_ngram_capture(monkeypat
     from moeplace.sglang import verify_backend
 
     cls = triton_backend.TritonAttnBackend
-    monkeypatch.setattr(cls, "__init__", cls.__init__)
-    monkeypatch.setattr(cls, "init_cuda_graph_state", cls.init_cuda_graph_state)
+    for name in HOOKED:  # restored after the test
+        monkeypatch.setattr(cls, name, getattr(cls, name))
     monkeypatch.delattr(cls, verify_backend._INSTALLED_ATTR, raising=False)
     monkeypatch.setattr("sglang.srt.speculative.eagle_utils._is_cpu", False)  # a GPU server
     backend = _graph_ready_backend()

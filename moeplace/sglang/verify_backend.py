@@ -16,6 +16,14 @@ FULL_MASK without asking the backend and copies it into the captured buffer, so 
 buffer broke the target-verify graph capture (seen in a live server: 648 vs 720 cells at
 batch 8 x 9 drafts).
 
+Per-batch plan: the composed path (FlashMLA's decode for the prefix, on sm_90 with
+``--page-size 64``) needs a block table, lengths and FlashMLA's scheduler metadata per batch. We
+build them where SGLang builds its own metadata, after ``init_forward_metadata`` (eager) and after
+``init_forward_metadata_in_graph`` (recorded into the target-verify graph, so every replay
+rebuilds them from the graph's kv_indptr / kv_indices buffers): AROUND hooks, both no-ops outside
+TARGET_VERIFY. Every layer's ``forward`` then reuses the plan (``MlaVerify`` checks it was made
+from the tensors it is given, and plans anew otherwise).
+
 Enabled only when ``MOEPLACE_VERIFY_KERNEL=1`` (checked by ``install``). torch, triton and
 SGLang are imported inside the functions: ``import moeplace`` never imports them.
 """
@@ -46,6 +54,8 @@ def install() -> None:
         return
     orig_init = TritonAttnBackend.__init__
     orig_graph_state = TritonAttnBackend.init_cuda_graph_state
+    orig_metadata = TritonAttnBackend.init_forward_metadata
+    orig_in_graph = TritonAttnBackend.init_forward_metadata_in_graph
 
     @functools.wraps(orig_init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -60,9 +70,29 @@ def install() -> None:
         if state is not None:
             state.reserve(max_bs)  # workspace for the largest captured batch, before any capture
 
+    @functools.wraps(orig_metadata)
+    def init_forward_metadata(self, forward_batch: Any, *args: Any, **kwargs: Any) -> None:
+        orig_metadata(self, forward_batch, *args, **kwargs)
+        plan_batch(self, forward_batch)
+
+    @functools.wraps(orig_in_graph)
+    def init_forward_metadata_in_graph(self, forward_batch: Any, *args: Any,
+                                       **kwargs: Any) -> None:
+        orig_in_graph(self, forward_batch, *args, **kwargs)
+        plan_batch(self, forward_batch)
+
     TritonAttnBackend.__init__ = __init__
     TritonAttnBackend.init_cuda_graph_state = init_cuda_graph_state
+    TritonAttnBackend.init_forward_metadata = init_forward_metadata
+    TritonAttnBackend.init_forward_metadata_in_graph = init_forward_metadata_in_graph
     setattr(TritonAttnBackend, _INSTALLED_ATTR, True)
+
+
+def plan_batch(backend: Any, forward_batch: Any) -> None:
+    """After SGLang's metadata of a TARGET_VERIFY batch: the kernels' per-batch plan."""
+    state = getattr(backend, "_moeplace_verify", None)
+    if state is not None and forward_batch.forward_mode.is_target_verify():
+        state.plan(backend.forward_metadata)
 
 
 def attach(backend: Any) -> bool:
@@ -71,6 +101,8 @@ def attach(backend: Any) -> bool:
         return False
     # Any page size: SGLang's Triton backend lists one slot id per token (kv_indptr is the
     # cumulative sequence length; its kernels' paged address math reduces to slot * stride).
+    # With pages of 64 (or a multiple) the slot ids are page-aligned, which the composed path
+    # (FlashMLA) needs: MlaVerify is told the page size and says so where it cannot use it.
     # Decode-context parallelism shards the prefix across ranks: not ours.
     if not getattr(backend, "num_draft_tokens", None) or getattr(backend, "dcp_size", 1) != 1:
         return False
@@ -89,14 +121,20 @@ class VerifyState:
     def __init__(self, backend: Any) -> None:
         self.backend = backend
         self.max_draft = int(backend.num_draft_tokens)
+        self.page_size = int(getattr(backend, "page_size", 1) or 1)
         self.max_bs = 1
         self.ops: dict[int, Any] = {}
+        self.plans: dict[int, Any] = {}  # per head count: MlaVerify.plan of the current batch
 
     def reserve(self, max_bs: int) -> None:
         """Allocate workspaces for batches up to ``max_bs`` (call outside graph capture)."""
         self.max_bs = max(self.max_bs, max_bs)
         self.ops.clear()
+        self.plans.clear()
         op = self._op(int(self.backend.num_head))
+        graph_kv = getattr(self.backend, "cuda_graph_kv_indices", None)
+        if graph_kv is not None:  # the graphs' kv_indices buffer: plan tables sized before capture
+            op.reserve_kv(graph_kv.numel())
         if not VerifyState.announced:   # one line per process: the kernel is on, and which build serves
             VerifyState.announced = True
             print(f"moeplace verify kernel on: {op.backend} backend, {op.num_heads} heads x {self.max_draft} "
@@ -107,9 +145,23 @@ class VerifyState:
         if op is None:
             from moeplace_kernels.mla_verify_api import MlaVerify
 
-            op = MlaVerify(num_heads, self.max_draft, self.max_bs, device=self.backend.device)
+            op = MlaVerify(num_heads, self.max_draft, self.max_bs, device=self.backend.device,
+                           page_size=self.page_size)
             self.ops[num_heads] = op
         return op
+
+    def plan(self, metadata: Any) -> None:
+        """Per-batch plans from SGLang's ForwardMetadata (qo_indptr, kv_indptr, kv_indices)."""
+        import torch
+
+        bs = metadata.qo_indptr.shape[0] - 1
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if bs > self.max_bs and not capturing:
+            self.reserve(bs)
+        elif not self.ops and not capturing:
+            self._op(int(self.backend.num_head))
+        self.plans = {heads: op.plan(metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices)
+                      for heads, op in self.ops.items() if bs <= op.max_bs}
 
     def mask_layout(self) -> str:
         """'qlen_only' when the backend's verify buffer is laid out D x D, else 'full'."""
@@ -153,7 +205,8 @@ class VerifyState:
         if layout != "full":
             mask_indptr = None  # none, or D x D per request at b * D^2
         op.forward(q, k, v, k_buffer, qo_indptr, kv_indptr, kv_indices, mask=custom_mask,
-                   mask_layout=layout, mask_indptr=mask_indptr, out=o)
+                   mask_layout=layout, mask_indptr=mask_indptr, out=o,
+                   plan=self.plans.get(q.shape[1]))
         return True
 
     def supports(self, q, k, v, k_buffer, custom_mask, is_causal, k_scale, v_scale, logit_cap,

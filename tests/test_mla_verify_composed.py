@@ -1,0 +1,426 @@
+"""The composed verify path (FlashMLA's prefix + our tree/merge kernel) against the fp32 oracle.
+
+CPU: the tree/merge kernel, the block-table kernel and the query gather run in Triton's
+interpreter, one subprocess for all cases (TRITON_INTERPRET must be set before Triton loads);
+FlashMLA's part is stood in for by an fp32 prefix-only attention in FlashMLA's layouts (out
+[B, s_q, H, 512], lse [B, H, s_q] as a strided view of [B, s_q, H]), with NaN in every row the
+merge must not read and +inf lse where a request has no prefix, as FlashMLA writes there.
+Also on the CPU: which path runs where (``select_backend``, ``prefer_composed``), one warning line.
+GPU (sm_90 with sgl_flash_mla): the whole path through ``MlaVerify`` on 64-token pages.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_mla_verify import make_case  # noqa: E402
+
+from moeplace_kernels import mla_verify_api, mla_verify_composed  # noqa: E402
+from moeplace_kernels.mla_verify_api import (  # noqa: E402
+    composed_refusal, prefer_composed, select_backend)
+
+# id: (d_list, heads, contexts, tree, layout, mask_indptr given)
+INTERP_CASES = {
+    "ragged-qlen-empty-prefix": ([9, 4, 1], 2, [0, 40, 7], "random", "qlen_only", True),
+    "ragged-full-16-drafts": ([16, 3, 7, 1], 2, [5, 0, 64, 65], "random", "full", True),
+    "chain-causal": ([5, 5], 2, [33, 1], "chain", "causal", False),
+    "binary-16-drafts": ([16], 2, [100], "binary", "qlen_only", True),
+    "one-draft-full": ([1, 1], 2, [3, 0], "random", "full", True),
+    "qlen-at-b-dmax2": ([9, 9], 3, [10, 20], "random", "qlen_only", False),
+}
+
+_SCRIPT = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_mla_verify_composed import INTERP_CASES, fake_flash_prefix, paged_ids
+    from test_mla_verify import make_case
+    from moeplace_kernels.mla_verify_api import _MASK_MODES
+    from moeplace_kernels.mla_verify_composed import (
+        tree_merge, _block_table_kernel, _pad_queries_kernel)
+    from moeplace_kernels.mla_verify_ref import mla_verify_ref
+    res = {{}}
+    scale = 576 ** -0.5
+    for i, (cid, (d_list, H, ctx, tree, layout, has_mip)) in enumerate(INTERP_CASES.items()):
+        case = make_case(len(d_list), d_list, H, ctx, tree=tree, layout=layout, device="cpu",
+                         seed=i)
+        if not has_mip:
+            case["mask_indptr"] = None
+        d_max = max(d_list)
+        o_pre, l_pre = fake_flash_prefix(case, d_max, scale)
+        T = case["q"].shape[0]
+        out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+        lse = torch.full((T, H), float("nan"))
+        tree_merge(case["q"], case["k_ext"], case["v_ext"], case["mask"], _MASK_MODES[layout],
+                   case["mask_indptr"], case["qo_indptr"], case["kv_indptr"], o_pre, l_pre, out,
+                   lse, scale, d_max, upcast=True)
+        ref, ref_lse = mla_verify_ref(**case, sm_scale=scale, d_max=d_max)
+        res[cid] = dict(nan=bool(out.isnan().any() or lse.isnan().any()),
+                        err=((out.float() - ref).norm() / ref.norm()).item(),
+                        lse_err=(lse - ref_lse).abs().max().item())
+    # Block table: shuffled pages, lengths 0, 1, 64, 65, 300; wider table than needed.
+    g = torch.Generator().manual_seed(0)
+    ctx = [0, 1, 64, 65, 300]
+    ids, pages_of = paged_ids(ctx, 40, g)
+    kvp = torch.tensor([0] + ctx, dtype=torch.int32).cumsum(0).int()
+    table = torch.full((5, 12), -1, dtype=torch.int32)
+    seqlens = torch.zeros(5, dtype=torch.int32)
+    _block_table_kernel[(5, 2)](kvp, ids, table, seqlens, table.stride(0), PAGE_SIZE=64,
+                                BLOCK=4, NPROG=2)
+    ok = seqlens.tolist() == ctx
+    for b, pages in enumerate(pages_of):
+        want = pages if pages else [0]
+        ok &= table[b, :len(want)].tolist() == want and bool((table[b, len(want):] == -1).all())
+    res["block_table"] = dict(ok=bool(ok))
+    # Query gather for ragged draft counts.
+    q = torch.randn(7, 3, 576).to(torch.bfloat16)
+    qo = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
+    pad = torch.zeros(3, 4, 3, 576, dtype=torch.bfloat16)
+    _pad_queries_kernel[(3, 4)](q, pad, qo, 3, q.stride(0), q.stride(1), D_MAX=4, C=576,
+                                BLOCK_C=1024)
+    want = torch.zeros_like(pad)
+    want[0, :4], want[1, :1], want[2, :2] = q[0:4], q[4:5], q[5:7]
+    res["pad_queries"] = dict(ok=bool(torch.equal(pad, want)))
+    print("RESULT" + json.dumps(res))
+""")
+
+
+def fake_flash_prefix(case, d_max: int, scale: float):
+    """FlashMLA's (out, lse) for the prefix alone, in fp32, in its layouts.
+
+    out [B, d_max, H, 512] bf16, lse [B, H, d_max] fp32 (a view of [B, d_max, H] memory, as
+    FlashMLA returns it). Rows past a request's drafts hold NaN; a request without prefix gets
+    out NaN (FlashMLA: 0, but NaN shows any read) and lse +inf (FlashMLA's value).
+    """
+    qo, kvp = case["qo_indptr"].tolist(), case["kv_indptr"].tolist()
+    bs, H = len(qo) - 1, case["q"].shape[1]
+    out = torch.full((bs, d_max, H, 512), float("nan"))
+    lse = torch.full((bs, d_max, H), float("nan"))
+    for b in range(bs):
+        D, N = qo[b + 1] - qo[b], kvp[b + 1] - kvp[b]
+        if N == 0:
+            lse[b, :D] = float("inf")
+            continue
+        kv = case["kv_pool"][case["kv_indices"][kvp[b]:kvp[b + 1]].long(), 0].float()
+        s = torch.einsum("dhc,nc->dhn", case["q"][qo[b]:qo[b + 1]].float(), kv) * scale
+        lse[b, :D] = torch.logsumexp(s, -1)
+        out[b, :D] = torch.einsum("dhn,nc->dhc", torch.softmax(s, -1), kv[:, :512])
+    return out.to(torch.bfloat16), lse.permute(0, 2, 1)
+
+
+def paged_ids(ctx: list[int], total_pages: int, gen: torch.Generator):
+    """Slot ids of requests laid out in shuffled 64-token pages: (ids int64, pages per request)."""
+    perm = torch.randperm(total_pages, generator=gen).tolist()
+    ids, pages_of = [], []
+    for n in ctx:
+        mine = [perm.pop() for _ in range((n + 63) // 64)]
+        pages_of.append(mine)
+        ids += [mine[t // 64] * 64 + t % 64 for t in range(n)]
+    return torch.tensor(ids, dtype=torch.int64), pages_of
+
+
+@pytest.fixture(scope="module")
+def interp_results():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", _SCRIPT.format(tests=os.path.dirname(__file__))],
+                         env=env, capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")), None)
+    assert res.returncode == 0 and line, res.stderr[-3000:]
+    return json.loads(line[len("RESULT"):])
+
+
+@pytest.mark.parametrize("cid", list(INTERP_CASES))
+def test_tree_merge_kernel_in_interpreter(interp_results, cid):
+    r = interp_results[cid]
+    assert not r["nan"], "NaN in output: a row FlashMLA left unwritten or empty was read"
+    assert r["err"] < 1e-2, r
+    assert r["lse_err"] < 2e-2, r
+
+
+def test_block_table_kernel_in_interpreter(interp_results):
+    assert interp_results["block_table"]["ok"]
+
+
+def test_pad_queries_kernel_in_interpreter(interp_results):
+    assert interp_results["pad_queries"]["ok"]
+
+
+# --- which path runs (CPU) ------------------------------------------------------------------
+class Loader:
+    def __init__(self, thing):
+        self.thing, self.calls = thing, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.thing
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_auto_takes_composed_on_sm90_with_64_token_pages():
+    for page in (64, 128):
+        assert select_backend("auto", (9, 0), Loader(object()), Loader(object()), page, 9) \
+            == "composed"
+    # Without FlashMLA: the own kernel (load_flash_mla warns itself, tested below).
+    assert select_backend("auto", (9, 0), Loader(object()), Loader(None), 64, 9) == "sm90"
+    assert select_backend("auto", (9, 0), Loader(None), Loader(None), 64, 9) == "triton"
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0), (12, 0), None])
+def test_auto_never_composes_off_hopper(capability):
+    flash = Loader(object())
+    assert select_backend("auto", capability, Loader(object()), flash, 64, 9) == "triton"
+    assert flash.calls == 0
+
+
+@pytest.mark.parametrize("page,drafts,reason", [(1, 9, "page size 1"), (16, 9, "page size 16"),
+                                                (None, 9, "unknown"), (64, 17, "at most 16")])
+def test_auto_warns_one_line_where_composed_cannot_serve(monkeypatch, caplog, page, drafts,
+                                                         reason):
+    monkeypatch.setattr(mla_verify_api, "_warned", set())
+    flash = Loader(object())
+    with caplog.at_level(logging.WARNING, logger=mla_verify_api.__name__):
+        for _ in range(3):
+            assert select_backend("auto", (9, 0), Loader(object()), flash, page, drafts) == "sm90"
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "\n" not in lines[0] and reason in lines[0], lines
+    assert "--page-size 64" in lines[0] or drafts > 16
+    assert flash.calls == 0  # not even imported where the pool rules it out
+
+
+def test_forced_composed_insists():
+    with pytest.raises(ValueError, match="9.0"):
+        select_backend("composed", (8, 0), Loader(object()), Loader(object()), 64, 9)
+    with pytest.raises(ValueError, match="64-token pages"):
+        select_backend("composed", (9, 0), Loader(object()), Loader(object()), 1, 9)
+    with pytest.raises(RuntimeError, match="sgl_flash_mla"):
+        select_backend("composed", (9, 0), Loader(object()), Loader(None), 64, 9)
+    assert select_backend("composed", (9, 0), Loader(None), Loader(object()), 64, 9) == "composed"
+
+
+def test_composed_refusal_reasons():
+    assert composed_refusal(64, 16) is None and composed_refusal(256, 1) is None
+    assert "page size 32" in composed_refusal(32, 9)
+    assert "16 drafts" in composed_refusal(64, 17)
+
+
+def test_missing_flash_mla_warns_once(monkeypatch, caplog):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_flash(name, *a, **kw):
+        if name == "flash_mla":
+            raise ImportError("No module named 'flash_mla'")
+        return real_import(name, *a, **kw)
+
+    monkeypatch.setattr(mla_verify_composed, "_flash", {})
+    monkeypatch.setattr(builtins, "__import__", no_flash)
+    with caplog.at_level(logging.WARNING, logger=mla_verify_composed.__name__):
+        assert mla_verify_composed.load_flash_mla() is None
+        assert mla_verify_composed.load_flash_mla() is None
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "flash_mla" in lines[0] and "\n" not in lines[0], lines
+
+
+def test_rule_is_per_batch_size_and_drafts():
+    assert not prefer_composed(1, 8, 17)
+    for bs in range(1, 65):
+        assert prefer_composed(bs, 8, 9) == (bs >= mla_verify_api.COMPOSED_MIN_BS)
+
+
+def test_env_override_and_cpu_device(monkeypatch):
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    monkeypatch.setenv(mla_verify_api.BACKEND_ENV, "composed")
+    with pytest.raises(ValueError, match="9.0"):
+        MlaVerify(8, 9, 2, device="cpu", page_size=64)
+    monkeypatch.delenv(mla_verify_api.BACKEND_ENV)
+    op = MlaVerify(8, 9, 2, device="cpu", page_size=64)
+    assert op.backend == "triton" and op.path_for(2) == "triton" and op.plan(
+        torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
+        torch.zeros(1, dtype=torch.long)) is None
+
+
+def test_composed_buffers_reserved_ahead():
+    """Sized once for the longest kv_indices (before any capture), never shrunk by a plan."""
+    cv = mla_verify_composed.ComposedVerify(object(), 8, 9, 4, torch.device("cpu"))
+    cv.reserve(4, 64 * 1000 + 1)
+    table = cv.block_table
+    assert table.shape == (4, 1001) and cv.seqlens.shape == (4,)
+    cv.reserve(2, 640)
+    assert cv.block_table is table
+
+
+# --- GPU: the whole path ----------------------------------------------------------------------
+def _need_composed():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashMLA's dense decode needs compute capability 9.0")
+    if mla_verify_composed.load_flash_mla() is None:
+        pytest.skip("sgl_flash_mla does not import here")
+
+
+def paged_case(d_list, H, ctx, tree="random", layout="qlen_only", seed=0):
+    """make_case's problem on a pool of shuffled 64-token pages, NaN in every unused slot."""
+    case = make_case(len(d_list), d_list, H, ctx, tree=tree, layout=layout, shuffle=False,
+                     nan_pool=False, device="cpu", seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    pages = sum((n + 63) // 64 for n in ctx) + 3
+    ids, _ = paged_ids(ctx, pages, g)
+    pool = torch.full((pages * 64, 1, 576), float("nan")).to(torch.bfloat16)
+    if ids.numel():
+        pool[ids] = torch.randn(ids.numel(), 1, 576, generator=g).to(torch.bfloat16)
+    case.update(kv_pool=pool, kv_indices=ids)
+    return {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in case.items()}
+
+
+def check_composed(case, d_max, op=None, plan=True):
+    from moeplace_kernels.mla_verify_api import MlaVerify
+    from moeplace_kernels.mla_verify_ref import mla_verify_ref
+
+    H, bs = case["q"].shape[1], case["qo_indptr"].shape[0] - 1
+    op = op or MlaVerify(H, d_max, bs, backend="composed", page_size=64)
+    assert op.path_for(bs) == "composed"
+    out = torch.full((case["q"].shape[0], H, 512), float("nan"), dtype=torch.bfloat16,
+                     device="cuda")
+    lse = torch.full(out.shape[:2], float("nan"), device="cuda")
+    p = op.plan(case["qo_indptr"], case["kv_indptr"], case["kv_indices"]) if plan else None
+    for _ in range(2):  # two "layers" on one plan
+        op.forward(**case, out=out, lse=lse, plan=p)
+    ref, ref_lse = mla_verify_ref(**case, sm_scale=op.sm_scale, d_max=d_max)
+    assert not out.isnan().any(), "NaN in output"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, f"relative error {err:.2e}"
+    assert torch.allclose(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ctx", [1, 63, 64, 65, 4096, 65536, 185000])
+@pytest.mark.parametrize("tree", ["chain", "binary", "random"])
+def test_composed_contexts_and_trees(ctx, tree):
+    _need_composed()
+    check_composed(paged_case([9], 8, [ctx], tree=tree, seed=ctx), 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["qlen_only", "full", "causal"])
+@pytest.mark.parametrize("plan", [True, False])
+def test_composed_layouts(layout, plan):
+    _need_composed()
+    tree = "chain" if layout == "causal" else "random"
+    check_composed(paged_case([9, 9, 9], 8, [100, 5000, 70], tree=tree, layout=layout), 9,
+                   plan=plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_composed_ragged_random(seed):
+    """1..16 drafts per request, empty and one-token prefixes, 8 or 16 heads."""
+    _need_composed()
+    rng = random.Random(seed)
+    bs = rng.choice([2, 5, 11])
+    d_list = [rng.randint(1, 16) for _ in range(bs)]
+    ctx = [rng.choice([0, 1, 65, 1000, 9000, 70000]) for _ in range(bs)]
+    layout = ["qlen_only", "full"][seed % 2]
+    check_composed(paged_case(d_list, [8, 16][seed % 2], ctx, layout=layout, seed=seed),
+                   max(d_list))
+
+
+@pytest.mark.gpu
+def test_composed_batch8_and_auto_route():
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    op = MlaVerify(8, 9, 8, page_size=64)
+    assert op.backend == "composed"
+    case = paged_case([9] * 8, 8, [4096 * (1 + 4 * b) for b in range(8)], seed=3)
+    if op.path_for(8) == "composed":
+        check_composed(case, 9, op=op)
+
+
+MERGE_CONFIGS = [dict(), dict(pdl=True), dict(dv_split=8, num_warps=2, pdl=True),
+                 dict(dv_split=2, num_warps=8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", MERGE_CONFIGS, ids=str)
+def test_composed_merge_configs(cfg):
+    """Every merge-kernel setting the benchmark sweeps (any may become the default)."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    op = MlaVerify(8, 16, 5, backend="composed", page_size=64,
+                   merge_config=mla_verify_composed.MergeConfig(**cfg))
+    check_composed(paged_case([16, 9, 1, 4, 16], 8, [0, 65, 9000, 1, 70000], layout="full",
+                              seed=7), 16, op=op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True])
+def test_composed_cuda_graph_replay_with_new_lengths(pdl):
+    """Plan and forward captured once; replays with other lengths in the same buffers."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+    from moeplace_kernels.mla_verify_ref import mla_verify_ref
+
+    bs, D, H, cap = 4, 9, 8, 70016
+    pages = bs * cap // 64 + 8
+    first = paged_case([D] * bs, H, [64, 4096, 1, 300], seed=1)
+    static = dict(q=first["q"].clone(), k_ext=first["k_ext"].clone(),
+                  kv_pool=torch.zeros(pages * 64, 1, 576, dtype=torch.bfloat16, device="cuda"),
+                  qo_indptr=first["qo_indptr"].clone(), kv_indptr=first["kv_indptr"].clone(),
+                  kv_indices=torch.zeros(bs * cap, dtype=torch.long, device="cuda"),
+                  mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone())
+    static["v_ext"] = static["k_ext"][..., :512]
+    op = MlaVerify(H, D, bs, backend="composed", page_size=64,
+                   merge_config=mla_verify_composed.MergeConfig(pdl=pdl))
+    out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
+
+    def load(case):
+        n = case["kv_indices"].numel()
+        static["kv_pool"].zero_()
+        static["kv_pool"][:case["kv_pool"].shape[0]].copy_(case["kv_pool"].nan_to_num(0.0))
+        static["kv_indices"][:n].copy_(case["kv_indices"])
+        for k in ("q", "k_ext", "qo_indptr", "kv_indptr", "mask", "mask_indptr"):
+            static[k].copy_(case[k])
+
+    def run():
+        plan = op.plan(static["qo_indptr"], static["kv_indptr"], static["kv_indices"])
+        for _ in range(2):
+            op.forward(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
+                       static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
+                       mask=static["mask"], mask_layout="qlen_only",
+                       mask_indptr=static["mask_indptr"], out=out, plan=plan)
+
+    load(first)
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 0, 65536, 64]]):
+        case = paged_case([D] * bs, H, ctx, seed=seed + 10)
+        load(case)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = mla_verify_ref(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
+                                static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
+                                op.sm_scale, static["mask"], "qlen_only", static["mask_indptr"])
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert not out.isnan().any() and err < 1e-2, (ctx, err)
