@@ -8,8 +8,9 @@ operators do (SIGTERM, SIGINT) and checks, in the servers themselves:
             and `report --mode verify` read them; recorded verify passes = the server's own count
             (the responses' spec_verify_ct), none dropped
   capture   `moeplace capture` against the same server's recorder (per_token) gives the tracer's steps
-  verify    MOEPLACE_VERIFY_KERNEL=1 with NGRAM trees and with chains: starts with CUDA graphs and
-            serves; greedy outputs against the same requests with the variable unset (share of equal
+  verify    MOEPLACE_VERIFY_KERNEL=1 with NGRAM trees (page size 1: the own kernel) and with chains
+            (--page-size 64: the composed path, FlashMLA's decode plus our tree/merge kernel; SGLang
+            refuses NGRAM trees on paged Triton attention): starts with CUDA graphs and serves; greedy outputs against the same requests with the variable unset (share of equal
             tokens); verify-attention GPU time per step in the server (SGLang's profiler) against
             SGLang's Triton backend; the kernels' outputs on the same inputs against fp32
   kv_sort   MOEPLACE_KV_SORT=1 under churn: healthy after it; KV allocation runs (MOEPLACE_KV_STATS)
@@ -32,6 +33,7 @@ another model and DP attention with balanced dispatch, and the server itself ref
 Run on the GPU machine from the project root, SGLang installed as ../shared/device-sglang says:
 
     source .sgl-device/install.sh && python3 -m pip install --no-deps --no-build-isolation .
+    python3 -m pip install --no-index --no-deps --target /tmp/sgl .whl/sgl_flash_mla-*.whl   # FlashMLA
     python3 scripts/live_sglang_check.py --out result.json
     python3 scripts/live_sglang_check.py --gpus 2 --model .sgl-device/models/kimi-k2-shaped-2moe --out ep2.json
 
@@ -48,6 +50,7 @@ import gzip
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -66,11 +69,17 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTS = 9
 PROFILE_STEPS = 40
+CHAIN_PAGE = 64   # the chain pair runs on 64-token pages: there moeplace's composed path (FlashMLA) serves
 ATTENTION_KERNELS = {  # kernel name prefixes of verify attention, per backend
     "triton": ("_fwd_kernel",),
-    "moeplace": ("split_kernel", "combine_kernel", "_verify_split_kernel", "_verify_merge_kernel"),
+    # own kernels (sm90, triton); the composed path: FlashMLA's decode and combine, its per-batch plan
+    # (block table, scheduler metadata), our tree/merge kernel
+    "moeplace": ("split_kernel", "combine_kernel", "_verify_split_kernel", "_verify_merge_kernel",
+                 "flash_fwd_splitkv_mla_kernel", "flash_fwd_mla_combine_kernel", "get_mla_metadata",
+                 "_block_table_kernel", "_pad_queries_kernel", "_tree_merge_kernel"),
 }
-MAIN_KERNEL = {"triton": ("_fwd_kernel",), "moeplace": ("split_kernel", "_verify_split_kernel")}
+MAIN_KERNEL = {"triton": ("_fwd_kernel",),   # one per layer and pass
+               "moeplace": ("split_kernel", "_verify_split_kernel", "_tree_merge_kernel")}
 
 
 @dataclass
@@ -94,6 +103,7 @@ class Server:
         self.answers: list[dict] = []
         self.greedy: list[dict] = []   # the answers to the requests every server gets
         self.overlap = "--disable-overlap-schedule" not in argv
+        self.page_size = int(argv[argv.index("--page-size") + 1]) if "--page-size" in argv else 1
         self.exit_s: float | None = None
         self.started = 0.0
         self.ready_s: float | None = None
@@ -260,8 +270,9 @@ def profile_attention(server: Server, backend: str, layers: int, work: Path, rng
 
 
 def bare_name(kernel: str) -> str:
-    """A profiler's kernel name without C++ namespace and arguments: 'mlav::split_kernel(...)' -> 'split_kernel'."""
-    return kernel.split("(", 1)[0].rsplit("::", 1)[-1]
+    """A profiler's kernel name without namespace, template and arguments: 'void mlav::split_kernel<40, 32>(...)'
+    -> 'split_kernel'."""
+    return kernel.split("(", 1)[0].split("<", 1)[0].rsplit("::", 1)[-1]
 
 
 def attention_outputs_agree(heads: int, ctx: list[int]) -> dict:
@@ -276,15 +287,18 @@ def attention_outputs_agree(heads: int, ctx: list[int]) -> dict:
 
     torch.manual_seed(0)
     p = make_problem(ctx, heads, DRAFTS, shuffle=True)
-    op = MlaVerify(heads, DRAFTS, len(ctx))
+    op = MlaVerify(heads, DRAFTS, len(ctx))                       # page size 1: the own kernel
+    paged = MlaVerify(heads, DRAFTS, len(ctx), page_size=CHAIN_PAGE)  # the composed path
     ours = torch.empty(len(ctx) * DRAFTS, heads, 512, dtype=torch.bfloat16, device="cuda")
-    theirs = torch.empty_like(ours)
-    run_ours(p, op, ours)()
+    composed, theirs = torch.empty_like(ours), torch.empty_like(ours)
+    run_ours(p, op, ours)()   # the problem's pool is in shuffled 64-token pages: both paths can read it
+    run_ours(p, paged, composed)()
     run_sglang_extend(extend_attention, p, theirs)()
     ref, _ = mla_verify_ref(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"], p["kv_indptr"],
                             p["kv_indices"], 576 ** -0.5, p["mask_qlen"], "qlen_only")
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())  # noqa: E731
-    return {"backend": op.backend, "heads": heads, "contexts": ctx, "moeplace_vs_fp32": rel(ours, ref),
+    return {"backend": op.backend, "paged_backend": paged.backend, "heads": heads, "contexts": ctx,
+            "moeplace_vs_fp32": rel(ours, ref), "composed_vs_fp32": rel(composed, ref),
             "sglang_triton_vs_fp32": rel(theirs, ref), "moeplace_vs_sglang_triton": rel(ours, theirs)}
 
 
@@ -386,15 +400,23 @@ def check_verify(pairs: list[tuple[str, Server, Server]], timings: dict, agree: 
         if t_base.get("attention_us_per_pass") and t_ours.get("attention_us_per_pass"):
             fig["speedup_vs_triton"] = round(t_base["attention_us_per_pass"] / t_ours["attention_us_per_pass"], 3)
         figures[label] = fig
-        if "moeplace verify kernel on" not in ours.log():
+        said = re.search(r"moeplace verify kernel on: (\w+) backend", ours.log())
+        fig["moeplace_backend"] = said.group(1) if said else None
+        fig["page_size"] = ours.page_size
+        if not said:
             problems.append(f"{label}: the server never said the kernel was on")
+        elif ours.page_size % 64 == 0 and said.group(1) != "composed":
+            problems.append(f"{label}: page size {ours.page_size} but the {said.group(1)} backend serves, "
+                            "not the composed path")
         if share < 0.99:
             problems.append(f"{label}: {share:.1%} of greedy tokens equal (under 99%)")
         if "speedup_vs_triton" not in fig:
             problems.append(f"{label}: no in-server attention time ({t_base.get('error') or t_ours.get('error')})")
+    close = max(agree["moeplace_vs_fp32"], agree["composed_vs_fp32"]) <= 1.5 * agree["sglang_triton_vs_fp32"] + 1e-3
+    if not close:
+        problems.append(f"on the same inputs our paths are further from fp32 than SGLang's kernel ({agree})")
     # Outputs differ only where the kernels' outputs differ: the same-input comparison says how much.
-    if problems and all("under 99%" in p for p in problems) and \
-            agree["moeplace_vs_fp32"] <= 1.5 * agree["sglang_triton_vs_fp32"] + 1e-3:
+    if problems and all("under 99%" in p for p in problems) and close:
         detail = ("; ".join(problems) + f": on the same inputs both kernels are as close to fp32 "
                   f"(moeplace {agree['moeplace_vs_fp32']:.1e}, SGLang {agree['sglang_triton_vs_fp32']:.1e}); "
                   "the random-weight model's near-ties turn rounding into other tokens")
@@ -549,9 +571,10 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
     s_trees_k = Server("trees-moeplace", port + 2, server_argv(model, port + 2, trees),
                        {**traced("trees-moeplace"), "MOEPLACE_VERIFY_KERNEL": "1", "MOEPLACE_KV_SORT": "1"}, work)
     no_overlap = ["--disable-overlap-schedule"]
-    s_chain = Server("chain-triton", port + 3, server_argv(model, port + 3, chain + no_overlap),
+    paged = ["--page-size", str(CHAIN_PAGE)]
+    s_chain = Server("chain-triton", port + 3, server_argv(model, port + 3, chain + no_overlap + paged),
                      traced("chain-triton"), work)
-    s_chain_k = Server("chain-moeplace", port + 4, server_argv(model, port + 4, chain + no_overlap),
+    s_chain_k = Server("chain-moeplace", port + 4, server_argv(model, port + 4, chain + no_overlap + paged),
                        {**traced("chain-moeplace"), "MOEPLACE_VERIFY_KERNEL": "1"}, work)
     s_hooks = Server("hooks", port + 5, server_argv(model, port + 5, []),
                      {"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / "traces-hooks"),

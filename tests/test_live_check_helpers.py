@@ -23,7 +23,9 @@ def test_equal_token_share(a, b, share, first):
 
 
 @pytest.mark.parametrize("name, bare", [
-    ("void mlav::split_kernel<40, 32>(mlav::SplitParams)", "split_kernel<40, 32>"),
+    ("void mlav::split_kernel<40, 32>(mlav::SplitParams)", "split_kernel"),
+    ("void flash::flash_fwd_splitkv_mla_kernel<Traits<flash::Sm90, 64>, true>(flash::Params)",
+     "flash_fwd_splitkv_mla_kernel"),
     ("mlav::combine_kernel(mlav::CombineParams)", "combine_kernel"),
     ("_fwd_kernel", "_fwd_kernel"),
 ])
@@ -37,6 +39,15 @@ def test_the_profilers_names_of_both_backends_are_matched():
     assert all(live.bare_name(n).startswith(live.ATTENTION_KERNELS["moeplace"]) for n in ours)
     assert [live.bare_name(n).startswith(live.MAIN_KERNEL["moeplace"]) for n in ours] == [True, False]
     assert not live.bare_name("fused_moe_kernel").startswith(live.ATTENTION_KERNELS["triton"])
+
+
+def test_the_composed_paths_kernels_are_matched_once_per_layer():
+    """FlashMLA's decode and combine count as verify attention; our tree/merge kernel, one a layer, counts the passes."""
+    composed = ["void flash::flash_fwd_splitkv_mla_kernel<T, true>(flash::Params)",
+                "void flash::flash_fwd_mla_combine_kernel<cutlass::bfloat16_t, 64>(flash::Params)",
+                "_tree_merge_kernel"]
+    assert all(live.bare_name(n).startswith(live.ATTENTION_KERNELS["moeplace"]) for n in composed)
+    assert [live.bare_name(n).startswith(live.MAIN_KERNEL["moeplace"]) for n in composed] == [False, False, True]
 
 
 def test_rank_choices_compare_the_slots_each_rank_recorded(tmp_path):

@@ -34,7 +34,8 @@ def test_single_copy_loads_match_the_oracle_and_every_rule(seed, E, K, R, layers
         np.testing.assert_array_equal(distinct, expect[0])
         np.testing.assert_array_equal(tokens, expect[1])
         for rule in DISPATCH_RULES:
-            same = layer_rank_loads(steps, layer, phy2log, R, rule, table if rule == "static" else None)
+            same = layer_rank_loads(steps, layer, phy2log, R, rule, table if rule == "static" else None,
+                                    CostModel(10.0, 1.0, 0.0))   # the cost rule's model; the others ignore it
             np.testing.assert_array_equal(distinct, same[0])
             np.testing.assert_array_equal(tokens, same[1])
         np.testing.assert_array_equal(activity.distinct_total(), layer_distinct_total(steps, layer))
