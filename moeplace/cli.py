@@ -25,18 +25,27 @@ COMMANDS: dict[str, str] = {
     "advise": "moeplace.commands.advise:advise",
 }
 
-# Commands whose work is numpy. They run its BLAS on one thread unless the environment names a count:
-# their matrix products are small, so a second thread gains nothing, and where it shares a core with
-# any other busy process it made `optimize` several times slower (BENCHMARKS.md). `launch` and
-# `capture` are left alone: the SGLang they start inherits the environment.
+# Commands whose work is numpy, set up for it before numpy loads, unless the environment says otherwise
+# (`launch` and `capture` are left alone: the SGLang they start inherits the environment):
+# * BLAS on one thread: their matrix products are small, so a second thread gains nothing, and where it
+#   shares a core with any other busy process it made `optimize` several times slower (BENCHMARKS.md);
+# * no transparent huge pages for numpy's large arrays (NUMPY_MADVISE_HUGEPAGE=0): where the kernel
+#   compacts memory to find them at each first touch (THP defrag "madvise"), every new large array
+#   stalled: `optimize` on 20,000 Kimi-shaped steps took 12.3 s wall, 4.3 s of it in the kernel, against
+#   8.4-9.8 s and 1 s without (BENCHMARKS.md).
 NUMPY_COMMANDS = ("report", "optimize", "compare", "advise", "trace")
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+HUGEPAGE_VARIABLE = "NUMPY_MADVISE_HUGEPAGE"
 
 
-def one_blas_thread() -> None:
-    """Ask numpy's BLAS (OpenBLAS or MKL) for one thread, if numpy is not loaded yet and nothing says otherwise."""
-    if "numpy" not in sys.modules and not any(v in os.environ for v in BLAS_THREAD_VARIABLES):
+def numpy_environment() -> None:
+    """One BLAS thread (OpenBLAS or MKL) and no huge-page advice, if numpy is not loaded yet and the
+    environment does not set them."""
+    if "numpy" in sys.modules:
+        return
+    if not any(v in os.environ for v in BLAS_THREAD_VARIABLES):
         os.environ["OPENBLAS_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+    os.environ.setdefault(HUGEPAGE_VARIABLE, "0")
 
 
 class LazyGroup(click.Group):
@@ -49,7 +58,7 @@ class LazyGroup(click.Group):
         if name not in COMMANDS:
             return None
         if name in NUMPY_COMMANDS:
-            one_blas_thread()
+            numpy_environment()
         module, attr = COMMANDS[name].split(":")
         return getattr(importlib.import_module(module), attr)
 
