@@ -96,7 +96,8 @@ def _pair_scores(experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, in
     w = ((union[keep, None] >> np.arange(ranks)) & 1) == 0
     w = w * (np.where(fragile[keep], 1.0, progress) * weight[keep])[:, None]
     index = (experts[keep, None] * ranks + np.arange(ranks)).ravel()
-    return np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks).reshape(num_experts, ranks)
+    scores = np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks)
+    return scores.astype(np.float64, copy=False).reshape(num_experts, ranks)   # bincount of no pairs is int
 
 
 def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
