@@ -47,6 +47,7 @@ from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
 from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.metrics import balanced_loads
 from moeplace.model import ModelSpec
+from moeplace.optimize import FITTED_SAMPLE_STEPS, evenly_spaced
 from moeplace.trace.load import open_trace
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
@@ -55,7 +56,6 @@ ROOT = Path(__file__).resolve().parents[1]
 GPTOSS = ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
 RANKS = 8
 WINDOW = 9
-FITTED_SAMPLE = 2000   # the fitted column: at most this many fitted steps, evenly spaced
 SHAPES = (("SYNTHETIC 384/top-8", 384, 8), ("SYNTHETIC 128/top-8", 128, 8), ("SYNTHETIC 64/top-6", 64, 6))
 GOALS = {"gptoss E/4": -0.185, "gptoss E/2": -0.25, "unseen E/2": -0.25, "unseen E": -0.30}
 
@@ -87,12 +87,6 @@ def e_max(active: list[np.ndarray], masks: list[np.ndarray]) -> float:
 
 def bound(active: list[np.ndarray]) -> float:
     return float(np.mean([np.ceil(a.sum(axis=1) / RANKS).mean() for a in active]))
-
-
-def evenly(steps: RoutingSteps, count: int) -> RoutingSteps:
-    if steps.num_steps <= count:
-        return steps
-    return steps.take(np.unique(np.linspace(0, steps.num_steps - 1, count).astype(np.int64)))
 
 
 def gptoss_cases(path: Path, fits: tuple[int, ...], splits: int) -> list[Case]:
@@ -131,7 +125,7 @@ def measure(case: Case) -> list[dict]:
     model = case.fit.model
     E = model.num_experts
     held = held_counts(case.held)
-    fitted = held_counts(evenly(case.fit, FITTED_SAMPLE))
+    fitted = held_counts(evenly_spaced(case.fit, FITTED_SAMPLE_STEPS))
     today = e_max(held, layer_masks(solve("deepseek", PlacementProblem(model, case.fit, RANKS)), E))
     rows = []
     for R in spare_counts(E):
