@@ -79,6 +79,11 @@ def replica_layout(phy2log: np.ndarray, num_experts: int, ranks: int) -> Replica
     return ReplicaLayout(masks, slots)
 
 
+def mask_bits(masks: np.ndarray, ranks: int) -> np.ndarray:
+    """[N, R] bool: bit r of each of the bit sets ``masks [N]`` (an expert's replica ranks, a set of ranks)."""
+    return ((np.asarray(masks, np.int64)[:, None] >> np.arange(ranks)) & 1).astype(bool)
+
+
 def _bits(mask: int) -> list[int]:
     return [r for r in range(int(mask).bit_length()) if (int(mask) >> r) & 1]
 
@@ -172,7 +177,7 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     R = ranks
     counts = np.asarray(counts)
     act = counts > 0
-    bits = ((masks[:, None] >> np.arange(R)) & 1).astype(bool)            # [E, R]
+    bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
     multi = np.flatnonzero(nrep > 1)
     pick = np.full((S, E), -1, np.int8)                                   # ranks <= MAX_RANKS fit in int8

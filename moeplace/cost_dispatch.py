@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
+from moeplace.balanced import MAX_AUGMENT, fast_rule, mask_bits, replica_layout, step_expert_counts
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps
@@ -57,11 +57,6 @@ def pairs_per_read(cost: CostModel) -> int | None:
     if cost.b_us_per_token <= 0:
         return None
     return max(1, int(round(cost.a_us_per_expert / cost.b_us_per_token)))
-
-
-def _replica_bits(masks: np.ndarray, ranks: int) -> np.ndarray:
-    """[E, R] bool: expert e has a replica on rank r."""
-    return ((np.asarray(masks, np.int64)[:, None] >> np.arange(ranks)) & 1).astype(bool)
 
 
 # ----------------------------------------------------------------------------- one step (the rule)
@@ -81,7 +76,7 @@ def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | N
     alloc[np.flatnonzero(on), pick[on]] = counts[on]
     if q is None or counts.sum() < q:
         return alloc
-    bits = _replica_bits(masks, ranks)
+    bits = mask_bits(masks, ranks)
     multi = np.flatnonzero(bits.sum(axis=1) > 1)
     for _ in range(max_rounds):
         cost = q * (alloc > 0).sum(axis=0) + alloc.sum(axis=0)
@@ -147,7 +142,7 @@ def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None, 
     S, E = counts.shape
     R = ranks
     base = fast_rule(counts, masks, R, max_augment)
-    bits = _replica_bits(masks, R)
+    bits = mask_bits(masks, R)
     multi = np.flatnonzero(bits.sum(axis=1) > 1)
     M = multi.size
     alloc = np.zeros((S, M, R), np.int64)
@@ -221,7 +216,7 @@ def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: 
 
     counts = np.asarray(counts, np.int64)
     E, R = counts.shape[0], ranks
-    bits = _replica_bits(masks, R)
+    bits = mask_bits(masks, R)
     if np.any((counts > 0) & ~bits.any(axis=1)):
         raise MoeplaceError("an active expert has no replica")
     alloc = np.zeros((E, R), np.int64)

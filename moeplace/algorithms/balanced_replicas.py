@@ -39,7 +39,7 @@ from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
 from moeplace.algorithms.replica_exchange import exchange_masks
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
-from moeplace.balanced import replica_layout, step_expert_counts
+from moeplace.balanced import mask_bits, replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps, _ranges
 
@@ -93,7 +93,7 @@ def _pair_scores(experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, in
     the step's weight for each rank outside them all when the step is fragile, and ``progress`` of it
     (one step nearer to a later gain) when it is not."""
     keep = (masks[experts] & ~inter) == 0
-    w = ((union[keep, None] >> np.arange(ranks)) & 1) == 0
+    w = ~mask_bits(union[keep], ranks)
     w = w * (np.where(fragile[keep], 1.0, progress) * weight[keep])[:, None]
     index = (experts[keep, None] * ranks + np.arange(ranks)).ravel()
     scores = np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks)
@@ -107,12 +107,7 @@ def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarr
     fragile, inter, union = _tight(f, subset_sizes(ranks), ranks)
     s, e = np.nonzero(active)
     gains = _pair_scores(e, masks, fragile[s], inter[s], union[s], np.ones(s.size), ranks, active.shape[1], 0.0)
-    return np.where(((masks[:, None] >> np.arange(ranks)) & 1) == 1, 0.0, gains)
-
-
-def _popcount(masks: np.ndarray, ranks: int) -> np.ndarray:
-    """[E] replicas per expert from masks [E]."""
-    return ((masks[:, None] >> np.arange(ranks)) & 1).sum(axis=1)
+    return np.where(mask_bits(masks, ranks), 0.0, gains)
 
 
 def spare_rounds_batch(spare: int) -> int:
@@ -152,7 +147,7 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     # Where gains tie (none left on the fitted steps, say), the busiest expert per replica goes first, so
     # replicas spread over experts rather than pile onto the busiest one.
     tie_unit = 1e-6 * float(step_weight.min(initial=1.0)) / max(float(expert_weight.max(initial=0)), 1e-12)
-    copies = _popcount(masks, ranks)
+    copies = mask_bits(masks, ranks).sum(axis=1)
     room = np.full(ranks, spare_per_rank)
     batch = spare_rounds_batch(spare_per_rank * ranks)
     while room.sum():
@@ -268,7 +263,7 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
 def masks_to_phy2log(masks: np.ndarray, ranks: int, slots_per_rank: int) -> np.ndarray:
     """phy2log [P]: each rank's experts in id order, from replica masks [E] (each rank holding exactly
     ``slots_per_rank`` experts)."""
-    on = ((masks[:, None] >> np.arange(ranks)) & 1).astype(bool)       # [E, R]
+    on = mask_bits(masks, ranks)                                        # [E, R]
     if np.any(on.sum(axis=0) != slots_per_rank):
         raise MoeplaceError("replica masks do not fill every rank's slots exactly")
     _, expert = np.nonzero(on.T)                                        # rank-major, experts ascending
