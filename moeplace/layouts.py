@@ -62,16 +62,24 @@ class Layout:
         return (num_experts + self.spares) // self.ep
 
 
-def check_split(gpus: int, ep: int, num_experts: int, intermediate: int, spares: int = 0) -> None:
-    """Raise MoeplaceError (one line) unless SGLang can run ``ep`` groups on ``gpus`` GPUs for this model."""
+def split_refusal(gpus: int, ep: int, num_experts: int, intermediate: int, spares: int = 0) -> str | None:
+    """Why SGLang cannot run ``ep`` groups on ``gpus`` GPUs for this model (one line), or None where it can."""
     if ep < 1 or gpus % ep:
-        raise MoeplaceError(f"--ep-size {ep} must divide the {gpus} GPUs (--ranks)")
+        return f"--ep-size {ep} must divide the {gpus} GPUs (--ranks)"
     moe_tp = gpus // ep
     if intermediate % moe_tp:
-        raise MoeplaceError(f"the experts' intermediate size {intermediate} does not split over MoE TP {moe_tp} "
-                            f"({gpus} GPUs / --ep-size {ep}); SGLang refuses it")
+        return (f"the experts' intermediate size {intermediate} does not split over MoE TP {moe_tp} "
+                f"({gpus} GPUs / --ep-size {ep}); SGLang refuses it")
     if (num_experts + spares) % ep:
-        raise MoeplaceError(f"{num_experts} experts + {spares} spare slots do not split over {ep} EP groups")
+        return f"{num_experts} experts + {spares} spare slots do not split over {ep} EP groups"
+    return None
+
+
+def check_split(gpus: int, ep: int, num_experts: int, intermediate: int, spares: int = 0) -> None:
+    """Raise MoeplaceError (one line) unless SGLang can run ``ep`` groups on ``gpus`` GPUs for this model."""
+    reason = split_refusal(gpus, ep, num_experts, intermediate, spares)
+    if reason:
+        raise MoeplaceError(reason)
 
 
 def candidate_layouts(gpus: int, num_experts: int, intermediate: int, spares: int) -> list[Layout]:
@@ -79,10 +87,11 @@ def candidate_layouts(gpus: int, num_experts: int, intermediate: int, spares: in
     ``spares`` spare slots where they and the experts split over its groups (none for TP-MoE)."""
     out = []
     for ep in (g for g in range(gpus, 0, -1) if gpus % g == 0):
-        if intermediate % (gpus // ep) or num_experts % ep:
+        if split_refusal(gpus, ep, num_experts, intermediate):
             continue
         out.append(Layout(gpus, ep))
-        if ep > 1 and spares and spares % ep == 0 and (num_experts + spares) // ep <= num_experts:
+        if (ep > 1 and spares and split_refusal(gpus, ep, num_experts, intermediate, spares) is None
+                and (num_experts + spares) // ep <= num_experts):
             out.append(Layout(gpus, ep, spares))
     return out
 
