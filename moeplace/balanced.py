@@ -45,6 +45,7 @@ from moeplace.errors import MoeplaceError
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
+_NEVER = np.int64(1) << 62   # a key above every rank's
 
 
 @dataclass(frozen=True)
@@ -172,113 +173,123 @@ class Dispatch:
 
 def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
               max_augment: int | None = MAX_AUGMENT) -> Dispatch:
-    """``fast_rule_step`` for every row of ``counts [S, E]`` at once (the same picks, vectorised over steps)."""
+    """``fast_rule_step`` for every row of ``counts [S, E]`` (whole tokens) at once: the same picks,
+    vectorised over steps."""
     S, E = counts.shape
     R = ranks
-    counts = np.asarray(counts)
-    act = counts > 0
+    counts = np.asarray(counts, np.int64)
     bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
-    multi = np.flatnonzero(nrep > 1)
-    pick = np.full((S, E), -1, np.int8)                                   # ranks <= MAX_RANKS fit in int8
-    step_of, expert_of = np.nonzero(act)                                  # active pairs, by step then expert id
-    is_single = nrep[expert_of] == 1
+    flat = np.flatnonzero(counts > 0)                                     # active pairs, by step then expert id
+    step_of, expert_of = np.divmod(flat, E)
+    tok = counts.ravel()[flat]
+    single = nrep[expert_of] == 1
+    pick = np.full(S * E, -1, np.int8)                                    # ranks <= MAX_RANKS fit in int8
     home = bits.argmax(axis=1)
-    s1, e1 = step_of[is_single], expert_of[is_single]                     # step 1: single replicas
-    pick[s1, e1] = home[e1]
-    distinct = np.bincount(s1 * R + home[e1], minlength=S * R).reshape(S, R)
-    tokens = np.bincount(s1 * R + home[e1], weights=counts[s1, e1], minlength=S * R).reshape(S, R)
-    tokens = tokens.astype(counts.dtype)
+    r1 = home[expert_of[single]]
+    pick[flat[single]] = r1
+    # A rank's load as one integer, distinct * span + tokens (tokens < span), so that the order of step
+    # 2 (fewest distinct, then fewest tokens, then lowest rank) is that of load * R + rank.
+    span = int(counts.sum(axis=1).max(initial=0)) + 1
+    # key[s, r] = load * R + r, with a last column that no rank's key reaches
+    key = np.full((S, R + 1), _NEVER, np.int64)
+    key[:, :R] = np.arange(R)
+    key[:, :R] += R * np.bincount(step_of[single] * R + r1, weights=span + tok[single],
+                                  minlength=S * R).astype(np.int64).reshape(S, R)
     # Step 2, in expert order within each step: round k takes every step's k-th active multi-replica
-    # expert at once (one expert a step a round, so the updates never collide). The order (fewest
-    # distinct, then fewest tokens, then lowest rank) is one integer key.
-    s2, e2 = step_of[~is_single], expert_of[~is_single]
-    nth = np.arange(s2.size) - np.searchsorted(s2, s2)                     # k: position within its step
-    by_round = np.argsort(nth, kind="stable")
-    starts = np.searchsorted(nth[by_round], np.arange(int(nth.max(initial=-1)) + 2))
-    token_span = int(np.rint(counts.sum(axis=1).max(initial=0))) + 1
-    never = np.iinfo(np.int64).max
+    # expert at once (one expert a step a round, so the updates never collide).
+    multi_pair = np.flatnonzero(~single)
+    s2 = step_of[multi_pair]
+    nth = np.arange(s2.size) - np.searchsorted(s2, s2)                    # k: position within its step
+    by_round = multi_pair[np.argsort(nth, kind="stable")]
+    starts = np.searchsorted(np.sort(nth), np.arange(int(nth.max(initial=-1)) + 2))
+    # each expert's replica ranks, ascending, padded with the never column R
+    order = np.argsort(~bits, axis=1, kind="stable")[:, :max(int(nrep.max(initial=1)), 1)]
+    cand = np.where(np.take_along_axis(bits, order, axis=1), order, R)
+    flat_key = key.ravel()
     for k in range(starts.size - 1):
-        s, e = s2[by_round[starts[k]:starts[k + 1]]], e2[by_round[starts[k]:starts[k + 1]]]
-        key = np.where(bits[e], (distinct[s] * token_span + tokens[s]) * R + np.arange(R), never)
-        r = key.argmin(axis=1)
-        pick[s, e] = r
-        distinct[s, r] += 1
-        tokens[s, r] += counts[s, e]
+        p = by_round[starts[k]:starts[k + 1]]
+        row = step_of[p]
+        c = cand[expert_of[p]]                                            # [n, most replicas]
+        r = c[np.arange(p.size), flat_key[row[:, None] * (R + 1) + c].argmin(axis=1)]
+        pick[flat[p]] = r
+        flat_key[row * (R + 1) + r] += (span + tok[p]) * R
+    load = key[:, :R] // R
+    distinct, tokens = load // span, load % span
+    pick = pick.reshape(S, E)
     augments = np.zeros(S, np.int64)
+    multi = np.flatnonzero(nrep > 1)
     if multi.size:
-        _augment(counts, masks, multi, (s2, e2), pick, distinct, tokens, augments, max_augment)
+        _augment(counts, bits, multi, (step_of[multi_pair], expert_of[multi_pair]), pick, distinct, tokens,
+                 augments, max_augment)
     return Dispatch(pick, distinct, tokens, augments)
 
 
-def _augment(counts: np.ndarray, masks: np.ndarray, multi: np.ndarray, pairs: tuple[np.ndarray, np.ndarray],
+def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pairs: tuple[np.ndarray, np.ndarray],
              pick: np.ndarray, distinct: np.ndarray, tokens: np.ndarray, augments: np.ndarray,
              max_augment: int | None) -> None:
-    """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). pairs: the active
-    (step, expert) pairs of the experts with several replicas."""
+    """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). bits: [E, R] replica
+    ranks; multi: the experts with several; pairs: their active (step, expert) pairs, by step."""
     S, R = distinct.shape
     live = np.arange(S)
-    mm = masks[multi]                                                     # [M] masks of multi experts
     pair_step, pair_expert = pairs
-    position = np.full(S, -1, np.int64)
+    # reach[s, a, b]: how many experts on rank a of step s have a replica on rank b (kept up to date)
+    origin = pair_step * R + pick[pair_step, pair_expert]
+    reach = np.stack([np.bincount(origin, weights=bits[pair_expert, b], minlength=S * R) for b in range(R)],
+                     axis=1).reshape(S, R, R).astype(np.int64)
+    mbits = bits[multi]                                                   # [M, R]
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
         rounds += 1
         d = distinct[live]
         top = d.max(axis=1)
-        live = live[d.min(axis=1) <= top - 2]
+        keep = d.min(axis=1) <= top - 2
+        live, d, top = live[keep], d[keep], top[keep]
         if not live.size:
             return
-        d, top = distinct[live], distinct[live].max(axis=1)
         n = live.size
-        # adj[i, a]: the ranks an expert on rank a of step live[i] could move to (OR of their masks)
-        position[:] = -1
-        position[live] = np.arange(n)
-        mine = position[pair_step] >= 0
-        where = position[pair_step[mine]] * R + pick[pair_step[mine], pair_expert[mine]]
-        adj = np.zeros(n * R, np.int64)
-        np.bitwise_or.at(adj, where, masks[pair_expert[mine]])
-        adj = adj.reshape(n, R)
+        adj = reach[live].astype(np.float32)                              # [n, a, b], as it was at the search
         roots = d == top[:, None]                                         # [n, R]
-        seen, level = roots.copy(), roots.copy()
-        parent = np.full((n, R), -1, np.int64)
+        # breadth first from the ranks at the maximum; levels[t]: the ranks first reached in t moves
+        seen, levels = roots.copy(), [roots]
         target = np.full(n, -1, np.int64)
+        depth = np.zeros(n, np.int64)
         searching = np.ones(n, bool)
+        low = d <= top[:, None] - 2
         while True:
-            nxt = np.zeros((n, R), bool)
-            for a in range(R - 1, -1, -1):                                # lowest parent wins
-                edge = level[:, a:a + 1] & (((adj[:, a:a + 1] >> np.arange(R)) & 1) > 0) & ~seen
-                parent = np.where(edge, a, parent)
-                nxt |= edge
-            nxt &= searching[:, None]
+            nxt = (np.einsum("na,nab->nb", levels[-1].astype(np.float32), adj) > 0) & ~seen & searching[:, None]
             seen |= nxt
-            hit = nxt & (d <= top[:, None] - 2)
+            hit = nxt & low
             found = hit.any(axis=1)
-            key = np.where(hit, d * R + np.arange(R), np.iinfo(np.int64).max)
-            target[found] = key[found].argmin(axis=1)
+            if found.any():
+                key = np.where(hit[found], d[found] * R + np.arange(R), np.iinfo(np.int64).max)
+                target[found] = key.argmin(axis=1)
+                depth[found] = len(levels)
             searching &= ~found & nxt.any(axis=1)
-            level = nxt
+            levels.append(nxt)
             if not searching.any():
                 break
         ok = target >= 0
-        live, d, parent, target, roots = live[ok], d[ok], parent[ok], target[ok], roots[ok]
+        live, target, depth, adj = live[ok], target[ok], depth[ok], adj[ok]
         if not live.size:
             return
+        levels = np.stack(levels)[:, ok]                                  # [T, n, R]
         b = target.copy()
-        rows = np.arange(live.size)
-        walking = ~roots[rows, b]
-        while walking.any():
+        while (walking := depth > 0).any():
             w = np.flatnonzero(walking)
             s, bb = live[w], b[w]
-            a = parent[w, bb]
-            movable = (pick[s][:, multi] == a[:, None]) & (((mm[None, :] >> bb[:, None]) & 1) > 0)
+            # the parent: the lowest rank of the level before that reaches bb (the rank bb was found from)
+            a = (levels[depth[w] - 1, w] & (adj[w, :, bb] > 0)).argmax(axis=1)
+            movable = (pick[s][:, multi] == a[:, None]) & mbits[:, bb].T
             e = multi[movable.argmax(axis=1)]                             # lowest expert id
             pick[s, e] = bb
             c = counts[s, e]
             tokens[s, a] -= c
             tokens[s, bb] += c
+            reach[s, a] -= bits[e]
+            reach[s, bb] += bits[e]
             b[w] = a
-            walking[w] = ~roots[w, a]
+            depth[w] -= 1
         distinct[live, b] -= 1
         distinct[live, target] += 1
         augments[live] += 1

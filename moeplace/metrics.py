@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
 from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
 from moeplace.cost_dispatch import layer_dispatch, pair_slots
 from moeplace.costmodel import CostModel
@@ -156,14 +157,16 @@ def _needs_cost(cost_model: CostModel | None) -> CostModel:
     return cost_model
 
 
-def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int):
+def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
+                   counts: np.ndarray | None = None):
     """(the fast rule's dispatch as the GPU runs it, the optimum [S]) of balanced dispatch at one layer.
 
     The rule without its cap on augmenting paths is the exact optimum (``moeplace.balanced``); the
     capped rule differs only on the steps that needed more paths, which are recomputed.
+    counts: the layer's ``step_expert_counts``, where the caller has them already.
     """
     layout = replica_layout(phy2log, steps.model.num_experts, ranks)
-    counts = step_expert_counts(steps, layer)
+    counts = step_expert_counts(steps, layer) if counts is None else counts
     chosen = fast_rule(counts, layout.masks, ranks, max_augment=None)
     optimum = chosen.distinct.max(axis=1)
     over = np.flatnonzero(chosen.augments > MAX_AUGMENT)
@@ -172,6 +175,13 @@ def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: 
         for name in ("pick", "distinct", "tokens", "augments"):
             getattr(chosen, name)[over] = getattr(capped, name)
     return chosen, optimum
+
+
+def replica_optimum(counts: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
+    """[S] the best max distinct experts per rank that the replicas of ``phy2log`` allow in each step
+    (``counts [S, E]``): Hall's formula (``algorithms.hall``), exact, without running a rule."""
+    masks = replica_layout(phy2log, counts.shape[1], ranks).masks
+    return step_optimum(subset_counts(counts > 0, masks, ranks), subset_sizes(ranks))
 
 
 def layer_distinct_total(steps: RoutingSteps, layer: int) -> np.ndarray:
@@ -288,6 +298,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
     def layer_totals(layer: int) -> list[dict[str, Any]]:
         activity = layer_activity(steps, layer)
         distinct_total = activity.distinct_total()
+        counts = None   # [S, E], made once for the placements with spare slots
         out = []
         for placement, cost_model, tables in zip(placements, cost_models, static_tables):
             R, phy2log = placement.ranks, placement.phy2log[layer]
@@ -295,13 +306,15 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                 # one replica each: every rule sends an expert to its one rank, which is also the optimum
                 distinct, tokens = single_copy_loads(activity, phy2log, R, steps.count_steps)
                 optimum = distinct.max(axis=1)
-            elif dispatch == "balanced":
-                balanced, optimum = balanced_loads(steps, layer, phy2log, R)
-                distinct, tokens = balanced.distinct, balanced.tokens
             else:
-                table = tables[layer] if tables is not None else None
-                distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table, cost_model)
-                optimum = balanced_loads(steps, layer, phy2log, R)[1]
+                counts = step_expert_counts(steps, layer) if counts is None else counts
+                if dispatch == "balanced":
+                    balanced, optimum = balanced_loads(steps, layer, phy2log, R, counts)
+                    distinct, tokens = balanced.distinct, balanced.tokens
+                else:
+                    table = tables[layer] if tables is not None else None
+                    distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table, cost_model)
+                    optimum = replica_optimum(counts, phy2log, R)
             out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
         return out
 
@@ -313,6 +326,39 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
     for layer_sums in sums:
         layer_sums.steps += steps.num_steps
         layer_sums.expert_tokens = tokens if layer_sums.expert_tokens is None else layer_sums.expert_tokens + tokens
+
+
+def max_distinct_means(steps: RoutingSteps, placements: list[Placement], rules: list[str],
+                       cost_models: list[CostModel], workers: int = 1) -> list[float]:
+    """E[max distinct] of each placement under its dispatch rule on ``steps``, and nothing else
+    (optimize's fitted column).
+
+    Under balanced dispatch a placement with spare slots is given its per-step optimum
+    (``replica_optimum``), the figure the fast rule reaches wherever its cap on augmenting paths does
+    not bind (on every step measured: the held-out table shows both), at a fraction of the rule's cost.
+    """
+    def layer_means(layer: int) -> list[float]:
+        activity = layer_activity(steps, layer)
+        counts = None
+        out = []
+        for placement, dispatch, cost_model in zip(placements, rules, cost_models):
+            R, phy2log = placement.ranks, placement.phy2log[layer]
+            if placement.num_redundant == 0:
+                step_max = single_copy_loads(activity, phy2log, R, steps.count_steps)[0].max(axis=1)
+            elif dispatch == "balanced":
+                counts = step_expert_counts(steps, layer) if counts is None else counts
+                step_max = replica_optimum(counts, phy2log, R)
+            else:
+                table = (static_dispatch_table(phy2log, placement.model.num_experts, R, placement.nodes)
+                         if dispatch == "static" else None)
+                step_max = layer_rank_loads(steps, layer, phy2log, R, dispatch, table, cost_model)[0].max(axis=1)
+            out.append(float(step_max.mean()))
+        return out
+
+    per_layer = np.zeros((steps.model.num_moe_layers, len(placements)))
+    for layer, means in map_layers(layer_means, steps.model.num_moe_layers, workers):
+        per_layer[layer] = means
+    return per_layer.mean(axis=0).tolist()
 
 
 def _totals(distinct: np.ndarray, tokens: np.ndarray, optimum: np.ndarray, lower_bound: np.ndarray,

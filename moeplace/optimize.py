@@ -14,6 +14,7 @@ from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.parallel import layer_workers
 from moeplace.placement import Placement
+from moeplace.metrics import max_distinct_means
 from moeplace.report import Evaluation, evaluate, steps_phrase
 from moeplace.trace.load import Trace
 from moeplace.trace.steps import RoutingSteps
@@ -51,7 +52,8 @@ class OptimizeResult:
     eval_steps: int
     note: str
     baseline: str = "deepseek"      # the row the table compares against
-    fitted: list[Evaluation] = field(default_factory=list)   # the same rows on fitted steps (holdout > 0)
+    fitted: list[float] = field(default_factory=list)   # each row's E[max distinct] on fitted steps (holdout > 0)
+    fitted_steps: int = 0                                # how many fitted steps that column is on
 
 
 def evenly_spaced(steps: RoutingSteps, count: int) -> RoutingSteps:
@@ -158,7 +160,9 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         return [measured[name] for name in placements]
 
     evals = evaluate_on(held_out)
-    fitted = evaluate_on(evenly_spaced(fit, FITTED_SAMPLE_STEPS)) if holdout else []
+    fitted_sample = evenly_spaced(fit, FITTED_SAMPLE_STEPS)
+    fitted = (max_distinct_means(fitted_sample, list(placements.values()), [rules[n] for n in placements],
+                                 [costs[n] for n in placements], workers) if holdout else [])
     chosen = placements[algorithm]
     by_name = {e.name: e for e in evals}
     chosen.metrics = {
@@ -170,4 +174,5 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     }
     if note:
         chosen.metrics["note"] = note
-    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted)
+    return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted,
+                          fitted_sample.num_steps if holdout else 0)

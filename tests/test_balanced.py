@@ -251,3 +251,30 @@ def test_step_counts_include_count_only_steps():
     model = tiny_model(4, top_k=1, num_moe_layers=1)
     steps = RoutingSteps.from_counts(model, np.array([[[0, 2, 0, 1]]], float), modes=1)
     np.testing.assert_array_equal(step_expert_counts(steps, 0), [[0, 2, 0, 1]])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replica_optimum_is_the_uncapped_rules_and_the_fitted_column_uses_it(seed):
+    """Hall's formula and the uncapped rule agree step by step; ``max_distinct_means`` (optimize's fitted
+    column) gives balanced rows that optimum and every other row what ``evaluate`` measures."""
+    from moeplace.costmodel import CostModel
+    from moeplace.metrics import max_distinct_means, replica_optimum
+    from moeplace.report import evaluate
+
+    rng = np.random.default_rng(seed)
+    model = tiny_model(16, top_k=4, num_moe_layers=2)
+    steps = tiny_steps(model, 60, 4, seed=seed)
+    spares = np.stack([np.concatenate([rng.permutation(16), rng.choice(16, 4, replace=False)]) for _ in range(2)])
+    single = np.stack([rng.permutation(16) for _ in range(2)])
+    placements = {"spares": Placement(model, 4, spares), "single": Placement(model, 4, single)}
+    for layer in range(2):
+        counts = step_expert_counts(steps, layer)
+        _, optimum = balanced_loads(steps, layer, spares[layer], 4)
+        np.testing.assert_array_equal(replica_optimum(counts, spares[layer], 4), optimum)
+    cost = CostModel()
+    for dispatch in ("balanced", "dynamic", "static"):
+        got = max_distinct_means(steps, list(placements.values()), [dispatch] * 2, [cost] * 2)
+        measured = {e.name: e.summary for e in evaluate(placements, [steps], cost, dispatch)}
+        want = [measured["spares"]["optimum" if dispatch == "balanced" else "e_max_distinct"],
+                measured["single"]["e_max_distinct"]]
+        np.testing.assert_allclose(got, want, rtol=1e-12)

@@ -64,18 +64,24 @@ def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np
     X is tight when f[X] > (M - 1)|X|; fragile: no tight set is more than one expert over (M - 1)|X|
     (then one fewer expert in each lowers the optimum). M comes from the largest f of each set size.
     """
-    full = np.int16((1 << ranks) - 1)
-    g, size = f[:, 1:], sizes[1:]
+    return _tight_by_size(f[:, _by_size(ranks)[0] + 1], ranks)
+
+
+def _tight_by_size(g: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``_tight`` of ``g [S, X-1]``: f without the empty set, its columns in ``_by_size`` order."""
     order, starts = _by_size(ranks)
-    top = np.maximum.reduceat(g[:, order], starts, axis=1)                 # [S, R] largest f per set size
+    size = _sizes_by_size(ranks)
+    top = np.maximum.reduceat(g, starts, axis=1)                           # [S, R] largest f per set size
     k = np.arange(1, ranks + 1, dtype=np.int16)
     opt = ((top + k - 1) // k).max(axis=1)
     over = g - (opt[:, None] - 1) * size
     tight = over >= 1
     fragile = (over.max(axis=1) <= 1) & (opt > 0)
-    ids = np.arange(1, 1 << ranks, dtype=np.int16)
-    inter = np.bitwise_and.reduce(np.where(tight, ids, full), axis=1)
-    union = np.bitwise_or.reduce(np.where(tight, ids, np.int16(0)), axis=1)
+    # per rank, how many tight sets hold it: in all of them (inter), in one at least (union)
+    holding = tight.astype(np.float32) @ _holds(ranks)                     # [S, R + 1]; last: tight sets
+    bit = np.int16(1) << np.arange(ranks, dtype=np.int16)
+    inter = ((holding[:, :-1] == holding[:, -1:]) * bit).sum(axis=1, dtype=np.int16)
+    union = ((holding[:, :-1] > 0) * bit).sum(axis=1, dtype=np.int16)
     return fragile, inter, union
 
 
@@ -86,6 +92,26 @@ def _by_size(ranks: int) -> tuple[np.ndarray, np.ndarray]:
     return np.argsort(sizes, kind="stable"), np.searchsorted(np.sort(sizes), np.arange(1, ranks + 1))
 
 
+@lru_cache(maxsize=None)
+def _sizes_by_size(ranks: int) -> np.ndarray:
+    """[X-1] each non-empty rank set's size, in ``_by_size`` order."""
+    return subset_sizes(ranks)[1:][_by_size(ranks)[0]]
+
+
+@lru_cache(maxsize=None)
+def _outside(ranks: int) -> np.ndarray:
+    """[X, R] bool: rank r lies outside rank set X."""
+    return ~mask_bits(np.arange(1 << ranks), ranks)
+
+
+@lru_cache(maxsize=None)
+def _holds(ranks: int) -> np.ndarray:
+    """[X-1, R + 1] float32, in ``_by_size`` order: whether each non-empty rank set holds each rank,
+    then a column of ones (float32 counts of at most 2^R sets are exact)."""
+    ids = np.arange(1, 1 << ranks)[_by_size(ranks)[0]]
+    return np.hstack([(ids[:, None] >> np.arange(ranks)) & 1, np.ones((ids.size, 1))]).astype(np.float32)
+
+
 def _pair_scores(experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, inter: np.ndarray,
                  union: np.ndarray, weight: np.ndarray, ranks: int, num_experts: int, progress: float) -> np.ndarray:
     """[E, R] score of active (step, expert) pairs (experts: [N]; fragile, inter, union, weight: [N], of
@@ -93,8 +119,7 @@ def _pair_scores(experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, in
     the step's weight for each rank outside them all when the step is fragile, and ``progress`` of it
     (one step nearer to a later gain) when it is not."""
     keep = (masks[experts] & ~inter) == 0
-    w = ~mask_bits(union[keep], ranks)
-    w = w * (np.where(fragile[keep], 1.0, progress) * weight[keep])[:, None]
+    w = _outside(ranks)[union[keep]] * (np.where(fragile[keep], 1.0, progress) * weight[keep])[:, None]
     index = (experts[keep, None] * ranks + np.arange(ranks)).ravel()
     scores = np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks)
     return scores.astype(np.float64, copy=False).reshape(num_experts, ranks)   # bincount of no pairs is int
@@ -129,11 +154,11 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     masks = masks.astype(np.int16)
     S, E = active.shape
     step_weight = np.ones(S) if step_weight is None else np.asarray(step_weight, np.float64)
-    sizes = subset_sizes(ranks)
-    ids = np.arange(1 << ranks, dtype=np.int16)
+    # f without the empty set, its columns grouped by set size (``_tight_by_size``); ids: each column's set
+    ids = np.arange(1, 1 << ranks, dtype=np.int16)[_by_size(ranks)[0]]
     rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
-    f = subset_counts(active, masks, ranks)
-    fragile, inter, union = _tight(f, sizes, ranks)
+    f = subset_counts(active, masks, ranks)[:, ids]
+    fragile, inter, union = _tight_by_size(f, ranks)
     # The score only involves active (step, expert) pairs: keep them as lists, grouped by step.
     pair_step, pair_expert = np.nonzero(active)
     first_pair = np.searchsorted(pair_step, np.arange(S + 1))
@@ -150,6 +175,7 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     copies = mask_bits(masks, ranks).sum(axis=1)
     room = np.full(ranks, spare_per_rank)
     batch = spare_rounds_batch(spare_per_rank * ranks)
+    is_chosen = np.zeros(E, bool)
     while room.sum():
         allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
         if not allowed.any():
@@ -168,17 +194,18 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
                 taken[r] += 1
         experts = np.array([e for e, _ in chosen])
         hit = np.flatnonzero(active[:, experts].any(axis=1))
-        for e, r in chosen:
-            # f[X] drops by one for the sets holding all of e's replicas but not r
-            drop = ((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0)
-            f[np.ix_(np.flatnonzero(active[:, e]), np.flatnonzero(drop))] -= 1
-        new_fragile, new_inter, new_union = _tight(f[hit], sizes, ranks)
+        # f[X] drops by one for the sets holding all of e's replicas but not r
+        drop = np.array([((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0) for e, r in chosen])
+        f -= (active[:, experts].astype(np.float32) @ drop.astype(np.float32)).astype(np.int16)
+        new_fragile, new_inter, new_union = _tight_by_size(f[hit], ranks)
         # A pair's score changes where its step's tight sets changed, or where its expert is a chosen
         # one (its mask changed); every pair of a chosen expert lies in ``hit``.
         changed = (new_fragile != fragile[hit]) | (new_inter != inter[hit]) | (new_union != union[hit])
         lengths = first_pair[hit + 1] - first_pair[hit]
         pairs = _ranges(first_pair[hit], lengths)
-        pairs = pairs[np.repeat(changed, lengths) | np.isin(pair_expert[pairs], experts)]
+        is_chosen[experts] = True
+        pairs = pairs[np.repeat(changed, lengths) | is_chosen[pair_expert[pairs]]]
+        is_chosen[experts] = False
         score -= contribution(pairs)              # with the old masks, then with the new ones
         for e, r in chosen:
             masks[e] |= rank_bits[r]

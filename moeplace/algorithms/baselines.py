@@ -52,19 +52,21 @@ def separate_replicas(phy2log: np.ndarray, ranks: int, weight: np.ndarray) -> np
             f = int(np.argmax(np.where(fits, weight / copies, -np.inf)))
             out[slot], copies[e], copies[f] = f, copies[e] - 1, copies[f] + 1
     replica_load = weight / copies
+    rank_of = np.arange(out.shape[0]) // spr
     for slot in range(out.shape[0]):
         r, e = slot // spr, out[slot]
         mine = out[r * spr:(r + 1) * spr]
         if np.count_nonzero(mine == e) < 2 or np.flatnonzero(mine == e)[0] == slot - r * spr:
             continue
-        candidates = [s for s in range(out.shape[0]) if s // spr != r
-                      and out[s] not in mine and e not in out[(s // spr) * spr:(s // spr + 1) * spr]]
-        if not candidates:
+        # slots on other ranks whose expert this rank lacks, on a rank that lacks e
+        lacks_e = ~(out.reshape(ranks, spr) == e).any(axis=1)
+        candidates = np.flatnonzero((rank_of != r) & ~np.isin(out, mine) & lacks_e[rank_of])
+        if not candidates.size:
             # Rare (many replicas per rank): the swaps have cornered themselves. Deal the replicas
             # round-robin over the ranks, hottest first; no expert has more than ``ranks`` of them now.
             order = np.lexsort((out, -replica_load[out]))
             return out[order].reshape(spr, ranks).T.ravel()
-        best = min(candidates, key=lambda s: abs(replica_load[out[s]] - replica_load[e]))
+        best = candidates[np.argmin(np.abs(replica_load[out[candidates]] - replica_load[e]))]   # the first of ties
         out[slot], out[best] = out[best], out[slot]
     return out
 

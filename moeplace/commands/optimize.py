@@ -136,8 +136,8 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                           reference_cost_model=today_cost)
     rows = comparison_rows(result.evaluations, result.baseline)
     for row, fitted in zip(rows, result.fitted):
-        row["fitted_e_max_distinct"] = fitted.summary["e_max_distinct"]
-    fitted_steps = result.fitted[0].summary["steps"] if result.fitted else 0
+        row["fitted_e_max_distinct"] = fitted
+    fitted_steps = result.fitted_steps
     which = "held-out" if holdout else "fitted"
     warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
     if ep_size is not None:   # what `moeplace launch` passes to SGLang
@@ -171,8 +171,10 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
                    f"({costing.shape.describe()})")
     click.echo(format_table(rows, result.baseline))
     if result.fitted:
+        exact = " (the per-step optimum of rows with spare slots, as balanced dispatch reaches it)" \
+            if dispatch == "balanced" and redundant else ""
         click.echo(f"fitted: E[max distinct] on {fitted_steps:,} of the {result.fit_steps:,} fitted steps, "
-                   f"evenly spaced (every other column: the held-out steps)")
+                   f"evenly spaced{exact} (every other column: the held-out steps)")
     models = {e.name: today_cost if redundant and e.name == result.baseline else cost_model
               for e in result.evaluations}
     click.echo(cost_model_line(models))
