@@ -106,39 +106,16 @@ def _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb, stride_ps
 
 
 @triton.jit
-def _tree_merge_kernel(
-    Q, K_ext, V_ext, Mask, mask_indptr, qo_indptr, kv_indptr, O_pre, L_pre, Out, Lse,
-    qk_scale,
-    stride_qt, stride_qh, stride_ket, stride_vet,
-    stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
-    stride_ot, stride_oh, stride_lt,
-    D_MAX: tl.constexpr, BLOCK_D: tl.constexpr, DVB: tl.constexpr, MASK_MODE: tl.constexpr,
-    HAS_MASK_INDPTR: tl.constexpr, HAS_LSE: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
-):
-    """Tree part of (request b, head h, value slice) merged with the prefix part.
-
-    Grid (B, H, DN / DVB). Q [T, H, 576]; K_ext [T, ., 576]; V_ext [T, ., >= DN];
-    O_pre [B, D_max, H, DN] bf16 (FlashMLA's out, strides given); L_pre [B, H, D_max] fp32
-    natural log; Out [T, H, DN]; Lse [T, H] natural log. qk_scale is sm_scale * log2(e).
-    The QK product is repeated per value slice (it is 16 x 16 x 576): more programs in flight.
-    PDL: launched as a programmatic dependent of FlashMLA's last kernel; the tree part (which
-    reads only inputs written before FlashMLA ran) overlaps its tail, and ``gdc_wait`` comes
-    before FlashMLA's outputs are read. Without PDL every load is issued up front.
-    """
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    col0 = tl.program_id(2) * DVB
-    q0 = tl.load(qo_indptr + b)
-    D = tl.load(qo_indptr + b + 1) - q0
-    n = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
+def _tree_part(Q, K_ext, V_ext, Mask, mask_indptr, b, h, tok, rows_ok, D, n, offs_v, qk_scale,
+               stride_qt, stride_qh, stride_ket, stride_vet, BLOCK_D: tl.constexpr,
+               D_MAX: tl.constexpr,
+               MASK_MODE: tl.constexpr, HAS_MASK_INDPTR: tl.constexpr, DN: tl.constexpr,
+               DP: tl.constexpr, UPCAST: tl.constexpr):
+    """(m_t, l_t, acc) of the rows' scores against the request's draft keys under the tree
+    mask: row max and sum of exp2 (log2 units), and the unnormalised sum over the value slice."""
     offs_i = tl.arange(0, BLOCK_D)
-    rows_ok = offs_i < D
-    tok = (q0 + offs_i).to(tl.int64)
     offs_dn = tl.arange(0, DN)
     offs_dp = tl.arange(0, DP)
-    offs_v = col0 + tl.arange(0, DVB)
-
     q_row = Q + tok * stride_qt + h * stride_qh
     qn = tl.load(q_row[:, None] + offs_dn[None, :], mask=rows_ok[:, None], other=0.0)
     qp = tl.load(q_row[:, None] + DN + offs_dp[None, :], mask=rows_ok[:, None], other=0.0)
@@ -147,11 +124,6 @@ def _tree_merge_kernel(
     kp = tl.load(k_row[:, None] + DN + offs_dp[None, :], mask=rows_ok[:, None], other=0.0)
     vn = tl.load(V_ext + tok[:, None] * stride_vet + offs_v[None, :], mask=rows_ok[:, None],
                  other=0.0)
-    # Prefix part: FlashMLA's row, unless the request has no prefix (lse +inf, out 0 there).
-    has_p = rows_ok & (n > 0)
-    if not PDL:
-        lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
-                                  stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
     if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
         qn = qn.to(tl.float32)
         qp = qp.to(tl.float32)
@@ -169,53 +141,134 @@ def _tree_merge_kernel(
     p = tl.math.exp2(s - m_t[:, None])
     l_t = tl.sum(p, 1)
     acc = tl.dot(p.to(vn.dtype), vn)  # [BLOCK_D, DVB]
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    return m_t, l_t, acc
+
+
+@triton.jit
+def _tree_merge_kernel(
+    Q, K_ext, V_ext, Mask, mask_indptr, qo_indptr, kv_indptr, O_pre, L_pre, Out, Lse,
+    O_tree, L_tree, qk_scale,
+    stride_qt, stride_qh, stride_ket, stride_vet,
+    stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
+    stride_ot, stride_oh, stride_lt, H,
+    D_MAX: tl.constexpr, BLOCK_D: tl.constexpr, DVB: tl.constexpr, MASK_MODE: tl.constexpr,
+    HAS_MASK_INDPTR: tl.constexpr, HAS_LSE: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr, UNIFORM: tl.constexpr, PHASE: tl.constexpr,
+):
+    """Tree part of (request b, head h, value slice) merged with the prefix part.
+
+    Grid (B, H, DN / DVB). Q [T, H, 576]; K_ext [T, ., 576]; V_ext [T, ., >= DN];
+    O_pre [B, D_max, H, DN] bf16 (FlashMLA's out, strides given); L_pre [B, H, D_max] fp32
+    natural log; Out [T, H, DN]; Lse [T, H] natural log. qk_scale is sm_scale * log2(e).
+    The QK product is repeated per value slice (it is 16 x 16 x 576): more programs in flight.
+    PDL: launched as a programmatic dependent of FlashMLA's last kernel; the tree part (which
+    reads only inputs written before FlashMLA ran) overlaps its tail, and ``gdc_wait`` comes
+    before FlashMLA's outputs are read. Without PDL every load is issued up front.
+    UNIFORM: every request has D_MAX drafts, so request b's rows start at b * D_MAX: no load
+    of qo_indptr before the others (one dependent global load fewer in the kernel's latency).
+    PHASE 0: tree part and merge. PHASE 1: the tree part alone, normalised, into O_tree
+    [T, H, DN] fp32 and L_tree [T, H] (log2 units, -inf for a row that sees no draft), while
+    FlashMLA runs on another stream; PHASE 2: only the merge, reading those instead.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    col0 = tl.program_id(2) * DVB
+    if UNIFORM:
+        q0 = b * D_MAX
+        D = D_MAX
+    else:
+        q0 = tl.load(qo_indptr + b)
+        D = tl.load(qo_indptr + b + 1) - q0
+    n = tl.load(kv_indptr + b + 1) - tl.load(kv_indptr + b)
+    offs_i = tl.arange(0, BLOCK_D)
+    rows_ok = offs_i < D
+    tok = (q0 + offs_i).to(tl.int64)
+    offs_v = col0 + tl.arange(0, DVB)
+    tree_row = tok * H + h
+    # Prefix part: FlashMLA's row, unless the request has no prefix (lse +inf, out 0 there).
+    has_p = rows_ok & (n > 0)
+    if PHASE != 1 and not PDL:
         lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
                                   stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
-    big = tl.maximum(lse_p, m_t)
-    w_p = tl.math.exp2(lse_p - big)
-    w_t = tl.math.exp2(m_t - big)
-    total = w_p + w_t * l_t
-    safe = tl.where(total > 0, total, 1.0)
-    out = (w_p[:, None] * o_p + w_t[:, None] * acc) / safe[:, None]
-    tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
-             out.to(Out.dtype.element_ty), mask=rows_ok[:, None])
-    if HAS_LSE:
+    if PHASE == 2:
+        lse_t = tl.load(L_tree + tree_row, mask=rows_ok, other=float("-inf"))
+        acc = tl.load(O_tree + tree_row[:, None] * DN + offs_v[None, :], mask=rows_ok[:, None],
+                      other=0.0)
+        sees = lse_t > float("-inf")
+        m_t = tl.where(sees, lse_t, 0.0)
+        l_t = tl.where(sees, 1.0, 0.0)
+    else:
+        m_t, l_t, acc = _tree_part(Q, K_ext, V_ext, Mask, mask_indptr, b, h, tok, rows_ok, D, n,
+                                   offs_v, qk_scale, stride_qt, stride_qh, stride_ket,
+                                   stride_vet, BLOCK_D, D_MAX, MASK_MODE, HAS_MASK_INDPTR, DN, DP,
+                                   UPCAST)
+    if PHASE == 1:
+        safe_l = tl.where(l_t > 0, l_t, 1.0)
+        tl.store(O_tree + tree_row[:, None] * DN + offs_v[None, :], acc / safe_l[:, None],
+                 mask=rows_ok[:, None])
         if tl.program_id(2) == 0:
-            nat = tl.where(total > 0, (big + tl.math.log2(safe)) / 1.4426950408889634,
-                           float("-inf"))
-            tl.store(Lse + tok * stride_lt + h, nat, mask=rows_ok)
+            tl.store(L_tree + tree_row,
+                     tl.where(l_t > 0, m_t + tl.math.log2(safe_l), float("-inf")), mask=rows_ok)
+    else:
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
+                                      stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
+        big = tl.maximum(lse_p, m_t)
+        w_p = tl.math.exp2(lse_p - big)
+        w_t = tl.math.exp2(m_t - big)
+        total = w_p + w_t * l_t
+        safe = tl.where(total > 0, total, 1.0)
+        out = (w_p[:, None] * o_p + w_t[:, None] * acc) / safe[:, None]
+        tl.store(Out + tok[:, None] * stride_ot + h * stride_oh + offs_v[None, :],
+                 out.to(Out.dtype.element_ty), mask=rows_ok[:, None])
+        if HAS_LSE:
+            if tl.program_id(2) == 0:
+                nat = tl.where(total > 0, (big + tl.math.log2(safe)) / 1.4426950408889634,
+                               float("-inf"))
+                tl.store(Lse + tok * stride_lt + h, nat, mask=rows_ok)
 
 
 def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, mask_mode: int,
                mask_indptr, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-               o_pre: torch.Tensor, lse_pre: torch.Tensor, out: torch.Tensor,
-               lse: Optional[torch.Tensor], sm_scale: float, max_draft: int,
-               config: Optional["MergeConfig"] = None, upcast: bool = False) -> None:
+               o_pre: Optional[torch.Tensor], lse_pre: Optional[torch.Tensor],
+               out: Optional[torch.Tensor], lse: Optional[torch.Tensor], sm_scale: float,
+               max_draft: int, config: Optional["MergeConfig"] = None, upcast: bool = False,
+               uniform: bool = False, phase: int = 0, o_tree: Optional[torch.Tensor] = None,
+               l_tree: Optional[torch.Tensor] = None) -> None:
     """Launch ``_tree_merge_kernel``: out (and lse) from FlashMLA's prefix (o_pre, lse_pre).
 
     o_pre [B, >= D_max, H, 512], lse_pre [B, H, >= D_max] natural log (any strides, last dim of
-    o_pre contiguous); the other arguments as ``MlaVerify.forward`` takes them.
+    o_pre contiguous); the other arguments as ``MlaVerify.forward`` takes them. uniform: the
+    caller knows every request has max_draft drafts (q has B x max_draft rows), so the kernel
+    need not read qo_indptr; taken only where ``config.uniform`` allows it. phase 1: only the
+    tree part, into o_tree [>= T, H, 512] fp32 and l_tree [>= T, H] fp32 (contiguous; o_pre,
+    lse_pre, out, lse unused); phase 2: only the merge of those with FlashMLA's result.
     """
     cfg = config or MergeConfig()
     bs = qo_indptr.shape[0] - 1
     heads = q.shape[1]
     dvb = V_DIM // cfg.dv_split
-    launch = dict(launch_pdl=True) if cfg.pdl else {}
+    pdl = cfg.pdl and phase != 1
+    launch = dict(launch_pdl=True) if pdl else {}
     mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
     mip_arg = mask_indptr if mask_indptr is not None else kv_indptr
+    if phase == 0:
+        o_tree = l_tree = kv_indptr  # never read
+    pre_strides = (o_pre.stride()[:3] + lse_pre.stride()) if phase != 1 else (0,) * 6
+    if phase == 1:
+        o_pre, lse_pre, out = o_tree, l_tree, o_tree  # never read or written
     lse_arg = lse if lse is not None else lse_pre
     _tree_merge_kernel[(bs, heads, cfg.dv_split)](
         q, k_ext, v_ext, mask_arg, mip_arg, qo_indptr, kv_indptr, o_pre, lse_pre, out, lse_arg,
-        sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_ext.stride(0), v_ext.stride(0),
-        o_pre.stride(0), o_pre.stride(1), o_pre.stride(2),
-        lse_pre.stride(0), lse_pre.stride(1), lse_pre.stride(2),
-        out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+        o_tree, l_tree, sm_scale * LOG2E,
+        q.stride(0), q.stride(1), k_ext.stride(0), v_ext.stride(0), *pre_strides,
+        out.stride(0) if phase != 1 else 0, out.stride(1) if phase != 1 else 0,
+        lse.stride(0) if lse is not None else 0, heads,
         D_MAX=max_draft, BLOCK_D=max(16, triton.next_power_of_2(max_draft)), DVB=dvb,
-        MASK_MODE=mask_mode, HAS_MASK_INDPTR=mask_indptr is not None, HAS_LSE=lse is not None,
-        DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        MASK_MODE=mask_mode, HAS_MASK_INDPTR=mask_indptr is not None,
+        HAS_LSE=lse is not None and phase != 1, DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast,
+        PDL=pdl, UNIFORM=uniform and cfg.uniform, PHASE=phase, num_warps=cfg.num_warps,
         **launch)
 
 
@@ -225,12 +278,22 @@ class MergeConfig:
 
     dv_split: programs per (request, head), each a 512 / dv_split slice of the values (the
     16 x 16 QK product is repeated in each). pdl: programmatic dependent launch after FlashMLA
-    (Triton's ``launch_pdl``; never in the interpreter).
+    (Triton's ``launch_pdl``; never in the interpreter). uniform: where every request has
+    max_draft drafts (SGLang's verify batches), compute row offsets instead of loading them.
+    side_stream: the tree part on a second stream, forked before FlashMLA and joined after it
+    (a fork and join in a CUDA graph), so that only the merge runs after FlashMLA.
     """
 
     dv_split: int = 4
     num_warps: int = 4
     pdl: bool = False
+    uniform: bool = True
+    side_stream: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pdl and self.side_stream:
+            raise ValueError("MergeConfig: pdl and side_stream do not go together (the merge "
+                             "after a join has two prerequisites)")
 
 
 _flash: dict[str, Any] = {}
@@ -289,6 +352,11 @@ class ComposedVerify:
         self.block_table = torch.zeros(max_bs, 1, dtype=torch.int32, device=device)
         self.q_pad: Optional[torch.Tensor] = None
         self.hoisted_meta = True  # False once get_mla_decoding_metadata failed: lazy fill
+        self.side: Optional[torch.cuda.Stream] = None
+        if self.config.side_stream:  # the tree part's results, [max_bs x D_max, H, 512] fp32
+            self.side = torch.cuda.Stream(device)
+            self.o_tree = torch.empty(max_bs * max_draft, num_heads, V_DIM, device=device)
+            self.l_tree = torch.empty(max_bs * max_draft, num_heads, device=device)
 
     def reserve(self, bs: int, kv_tokens: int) -> None:
         """Size the block table and lengths for ``bs`` requests over ``kv_tokens`` slot ids."""
@@ -339,8 +407,23 @@ class ComposedVerify:
                 BLOCK_C=1024, num_warps=4)
         pages = kv_pool.shape[0] // PAGE
         k_cache = kv_pool[:pages * PAGE].unflatten(0, (pages, PAGE))  # [pages, 64, 1, 576]
+        tree_args = (q, k_ext, v_ext, mask, mask_mode, mask_indptr, qo_indptr, kv_indptr)
+        uniform = T == bs * self.max_draft
+        if self.side is not None:
+            main = torch.cuda.current_stream(q.device)
+            self.side.wait_stream(main)
+            with torch.cuda.stream(self.side):
+                tree_merge(*tree_args, None, None, None, None, sm_scale, self.max_draft,
+                           self.config, uniform=uniform, phase=1, o_tree=self.o_tree,
+                           l_tree=self.l_tree)
         o_pre, lse_pre = self.flash.flash_mla_with_kvcache(
             q4, k_cache, plan.block_table, plan.seqlens, V_DIM, plan.meta,
             softmax_scale=sm_scale, causal=False, use_legacy=True)
-        tree_merge(q, k_ext, v_ext, mask, mask_mode, mask_indptr, qo_indptr, kv_indptr, o_pre,
-                   lse_pre, out, lse, sm_scale, self.max_draft, self.config)
+        if self.side is not None:
+            main.wait_stream(self.side)
+            tree_merge(*tree_args, o_pre, lse_pre, out, lse, sm_scale, self.max_draft,
+                       self.config, uniform=uniform, phase=2, o_tree=self.o_tree,
+                       l_tree=self.l_tree)
+            return
+        tree_merge(*tree_args, o_pre, lse_pre, out, lse, sm_scale, self.max_draft, self.config,
+                   uniform=uniform)

@@ -10,15 +10,19 @@ pool, and the composed path can):
   FlashMLA         sgl-flash-mla's SM90 dense decode (``flash_mla_with_kvcache(..., causal=True,
                    use_legacy=True)``): the same KV copied into 64-token pages, a causal chain
                    over the drafts (it has no tree mask), its 72 rows padded to 2 x 64
-  SGLang           extend_attention_fwd / verify_shared_kv_fwd from the wheel (--sglang-wheel)
+  SGLang           extend_attention_fwd / verify_shared_kv_fwd from the installed sglang, an
+                   unpacked one (--sglang-root) or the wheel (--sglang-wheel)
 Effective KV bandwidth = sum over requests of context_len * 576 * 2 bytes / time.
 Copy bandwidth is measured in the same run (device-to-device copy, bytes read + written).
-Times are CUDA-graph replays of one call, median of many (torch.cuda.Event). Every moeplace
-result is checked against the fp32 reference before it is timed.
+Times are CUDA-graph replays of one call, median of many (torch.cuda.Event); --rounds R
+repeats that for every peer R times round-robin and takes the median; --layers N also times N
+calls in one graph, per call (as a server replays the layers of a step). Every moeplace result
+is checked against the fp32 reference before it is timed.
 
     pip install --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl; export PYTHONPATH=/tmp/site
     python scripts/bench_verify.py --out bench.md                # peers table
     python scripts/bench_verify.py --sweep-sm90 --out sweep.md   # + Sm90Config variants
+    python scripts/bench_verify.py --rounds 3 --layers 8 --sglang-root /tmp/sgl   # every peer
 """
 
 from __future__ import annotations
@@ -38,18 +42,22 @@ from moeplace_kernels.mla_verify_ref import mla_verify_ref
 KV_BYTES = 576 * 2
 
 
-def load_sglang_kernels(wheel: str | None):
-    """(extend_attention module, verify_mla module) from the installed sglang or its wheel.
+def load_sglang_kernels(wheel: str | None, root: str | None = None):
+    """(extend_attention module, verify_mla module) from the installed sglang, an unpacked
+    sglang folder (``root``, the folder holding the ``sglang`` package) or its wheel.
 
     The kernel modules need only ``sglang.srt.environ`` (stdlib) and four platform predicates of
     ``sglang.srt.utils`` (``sglang_wheel`` says how the rest of the package is kept out).
     """
-    try:
-        from sglang.kernels.ops.attention import extend_attention, verify_mla
-        return extend_attention, verify_mla
-    except Exception:
-        pass
-    root, _ = unpack(wheel)
+    if root is None:
+        try:
+            from sglang.kernels.ops.attention import extend_attention, verify_mla
+            return extend_attention, verify_mla
+        except Exception:
+            pass
+    root = Path(root) if root is not None else unpack(wheel)[0]
+    if not (root / "sglang" / "kernels").is_dir():
+        raise FileNotFoundError(f"no sglang package with kernels under {root}")
     register_packages(root, ["sglang", "sglang.kernels", "sglang.kernels.ops",
                              "sglang.kernels.ops.attention", "sglang.srt"])
     stub("sglang.srt.utils", is_cuda=lambda: True, is_hip=lambda: False, is_gfx95_supported=lambda: False,
@@ -180,6 +188,16 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sglang-wheel", default=None,
                     help="time SGLang's Triton kernels too, loaded from this wheel (a glob)")
+    ap.add_argument("--sglang-root", default=None,
+                    help="time SGLang's Triton kernels too, from this folder holding the sglang "
+                         "package (an unpacked wheel or install target)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every peer this many times, interleaved, and take the median "
+                         "(the peers then see the same drift of clocks and neighbours)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="also time N calls captured in one graph, per call (back to back as "
+                         "in a server's graph of N layers: the graph's own launch is spread "
+                         "over N calls and every kernel follows another)")
     ap.add_argument("--out", default="bench_verify.md")
     ap.add_argument("--contexts", default="4096,16384,65536,185000")
     ap.add_argument("--sweep", action="store_true", help="also sweep tile configs at 64k")
@@ -202,9 +220,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     ext = ver = None
-    if args.sglang_wheel and not args.no_baseline:
+    if (args.sglang_wheel or args.sglang_root) and not args.no_baseline:
         try:
-            ext, ver = load_sglang_kernels(args.sglang_wheel)
+            ext, ver = load_sglang_kernels(args.sglang_wheel, args.sglang_root)
         except Exception as exc:  # report our kernel even when the baseline cannot load
             print(f"SGLang baseline unavailable: {exc!r}", flush=True)
     copy_gbs = copy_bandwidth()
@@ -289,12 +307,14 @@ def main() -> None:
         for cfg in SM90_SWEEP:
             ops[f"sm90 {sm90_tag(cfg)}"] = MlaVerify(H, D, 8, backend="sm90", sm90_config=cfg)
     peers = []  # (kernel, case, ctx list, µs)
+    layered = []  # the same, per call of --layers calls in one graph
     for label, ctx in cases:
         p = make_problem(ctx, H, D, shuffle=True)
         out = torch.empty(len(ctx) * D, H, 512, dtype=torch.bfloat16, device="cuda")
         ref, _ = mla_verify_ref(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"],
                                 p["kv_indptr"], p["kv_indices"], 576 ** -0.5, p["mask_qlen"],
                                 "qlen_only")
+        timed = {}  # peer -> (callable, recorded label, graph replays per timing)
         for kernel, op in ops.items():
             plan = op.plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"])
             run_ours(p, op, out, plan)()
@@ -310,31 +330,46 @@ def main() -> None:
                     for piece, fn in composed_pieces(p, op, plan, out).items():
                         record(f"composed piece: {piece}", label, str(sum(ctx)),
                                sum(ctx) * KV_BYTES, graph_time_us(fn))
-            us = graph_time_us(run_ours(p, op, out, plan))
-            peers.append((f"moeplace {kernel}", label, ctx, us))
-            record(f"moeplace {kernel}", f"{label} (err {err:.0e})", str(sum(ctx)),
-                   sum(ctx) * KV_BYTES, us)
+            timed[f"moeplace {kernel}"] = (run_ours(p, op, out, plan), f"{label} (err {err:.0e})",
+                                           50)
         del ref
         if flash is not None:
-            us = graph_time_us(run_flash_mla(flash, p))
-            peers.append(("FlashMLA", label, ctx, us))
-            record("FlashMLA (chain, page 64)", label, str(sum(ctx)), sum(ctx) * KV_BYTES, us)
+            timed["FlashMLA"] = (run_flash_mla(flash, p), label, 50)
+        reps = 5 if sum(ctx) > 20000 else 20
         if ext is not None:
-            reps = 5 if sum(ctx) > 20000 else 20
-            record("sglang extend_attention_fwd", label, str(sum(ctx)), sum(ctx) * KV_BYTES,
-                   graph_time_us(run_sglang_extend(ext, p, out), reps))
+            timed["SGLang extend_attention"] = (run_sglang_extend(ext, p, out), label, reps)
+        for peer, us in time_peers(timed, args.rounds).items():
+            peers.append((peer, label, ctx, us))
+            record(peer if peer != "FlashMLA" else "FlashMLA (chain, page 64)", timed[peer][1],
+                   str(sum(ctx)), sum(ctx) * KV_BYTES, us)
+        if args.layers > 1:
+            n = args.layers
+            many = {peer: (lambda fn=fn: [fn() for _ in range(n)], lab, r)
+                    for peer, (fn, lab, r) in timed.items() if not peer.startswith("SGLang")}
+            for peer, us in time_peers(many, args.rounds, per=n).items():
+                layered.append((peer, label, ctx, us))
+                record(f"{peer} [per call of {n} in a graph]", label, str(sum(ctx)),
+                       sum(ctx) * KV_BYTES, us)
+        if ext is not None:
             fn = run_sglang_verify_mla(ver, make_problem(ctx, H, D, True, tree=False), out)
             if fn is not None:
                 record("sglang verify_shared_kv (chain)", label, str(sum(ctx)),
                        sum(ctx) * KV_BYTES, graph_time_us(fn, reps))
-        del p, out
+        del p, out, timed
         torch.cuda.empty_cache()
 
     lines = [f"Device: {name}; copy bandwidth measured in this run: {copy_gbs:.0f} GB/s "
              f"(read + write). H={H} heads, D={D}-token binary tree, KV in shuffled 64-token "
              f"pages (FlashMLA: a causal chain over its own copy in 64-token pages). Batch-8 "
              f"contexts: {mixed}; ragged batch 5: {RAGGED_5}.", ""]
+    lines += [f"One call per graph replay (median of 50 replays"
+              + (f", then the median of {args.rounds} interleaved rounds" if args.rounds > 1
+                 else "") + "):", ""]
     lines += peers_table(peers, copy_gbs)
+    if layered:
+        lines += ["", f"Per call, {args.layers} calls captured in one graph (back to back, as "
+                  f"the layers of a server's graph):", ""]
+        lines += peers_table(layered, copy_gbs)
     lines += ["", "| kernel | case | tokens | µs | GB/s | % of copy |",
               "| --- | --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {k} | {c} | {x} | {us:.1f} | {g:.0f} | {pc:.1f}% |"
@@ -348,14 +383,15 @@ SM90_SWEEP = [Sm90Config(min_tiles=2, pdl=True), Sm90Config(min_tiles=1, pdl=Tru
               Sm90Config(evict_first=False)]
 
 
-COMPOSED_SWEEP = [MergeConfig(pdl=True), MergeConfig(dv_split=2, pdl=True),
-                  MergeConfig(dv_split=8, pdl=True), MergeConfig(dv_split=8, num_warps=2, pdl=True),
-                  MergeConfig(num_warps=8, pdl=True), MergeConfig(dv_split=8),
-                  MergeConfig(dv_split=2)]
+COMPOSED_SWEEP = [MergeConfig(uniform=False), MergeConfig(pdl=True),
+                  MergeConfig(pdl=True, uniform=False), MergeConfig(dv_split=2),
+                  MergeConfig(side_stream=True), MergeConfig(dv_split=2), MergeConfig(dv_split=8),
+                  MergeConfig(num_warps=2), MergeConfig(num_warps=8)]
 
 
 def merge_tag(cfg: MergeConfig) -> str:
-    return f"dv{cfg.dv_split} w{cfg.num_warps} pdl{int(cfg.pdl)}"
+    return (f"dv{cfg.dv_split} w{cfg.num_warps} pdl{int(cfg.pdl)} u{int(cfg.uniform)}"
+            + (" side" if cfg.side_stream else ""))
 
 
 def sm90_tag(cfg: Sm90Config) -> str:
@@ -363,6 +399,24 @@ def sm90_tag(cfg: Sm90Config) -> str:
 
 
 RAGGED_5 = [1500, 9000, 31000, 77000, 120000]
+
+
+def time_peers(timed: dict, rounds: int, per: int = 1) -> dict:
+    """{peer: µs per call}: each peer's graph timed ``rounds`` times, round-robin (so a drift of
+    clocks or of the machine's other work falls on every peer alike), median over the rounds."""
+    import statistics
+
+    times = {peer: [] for peer in timed}
+    for _ in range(max(1, rounds)):
+        for peer, (fn, _label, reps) in timed.items():
+            if times[peer] is None:
+                continue
+            try:
+                times[peer].append(graph_time_us(fn, reps) / per)
+            except Exception as exc:  # one peer failing to capture must not lose the others
+                print(f"{peer}: not timed ({exc!r:.300})", flush=True)
+                times[peer] = None
+    return {peer: statistics.median(ts) for peer, ts in times.items() if ts}
 
 
 def peers_table(peers, copy_gbs: float) -> list[str]:
@@ -410,7 +464,8 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
 
     def merge():
         tree_merge(p["q"], p["k_ext"], p["v_ext"], p["mask_qlen"], 1, None, p["qo_indptr"],
-                   p["kv_indptr"], o_pre, lse_pre, out, None, op.sm_scale, D, cv.config)
+                   p["kv_indptr"], o_pre, lse_pre, out, None, op.sm_scale, D, cv.config,
+                   uniform=True)
 
     def table():
         _block_table_kernel[(bs, 4)](p["kv_indptr"], p["kv_indices"], plan.block_table,

@@ -60,15 +60,31 @@ _SCRIPT = textwrap.dedent("""
         d_max = max(d_list)
         o_pre, l_pre = fake_flash_prefix(case, d_max, scale)
         T = case["q"].shape[0]
-        out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
-        lse = torch.full((T, H), float("nan"))
-        tree_merge(case["q"], case["k_ext"], case["v_ext"], case["mask"], _MASK_MODES[layout],
-                   case["mask_indptr"], case["qo_indptr"], case["kv_indptr"], o_pre, l_pre, out,
-                   lse, scale, d_max, upcast=True)
         ref, ref_lse = mla_verify_ref(**case, sm_scale=scale, d_max=d_max)
-        res[cid] = dict(nan=bool(out.isnan().any() or lse.isnan().any()),
-                        err=((out.float() - ref).norm() / ref.norm()).item(),
-                        lse_err=(lse - ref_lse).abs().max().item())
+        args = (case["q"], case["k_ext"], case["v_ext"], case["mask"], _MASK_MODES[layout],
+                case["mask_indptr"], case["qo_indptr"], case["kv_indptr"])
+        # uniform (row offsets computed, not loaded) where every request has d_max drafts;
+        # split: the tree part alone (phase 1, FlashMLA's stream partner), then the merge
+        variants = [("", False, False), ("-split", False, True)]
+        if T == len(d_list) * d_max:
+            variants += [("-uniform", True, False), ("-uniform-split", True, True)]
+        for suffix, uniform, split in variants:
+            out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+            lse = torch.full((T, H), float("nan"))
+            if split:
+                o_tree = torch.full((T + 3, H, 512), float("nan"))
+                l_tree = torch.full((T + 3, H), float("nan"))
+                tree_merge(*args, None, None, None, None, scale, d_max, upcast=True,
+                           uniform=uniform, phase=1, o_tree=o_tree, l_tree=l_tree)
+                tree_merge(*args, o_pre, l_pre, out, lse, scale, d_max, upcast=True,
+                           uniform=uniform, phase=2, o_tree=o_tree, l_tree=l_tree)
+            else:
+                tree_merge(*args, o_pre, l_pre, out, lse, scale, d_max, upcast=True,
+                           uniform=uniform)
+            res[cid + suffix] = dict(
+                nan=bool(out.isnan().any() or lse.isnan().any()),
+                err=((out.float() - ref).norm() / ref.norm()).item(),
+                lse_err=(lse - ref_lse).abs().max().item())
     # Block table: shuffled pages, lengths 0, 1, 64, 65, 300; wider table than needed.
     g = torch.Generator().manual_seed(0)
     ctx = [0, 1, 64, 65, 300]
@@ -140,8 +156,14 @@ def interp_results():
     return json.loads(line[len("RESULT"):])
 
 
-@pytest.mark.parametrize("cid", list(INTERP_CASES))
+UNIFORM_CASES = [cid for cid, (d_list, *_) in INTERP_CASES.items() if len(set(d_list)) == 1]
+
+
+@pytest.mark.parametrize("cid", [c + s for c in INTERP_CASES for s in ("", "-split")]
+                         + [c + s for c in UNIFORM_CASES for s in ("-uniform", "-uniform-split")])
 def test_tree_merge_kernel_in_interpreter(interp_results, cid):
+    """Every case in one launch and split in two (tree part, then merge); where all requests
+    have D_max drafts also with computed row offsets."""
     r = interp_results[cid]
     assert not r["nan"], "NaN in output: a row FlashMLA left unwritten or empty was read"
     assert r["err"] < 1e-2, r
@@ -209,6 +231,11 @@ def test_forced_composed_insists():
     with pytest.raises(RuntimeError, match="sgl_flash_mla"):
         select_backend("composed", (9, 0), Loader(object()), Loader(None), 64, 9)
     assert select_backend("composed", (9, 0), Loader(None), Loader(object()), 64, 9) == "composed"
+
+
+def test_merge_config_refuses_pdl_with_side_stream():
+    with pytest.raises(ValueError, match="side_stream"):
+        mla_verify_composed.MergeConfig(pdl=True, side_stream=True)
 
 
 def test_composed_refusal_reasons():
@@ -353,26 +380,29 @@ def test_composed_batch8_and_auto_route():
         check_composed(case, 9, op=op)
 
 
-MERGE_CONFIGS = [dict(), dict(pdl=True), dict(dv_split=8, num_warps=2, pdl=True),
-                 dict(dv_split=2, num_warps=8)]
+MERGE_CONFIGS = [dict(), dict(pdl=True), dict(uniform=False), dict(pdl=True, uniform=False),
+                 dict(side_stream=True), dict(side_stream=True, uniform=False),
+                 dict(dv_split=8, num_warps=2, pdl=True), dict(dv_split=2, num_warps=8)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", MERGE_CONFIGS, ids=str)
-def test_composed_merge_configs(cfg):
-    """Every merge-kernel setting the benchmark sweeps (any may become the default)."""
+@pytest.mark.parametrize("d_list", [[16, 9, 1, 4, 16], [16] * 5], ids=["ragged", "uniform"])
+def test_composed_merge_configs(cfg, d_list):
+    """Every merge-kernel setting the benchmark sweeps (any may become the default), on a ragged
+    batch and on one where every request has D_max drafts (row offsets computed, not loaded)."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
 
     op = MlaVerify(8, 16, 5, backend="composed", page_size=64,
                    merge_config=mla_verify_composed.MergeConfig(**cfg))
-    check_composed(paged_case([16, 9, 1, 4, 16], 8, [0, 65, 9000, 1, 70000], layout="full",
-                              seed=7), 16, op=op)
+    check_composed(paged_case(d_list, 8, [0, 65, 9000, 1, 70000], layout="full", seed=7), 16,
+                   op=op)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [False, True])
-def test_composed_cuda_graph_replay_with_new_lengths(pdl):
+@pytest.mark.parametrize("merge", [dict(), dict(pdl=True), dict(side_stream=True)], ids=str)
+def test_composed_cuda_graph_replay_with_new_lengths(merge):
     """Plan and forward captured once; replays with other lengths in the same buffers."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
@@ -388,7 +418,7 @@ def test_composed_cuda_graph_replay_with_new_lengths(pdl):
                   mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone())
     static["v_ext"] = static["k_ext"][..., :512]
     op = MlaVerify(H, D, bs, backend="composed", page_size=64,
-                   merge_config=mla_verify_composed.MergeConfig(pdl=pdl))
+                   merge_config=mla_verify_composed.MergeConfig(**merge))
     out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
 
     def load(case):
