@@ -16,9 +16,10 @@ sets it from the placement's cost model, ``pairs_per_read``) is q: how many pair
   dispatch ``rank_invariant``: every rank runs the MoE over the same tokens and the outputs are summed)
   or an all-to-all backend such as DeepEP without DP attention. Under DP attention each rank routes its
   own tokens and no rank sees the others' ids: the first call refuses to run, with one line.
-* Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64 for the balanced rule, 576 for
-  the rule by cost, which weighs tokens too: BENCHMARKS.md, "Rule-by-cost kernel"), or of more than the
-  kernel's 8192 ids, go to SGLang's own rule, which balances tokens. The threshold is a host fact (the
+* Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64 for the balanced rule; 288 for the
+  rule by cost, the largest batch where its predicted gain over SGLang's best rule exceeds the kernel's
+  measured time: BENCHMARKS.md, "Rule-by-cost kernel"), or of more than the kernel's 8192 ids, go to
+  SGLang's own rule, which balances tokens. The threshold is a host fact (the
   tensor's shape), so a CUDA graph captures one branch or the other.
 * CUDA-graph safe: the layer's replica tables are derived on the device on the first (eager) call,
   with no host sync, and cached by the address of SGLang's per-layer map; the output goes to one of
@@ -47,7 +48,7 @@ logger = logging.getLogger("moeplace.dispatch")
 TARGET = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
 PLACEMENT = "sglang.srt.eplb.expert_location.compute_initial_expert_location_metadata"
 RULES = ("balanced", "cost")
-DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 576}   # rows; the cost kernel's time at 576: BENCHMARKS.md
+DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 288}   # rows; why 288: BENCHMARKS.md, "Rule-by-cost kernel"
 MAX_KERNEL_RANKS = 32
 MAX_Q = 1 << 16   # moeplace_kernels.balanced_dispatch.MAX_Q (not imported: this module must load without torch)
 
