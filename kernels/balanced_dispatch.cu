@@ -1,4 +1,5 @@
-// Balanced dispatch among expert replicas: moeplace's fast rule (moeplace/balanced.py) on the GPU.
+// Balanced dispatch among expert replicas: moeplace's fast rule (moeplace/balanced.py) on the GPU, and the
+// rule by cost (moeplace/cost_dispatch.py), which starts from it.
 //
 // One CTA of kThreads threads per MoE layer and step. The rule itself is sequential (a greedy pass over
 // the active multi-replica experts in id order, then breadth-first augmenting paths over <= 32 ranks)
@@ -12,13 +13,26 @@
 //   3. the experts, one per thread: a one-replica expert adds to its rank's (load, tok) with shared
 //      atomics; the active multi-replica experts form a list in id order (ballot per warp, then each
 //      warp's offset from the counts of the warps before it);
-//   4. greedy (warp 0): lane r holds rank r's state packed in one word, load << 16 | tok << 5 | r, whose
+//   4. greedy (warp 0): lane r holds rank r's state packed in one word, load << 19 | tok << 5 | r, whose
 //      unsigned order is the rule's tie order (fewest experts, fewest tokens, lowest rank); tok <=
-//      N*K <= 1024 < 2^11 and load <= 1024, so fields never overlap. An expert's choice among its replica
-//      ranks is one __reduce_min_sync over the candidate lanes;
+//      N*K <= 8192 < 2^14 and load <= min(E, N*K) <= 4096 < 2^13, so fields never overlap. An expert's
+//      choice among its replica ranks is one __reduce_min_sync over the candidate lanes;
 //   5. augmenting paths (warp 0): per lane b the bit set of ranks a with an edge a -> b (an expert on a
 //      that has a replica on b); a BFS level is one ballot, a parent the lowest set bit;
 //   6. output: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1.
+//
+// The rule by cost (moeplace_cost_dispatch; the kernel's kCost instantiation) adds, when the step has at
+// least q valid (token, expert) pairs:
+//   5b. moves (warp 0), up to max_rounds <= kMaxSplit: a rank costs q * distinct + tokens; each lane scans
+//      its share of the list for the moves of cost_rule_step (all of an expert's tokens on a rank at the
+//      maximum to another replica, or the share that levels the two), each as one 64-bit key whose order
+//      is the rule's (the two ranks' higher cost, a whole move first, expert, source, target); a warp
+//      minimum picks the move. A moved expert gets a row of a small table of its tokens per rank (its
+//      list rank becomes 32 + row), so memory stays fixed whatever the layout;
+//   6b. output of a split expert: its valid entries go to its ranks in increasing rank order, in entry
+//      order (moeplace.cost_dispatch.pair_slots). Each warp takes a contiguous segment of the entries:
+//      it counts its entries of each moved expert (shared atomics), one barrier, then numbers them
+//      from the counts of the warps before it, a __match_any_sync per 32 entries.
 //
 // Loops are rolled: the kernel runs once per SM and pays an instruction fetch for each new line of
 // code, which made the earlier one-warp, 16-way unrolled kernel (~2,100 instructions) slow.
@@ -61,7 +75,9 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kThreads = BD_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kStageLimit = 40 * 1024;    // dynamic shared memory with the slot table staged
-constexpr int kDefaultLimit = 47 * 1024;  // above this (E = 4096 with 1024 int64 ids), opt in to more
+constexpr int kDefaultLimit = 47 * 1024;  // above this (E = 4096, or many int64 ids), opt in to more
+constexpr int kMaxSplit = 32;             // rule by cost: moves per step, so experts it may split
+constexpr int kLoadShift = 19;            // rank key: load << 19 | tok << 5 | rank
 static_assert(kThreads % 32 == 0 && kThreads >= 32 && kThreads <= 1024, "BD_THREADS: whole warps");
 
 struct Params {
@@ -73,6 +89,8 @@ struct Params {
   int num_rows_is_64;
   int rows, k, experts, ranks, max_augment;
   int stage_slots;        // 1: the slot table is copied to shared memory
+  int q;                  // rule by cost: pairs one expert read costs (kCost only)
+  int max_rounds;         // rule by cost: moves per step, <= kMaxSplit (kCost only)
 };
 
 // Byte offsets of the dynamic shared memory, 16-byte aligned; the same function sizes the launch.
@@ -131,12 +149,84 @@ __device__ __forceinline__ bool stop_here(int phase, Id* out, int entries, int v
   return true;
 }
 
-template <typename Id>
+// Phase 6 of the rule by cost: the output, where the valid entries of a moved expert j (cnt[id] = 32 + j)
+// go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in entry order.
+template <typename Id, int kSplit>
+__device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const unsigned* msk, const int* cnt,
+                                                  const int* sslots, const Params& p, int valid, int entries,
+                                                  int used, int (*split_alloc)[32], int (*split_count)[kSplit],
+                                                  int (*split_base)[kSplit]) {
+  const int E = p.experts, R = p.ranks, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const unsigned rank_bits = R >= 32 ? kFull : (1u << R) - 1u;
+  const int segment = (entries + 32 * kWarps - 1) / (32 * kWarps) * 32;   // whole chunks of 32 per warp
+  const int first = warp * segment, last = min(first + segment, entries);
+  // the moved expert of entry i, or -1
+  auto split_of = [&](int i, int id) {
+    if (i >= valid || id < 0) return -1;
+    const unsigned m = msk[id] & rank_bits;
+    return (m & (m - 1)) != 0 && cnt[id] >= 32 ? cnt[id] - 32 : -1;
+  };
+  if (used > 0) {   // uniform: split_used was read after a barrier
+    if (lane < kSplit) split_count[warp][lane] = 0;
+    __syncwarp();
+#pragma unroll 1
+    for (int i = first + lane; i < last; i += 32) {
+      const int j = split_of(i, known_id(static_cast<long long>(sids[i]), E));
+      if (j >= 0) atomicAdd(&split_count[warp][j], 1);
+    }
+    __syncthreads();
+    if (lane < used) {
+      int before = 0;
+#pragma unroll 1
+      for (int w = 0; w < warp; ++w) before += split_count[w][lane];
+      split_base[warp][lane] = before;
+    }
+    __syncwarp();
+  }
+#pragma unroll 1
+  for (int base = first; base < last; base += 32) {
+    const int i = base + lane;
+    const int id = i < last ? known_id(static_cast<long long>(sids[i]), E) : -1;
+    const unsigned m = id >= 0 ? msk[id] & rank_bits : 0u;
+    const int j = used > 0 && i < last ? split_of(i, id) : -1;
+    int r = -1;
+    if (used > 0) {
+      const unsigned group = __match_any_sync(kFull, j >= 0 ? j : 64 + lane);
+      if (j >= 0) {
+        const int position = split_base[warp][j] + __popc(group & ((1u << lane) - 1u));
+        int end = 0;
+        for (r = 0; r < R - 1; ++r) {
+          end += split_alloc[j][r];
+          if (position < end) break;
+        }
+      }
+      __syncwarp();
+      if (j >= 0 && lane == __ffs(group) - 1) split_base[warp][j] += __popc(group);
+      __syncwarp();
+    }
+    if (i < last) {
+      int slot = -1;
+      if (m != 0) {
+        if (r < 0) r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
+        slot = p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r);
+      }
+      out[i] = static_cast<Id>(slot);
+    }
+  }
+}
+
+template <typename Id, bool kCost>
 __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int single_load[32], single_tok[32], warp_multi[kWarps];
   __shared__ unsigned rank_key[32];
   __shared__ int valid_entries;
+  // rule by cost only (one element each in the balanced instantiation)
+  constexpr int kSplit = kCost ? kMaxSplit : 1, kSplitWarps = kCost ? kWarps : 1;
+  __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
+  __shared__ int split_count[kSplitWarps][kSplit], split_base[kSplitWarps][kSplit];
+  __shared__ int rank_cost[kCost ? 32 : 1];
+  __shared__ int split_used;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
   const SmemLayout at = smem_layout(E, R, entries, sizeof(Id), p.stage_slots != 0);
   const int* sslots = reinterpret_cast<const int*>(smem + at.slots);   // [E, R] when staged
@@ -221,7 +311,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
 
   if (warp == 0) {
     // 4. greedy, in expert id order: the candidate rank with the smallest (load, tok, rank)
-    unsigned state = (static_cast<unsigned>(single_load[lane]) << 16) |
+    unsigned state = (static_cast<unsigned>(single_load[lane]) << kLoadShift) |
                      (static_cast<unsigned>(single_tok[lane]) << 5) | lane;
     // The next expert's mask and count are read while this one's reduction runs (one entry past the
     // list is still inside the shared memory: the next array follows).
@@ -230,13 +320,13 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
     for (int i = 0; i < listed; ++i) {
       const unsigned m_next = list_m[i + 1], c_next = static_cast<unsigned>(list_c[i + 1]);
       const unsigned best = __reduce_min_sync(kFull, (m >> lane) & 1u ? state : kFull);
-      if (best == state) state += (1u << 16) + (c << 5);
+      if (best == state) state += (1u << kLoadShift) + (c << 5);
       if (lane == 0) list_r[i] = static_cast<unsigned char>(best & 31u);
       m = m_next;
       c = c_next;
     }
-    int load = static_cast<int>(state >> 16);
-    int tok = static_cast<int>((state >> 5) & 0x7ffu);
+    int load = static_cast<int>(state >> kLoadShift);
+    int tok = static_cast<int>((state >> 5) & 0x3fffu);
     __syncwarp();
 
     // 5. augmenting paths from the ranks of maximum load to a rank of load <= max - 2
@@ -284,7 +374,81 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       if (lane == b) load -= 1;
       if (lane == target) load += 1;
     }
-    rank_key[lane] = (static_cast<unsigned>(load) << 16) | (static_cast<unsigned>(tok) << 5) | lane;
+    int used = 0;
+    if constexpr (kCost) {
+      // 5b. the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step)
+      const int q = p.q;
+      const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(tok) : 0u));
+#pragma unroll 1
+      for (int round = 0; pairs >= q && round < p.max_rounds; ++round) {
+        const int cost = lane < R ? q * load + tok : -1;
+        const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
+        rank_cost[lane] = cost;
+        __syncwarp();
+        unsigned long long best = ~0ull;
+        int best_i = 0, best_m = 0;
+#pragma unroll 1
+        for (int i = lane; i < listed; i += 32) {
+          const unsigned m = list_m[i];
+          const int home = list_r[i], c = list_c[i], e = list_e[i];
+          const int j = home - 32;                    // >= 0: moved before, tokens in split_alloc[j]
+          unsigned sources = j >= 0 ? m : (1u << home);
+#pragma unroll 1
+          while (sources != 0) {
+            const int src = __ffs(sources) - 1;
+            sources &= sources - 1;
+            const int here = j >= 0 ? split_alloc[j][src] : c;
+            if (rank_cost[src] != top || here <= 0) continue;
+            unsigned targets = m & ~(1u << src);
+#pragma unroll 1
+            while (targets != 0) {
+              const int r = __ffs(targets) - 1;
+              targets &= targets - 1;
+              const int there = j >= 0 ? split_alloc[j][r] : 0;
+              const int dest = rank_cost[r] + (there == 0 ? q : 0);
+              int value = max(top - q - here, dest + here), partial = 0, moved = here;
+              if (here >= 2) {
+                const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
+                const int level = max(top - share, dest + share);
+                if (level < value) value = level, partial = 1, moved = share;
+              }
+              const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
+                                             (static_cast<unsigned long long>(partial) << 22) |
+                                             (static_cast<unsigned long long>(e) << 10) |
+                                             static_cast<unsigned long long>(src << 5 | r);
+              if (key < best) best = key, best_i = i, best_m = moved;
+            }
+          }
+        }
+        const unsigned hi = static_cast<unsigned>(best >> 32), lo = static_cast<unsigned>(best);
+        const unsigned min_hi = __reduce_min_sync(kFull, hi);
+        const unsigned min_lo = __reduce_min_sync(kFull, hi == min_hi ? lo : kFull);
+        const unsigned long long chosen = (static_cast<unsigned long long>(min_hi) << 32) | min_lo;
+        if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
+        const int winner = __ffs(__ballot_sync(kFull, best == chosen)) - 1;
+        const int i = __shfl_sync(kFull, best_i, winner), moved = __shfl_sync(kFull, best_m, winner);
+        const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
+        const int home = list_r[i];
+        int j = home - 32;
+        if (j < 0) {                                  // first move of this expert: a row of the table
+          j = used++;
+          split_alloc[j][lane] = lane == home ? static_cast<int>(list_c[i]) : 0;
+        }
+        __syncwarp();
+        const int had_src = split_alloc[j][src], had_r = split_alloc[j][r];
+        __syncwarp();
+        if (lane == 0) {
+          list_r[i] = static_cast<unsigned char>(32 + j);
+          split_alloc[j][src] = had_src - moved;
+          split_alloc[j][r] = had_r + moved;
+        }
+        if (lane == src) tok -= moved, load -= had_src == moved;
+        if (lane == r) tok += moved, load += had_r == 0;
+        __syncwarp();
+      }
+      if (lane == 0) split_used = used;
+    }
+    rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
 #pragma unroll 1
     for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
   }
@@ -294,16 +458,21 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   if (stop_here(5, out, entries, static_cast<int>(rank_key[lane]), start)) return;
 
   // 6. slots: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1
+  if constexpr (kCost) {
+    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_used, split_alloc,
+                      split_count, split_base);
+  } else {
 #pragma unroll 1
-  for (int i = tid; i < entries; i += kThreads) {
-    const int id = known_id(static_cast<long long>(sids[i]), E);
-    const unsigned m = id >= 0 ? msk[id] & rank_bits : 0u;
-    int slot = -1;
-    if (m != 0) {
-      const int r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
-      slot = p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r);
+    for (int i = tid; i < entries; i += kThreads) {
+      const int id = known_id(static_cast<long long>(sids[i]), E);
+      const unsigned m = id >= 0 ? msk[id] & rank_bits : 0u;
+      int slot = -1;
+      if (m != 0) {
+        const int r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
+        slot = p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r);
+      }
+      out[i] = static_cast<Id>(slot);
     }
-    out[i] = static_cast<Id>(slot);
   }
   if (BD_CLOCK) {
     __syncthreads();
@@ -311,14 +480,14 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   }
 }
 
-template <typename Id>
+template <typename Id, bool kCost>
 int launch(const Params& p, int smem, cudaStream_t stream) {
   if (smem > kDefaultLimit) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(balanced_dispatch_kernel<Id>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    const cudaError_t err = cudaFuncSetAttribute(balanced_dispatch_kernel<Id, kCost>,
+                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
-  balanced_dispatch_kernel<Id><<<1, kThreads, smem, stream>>>(p);
+  balanced_dispatch_kernel<Id, kCost><<<1, kThreads, smem, stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -337,11 +506,24 @@ int moeplace_balanced_dispatch_smem(int experts, int ranks, int entries, int id_
 int moeplace_balanced_dispatch(const void* ids, void* out, const int* masks, const int* slots,
                                const void* num_rows, int num_rows_is_64, int ids_are_64, int rows,
                                int k, int experts, int ranks, int max_augment, void* stream) {
-  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0};
+  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0, 0, 0};
   const int smem = moeplace_balanced_dispatch_smem(experts, ranks, rows * k, ids_are_64 ? 8 : 4,
                                                    &p.stage_slots);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return ids_are_64 ? launch<long long>(p, smem, s) : launch<int>(p, smem, s);
+  return ids_are_64 ? launch<long long, false>(p, smem, s) : launch<int, false>(p, smem, s);
+}
+
+// The rule by cost (q >= 1 pairs per expert read, max_rounds in [0, 32] moves); otherwise as above.
+int moeplace_cost_dispatch(const void* ids, void* out, const int* masks, const int* slots, const void* num_rows,
+                           int num_rows_is_64, int ids_are_64, int rows, int k, int experts, int ranks,
+                           int max_augment, int q, int max_rounds, void* stream) {
+  if (q < 1 || max_rounds < 0 || max_rounds > kMaxSplit) return static_cast<int>(cudaErrorInvalidValue);
+  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0, q,
+           max_rounds};
+  const int smem = moeplace_balanced_dispatch_smem(experts, ranks, rows * k, ids_are_64 ? 8 : 4,
+                                                   &p.stage_slots);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  return ids_are_64 ? launch<long long, true>(p, smem, s) : launch<int, true>(p, smem, s);
 }
 
 const char* moeplace_cuda_error_string(int err) {

@@ -18,6 +18,12 @@ Two kernels compute it, each as a single program (the rule is sequential and sma
 ``MOEPLACE_DISPATCH_BACKEND=cuda|triton`` (default ``auto``) or ``backend=`` chooses. BENCHMARKS.md
 ("Balanced dispatch kernel") has the graph-replay times of both against SGLang's ``dynamic`` rule.
 
+:func:`cost_dispatch` runs moeplace's rule by cost (``moeplace.cost_dispatch.cost_rule_step``): the same
+balanced rule, then, on a step of at least ``q`` (token, expert) pairs, up to ``max_rounds`` moves or splits
+of an expert's tokens between its replicas; a split expert's entries go to its ranks in increasing rank
+order, in entry order (``moeplace.cost_dispatch.pair_slots``). Integer arithmetic and fixed ties: every
+rank computes the same slots from the same ids.
+
 Forward-time calls with ``out`` given allocate nothing and never synchronise with the host, so they can
 be captured in a CUDA graph and replayed with new ids in the same buffers. Call :func:`prepare` once per
 device before capture: it builds (or finds) the CUDA kernel and warms up the Triton one outside the graph.
@@ -31,12 +37,15 @@ from typing import Optional
 import torch
 
 from moeplace.balanced import MAX_AUGMENT
+from moeplace.cost_dispatch import MAX_ROUNDS
 from moeplace_kernels import balanced_dispatch_cuda
 
-MAX_ENTRIES = 1024   # N * K: the load and token fields of the CUDA kernel's packed rank key are 11 bits wide
+MAX_ENTRIES = 8192   # N * K (576 token rows of top-8 is 4608): the token field of the packed rank key is 14 bits
 MAX_EXPERTS = 4096   # the tested bound; CUDA kernel: 8E + 9 min(E, N*K) + N*K*id bytes of shared memory
 MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
 UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
+MAX_Q = 1 << 16      # rule by cost: q * distinct + tokens stays far inside 32 bits (distinct <= 4096)
+MAX_MOVES = 32       # rule by cost: rows of the CUDA kernel's table of split experts
 BACKENDS = ("auto", "cuda", "triton")
 
 
@@ -53,6 +62,26 @@ def balanced_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.
     out: [N, K] preallocated, dtype of ``topk_ids``; may be ``topk_ids`` itself (in place)
     max_augment: augmenting paths per step (``moeplace.balanced.MAX_AUGMENT``); None: no cap
     """
+    return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, None, 0, backend)
+
+
+def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor, q: int,
+                  num_rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
+                  max_augment: Optional[int] = MAX_AUGMENT, max_rounds: int = MAX_ROUNDS, *,
+                  backend: str = "auto") -> torch.Tensor:
+    """Physical slot ids [N, K] of ``topk_ids`` by the rule by cost (``moeplace.cost_dispatch``).
+
+    q: (token, expert) pairs one expert read costs (``moeplace.cost_dispatch.pairs_per_read``), 1 to MAX_Q;
+    max_rounds: moves after the balanced rule, 0 to MAX_MOVES. The rest as :func:`balanced_dispatch`.
+    """
+    for name, value, low, high in (("q", q, 1, MAX_Q), ("max_rounds", max_rounds, 0, MAX_MOVES)):
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ValueError(f"{name} must be an int from {low} to {high}, got {value!r}")
+    return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, q, max_rounds, backend)
+
+
+def _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, q: Optional[int], max_rounds: int,
+              backend: str) -> torch.Tensor:
     _check(topk_ids, masks, slots, num_rows, out, max_augment)
     if out is None:
         out = torch.empty_like(topk_ids)
@@ -61,11 +90,11 @@ def balanced_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.
     augment = UNLIMITED if max_augment is None else int(max_augment)
     if _backend_for(topk_ids.device, backend) == "cuda":
         library = balanced_dispatch_cuda.load(torch.cuda.get_device_capability(topk_ids.device))
-        launch_cuda(library, topk_ids, masks, slots, num_rows, out, augment)
+        launch_cuda(library, topk_ids, masks, slots, num_rows, out, augment, q, max_rounds)
     else:
         from moeplace_kernels import balanced_dispatch_triton
 
-        balanced_dispatch_triton.launch(topk_ids, masks, slots, num_rows, out, augment)
+        balanced_dispatch_triton.launch(topk_ids, masks, slots, num_rows, out, augment, q, max_rounds)
     return out
 
 
@@ -128,15 +157,21 @@ def _backend_for(device: torch.device, requested: str) -> str:
 
 
 def launch_cuda(library: balanced_dispatch_cuda.DispatchLibrary, topk_ids: torch.Tensor, masks: torch.Tensor,
-                slots: torch.Tensor, num_rows: Optional[torch.Tensor], out: torch.Tensor, max_augment: int) -> None:
-    """One launch of ``library`` (the CUDA kernel, or a benchmark build of it) on checked inputs."""
+                slots: torch.Tensor, num_rows: Optional[torch.Tensor], out: torch.Tensor, max_augment: int,
+                q: Optional[int] = None, max_rounds: int = MAX_ROUNDS) -> None:
+    """One launch of ``library`` (the CUDA kernel, or a benchmark build of it) on checked inputs; with ``q``,
+    the rule by cost."""
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
-    library.launch(topk_ids.data_ptr(), out.data_ptr(), masks.data_ptr(), slots.data_ptr(),
-                   None if num_rows is None else num_rows.data_ptr(),
-                   num_rows is not None and num_rows.dtype == torch.int64,
-                   topk_ids.dtype == torch.int64, rows, k, experts, ranks, max_augment,
-                   torch.cuda.current_stream(topk_ids.device).cuda_stream)
+    common = (topk_ids.data_ptr(), out.data_ptr(), masks.data_ptr(), slots.data_ptr(),
+              None if num_rows is None else num_rows.data_ptr(),
+              num_rows is not None and num_rows.dtype == torch.int64,
+              topk_ids.dtype == torch.int64, rows, k, experts, ranks, max_augment)
+    stream = torch.cuda.current_stream(topk_ids.device).cuda_stream
+    if q is None:
+        library.launch(*common, stream)
+    else:
+        library.launch_cost(*common, q, max_rounds, stream)
 
 
 # ----------------------------------------------------------------------------- input checks

@@ -11,6 +11,12 @@ where the CUDA kernel walks a list, this one takes a reduction per step: the nex
 is the minimum of ``id * 2048 + tokens`` over the experts after the last one, and a BFS level ORs the
 masks of each level rank's experts. That is several reductions per expert, which is why the CUDA
 kernel is the default (BENCHMARKS.md, "Balanced dispatch kernel").
+
+With ``COST`` the kernel runs the rule by cost (``moeplace.cost_dispatch.cost_rule_step``) after the balanced
+rule: each round's candidate moves are one key per (expert, target) [E_PAD, RANKS_PAD] for the experts not
+yet moved (their tokens are all on their pick), and per (row, target) [SPLIT, RANKS_PAD] for each source rank
+for the moved ones, whose tokens per rank are rows of a [SPLIT, RANKS_PAD] table. A moved expert's valid
+entries then take its ranks in increasing rank order, in entry order (a cumulative sum over the entries).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import triton.language as tl
 
 RANKS_PAD = tl.constexpr(64)   # rank vectors; bin 63 (>= 32 ranks) collects what a histogram must ignore
 BIG = tl.constexpr(1 << 62)
+SPLIT = tl.constexpr(32)       # rule by cost: rows of the table of moved experts (moves per step at most)
 
 
 @triton.jit
@@ -46,8 +53,9 @@ def _or(a, b):
 
 @triton.jit
 def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_ptr,
-                             rows, k, experts, ranks, max_augment,
-                             ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr):
+                             rows, k, experts, ranks, max_augment, q, max_rounds,
+                             ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr,
+                             COST: tl.constexpr):
     RP: tl.constexpr = RANKS_PAD
     i = tl.arange(0, ENTRIES)
     e = tl.arange(0, E_PAD).to(tl.int64)
@@ -80,12 +88,12 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
 
     # 2. greedy over the active multi-replica experts in id order
     pick = tl.where(single, _lowest_bit(m), -1)
-    order = tl.where(multi, e * 2048 + cnt, BIG)   # id, then its tokens (<= 1024)
+    order = tl.where(multi, e * 16384 + cnt, BIG)   # id, then its tokens (<= 8192)
     prev = tl.full((), -1, tl.int64)
     for _ in range(tl.sum(multi.to(tl.int32))):
         head = tl.min(tl.where(e > prev, order, BIG))
-        ex = head // 2048
-        c = head % 2048
+        ex = head // 16384
+        c = head % 16384
         mx = tl.load(masks_ptr + ex).to(tl.int64) & rank_bits
         best = tl.min(tl.where(((mx >> r) & 1) != 0, state, BIG))
         chosen = best % RP
@@ -138,21 +146,118 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
                 done += 1
                 searching = done < max_augment
 
+    if COST:   # 3b. the rule by cost's moves, then the entries of the moved experts
+        rank_entry = _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks,
+                                 q, max_rounds, E_PAD, RP)
+
     # 4. slots: valid rows by the rule, padding rows the lowest replica rank, unknown ids -1
     slot = tl.load(slots_ptr + ids * ranks + rank_entry, mask=known, other=-1)
     tl.store(out_ptr + i, slot.to(out_ptr.dtype.element_ty), mask=i < entries)
 
 
+@triton.jit
+def _key(value, partial, expert, src, target):
+    """One candidate move as an int64 whose order is the rule's: value, a whole move first, expert, source, target."""
+    return (value << 23) | (partial << 22) | (expert << 10) | (src << 5) | target
+
+
+@triton.jit
+def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks, q, max_rounds,
+                E_PAD: tl.constexpr, RP: tl.constexpr):
+    """Step 3 of ``cost_rule_step`` after the balanced rule; returns each entry's rank (see the module docstring)."""
+    jj = tl.arange(0, SPLIT).to(tl.int64)
+    split_alloc = tl.zeros([SPLIT, RP], tl.int64)   # tokens of moved expert j on rank r
+    split_e = tl.full([SPLIT], -1, tl.int64)
+    split_m = tl.zeros([SPLIT], tl.int64)
+    row_of = tl.full([E_PAD], -1, tl.int64)           # the table row of a moved expert
+    used = tl.full((), 0, tl.int64)
+    pairs = tl.sum(tl.where(in_rank, tok, 0))
+    rounds = tl.full((), 0, tl.int32)
+    going = (pairs >= q) & (rounds < max_rounds)
+    target_bit = ((m[:, None] >> r[None, :]) & 1) != 0          # [E_PAD, RP]
+    while going:
+        cost = tl.where(in_rank, q * load + tok, -1)
+        top = tl.max(cost)
+        # experts not moved yet: all of their tokens on their pick
+        at_pick = r[None, :] == pick[:, None]
+        cost_src = tl.sum(tl.where(at_pick, cost[None, :], 0), axis=1)
+        here = cnt[:, None]
+        dest = cost[None, :] + q
+        whole = tl.maximum(top - q - here, dest + here)
+        share = tl.minimum(tl.maximum((top - dest) // 2, 1), here - 1)
+        part = tl.where(here >= 2, tl.maximum(top - share, dest + share), BIG)
+        use_part = part < whole
+        key = _key(tl.minimum(whole, part), use_part.to(tl.int64), e[:, None], pick[:, None], r[None, :])
+        allowed = (multi & (row_of < 0) & (cost_src == top))[:, None] & target_bit & ~at_pick
+        best = tl.min(tl.min(tl.where(allowed, key, BIG), axis=1))
+        # experts moved before: their tokens per rank in the table, every source rank at the maximum
+        row_bit = ((split_m[:, None] >> r[None, :]) & 1) != 0      # [SPLIT, RP]
+        for src in range(0, ranks):
+            a_src = tl.sum(tl.where(r[None, :] == src, split_alloc, 0), axis=1)[:, None]   # [SPLIT, 1]
+            cost_s = tl.sum(tl.where(r == src, cost, 0))
+            dest = cost[None, :] + tl.where(split_alloc == 0, q, 0)
+            whole = tl.maximum(top - q - a_src, dest + a_src)
+            share = tl.minimum(tl.maximum((top - dest) // 2, 1), a_src - 1)
+            part = tl.where(a_src >= 2, tl.maximum(top - share, dest + share), BIG)
+            use_part = part < whole
+            key = _key(tl.minimum(whole, part), use_part.to(tl.int64), split_e[:, None], src, r[None, :])
+            allowed = (jj < used)[:, None] & (a_src > 0) & (cost_s == top) & row_bit & (r[None, :] != src)
+            best = tl.minimum(best, tl.min(tl.min(tl.where(allowed, key, BIG), axis=1)))
+        going = (best < BIG) & ((best >> 23) < top)
+        if going:
+            partial = (best >> 22) & 1
+            ex = (best >> 10) & 4095
+            src = (best >> 5) & 31
+            tgt = best & 31
+            row = tl.sum(tl.where(e == ex, row_of, 0))
+            new = row < 0
+            row = tl.where(new, used, row)
+            home = tl.sum(tl.where(e == ex, pick, 0))
+            c = tl.sum(tl.where(e == ex, cnt, 0))
+            mx = tl.sum(tl.where(e == ex, m, 0))
+            in_row = (jj == row)[:, None]
+            split_alloc = tl.where(new & in_row & (r[None, :] == home), c, split_alloc)
+            split_e = tl.where(new & (jj == row), ex, split_e)
+            split_m = tl.where(new & (jj == row), mx, split_m)
+            row_of = tl.where(new & (e == ex), row, row_of)
+            used += new.to(tl.int64)
+            alloc = tl.sum(tl.where(in_row, split_alloc, 0), axis=0)   # [RP]
+            had_src = tl.sum(tl.where(r == src, alloc, 0))
+            had_tgt = tl.sum(tl.where(r == tgt, alloc, 0))
+            dest = tl.sum(tl.where(r == tgt, cost, 0)) + tl.where(had_tgt == 0, q, 0)
+            share = tl.minimum(tl.maximum((top - dest) // 2, 1), had_src - 1)
+            moved = tl.where(partial == 1, share, had_src)
+            split_alloc = (split_alloc - tl.where(in_row & (r[None, :] == src), moved, 0)
+                           + tl.where(in_row & (r[None, :] == tgt), moved, 0))
+            tok = tok - tl.where(r == src, moved, 0) + tl.where(r == tgt, moved, 0)
+            load = (load - tl.where((r == src) & (had_src == moved), 1, 0)
+                    + tl.where((r == tgt) & (had_tgt == 0), 1, 0))
+            rounds += 1
+            going = rounds < max_rounds
+    for j in range(0, used):   # a moved expert's valid entries: its ranks in increasing order, entry order
+        ex = tl.sum(tl.where(jj == j, split_e, 0))
+        match = valid & (ids == ex)
+        position = tl.cumsum(match.to(tl.int32), 0) - 1
+        ends = tl.cumsum(tl.sum(tl.where((jj == j)[:, None], split_alloc, 0), axis=0), 0)   # [RP]
+        rank = tl.zeros_like(rank_entry)
+        for rr in range(0, ranks - 1):
+            rank += (position >= tl.sum(tl.where(r == rr, ends, 0))).to(rank.dtype)
+        rank_entry = tl.where(match, rank, rank_entry)
+    return rank_entry
+
+
 MIN_ENTRIES = 32   # entries are padded to a power of two >= this: few compiled variants
 
 
-def launch(topk_ids, masks, slots, num_rows, out, max_augment: int) -> None:
-    """Run the kernel on checked inputs (see ``balanced_dispatch.balanced_dispatch``)."""
+def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, q: int | None = None,
+           max_rounds: int = 0) -> None:
+    """Run the kernel on checked inputs (see ``balanced_dispatch.balanced_dispatch``); with ``q``, the rule by
+    cost (``balanced_dispatch.cost_dispatch``)."""
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
     e_pad = triton.next_power_of_2(experts + 1)   # one bin past the experts for ignored entries
     balanced_dispatch_kernel[(1,)](
         topk_ids, masks, slots, num_rows if num_rows is not None else masks, out,
-        rows, k, experts, ranks, max_augment,
+        rows, k, experts, ranks, max_augment, q or 1, max_rounds,
         ENTRIES=max(MIN_ENTRIES, triton.next_power_of_2(rows * k)), E_PAD=e_pad,
-        HAS_NUM_ROWS=num_rows is not None, num_warps=1 if e_pad <= 1024 else 4)
+        HAS_NUM_ROWS=num_rows is not None, COST=q is not None, num_warps=1 if e_pad <= 1024 else 4)

@@ -10,6 +10,9 @@ For each batch size, one CUDA graph holds ``--calls`` dispatches, each over a di
 own input and output buffers; µs per call = median replay time / calls. Rows:
 
   moeplace cuda     ``moeplace_kernels.balanced_dispatch``, the CUDA kernel (int32 ids, as SGLang's)
+  moeplace cost     ``moeplace_kernels.balanced_dispatch.cost_dispatch``, the rule by cost in the same CUDA
+                    kernel (``--cost-q``: pairs per expert read; 281 is the derived H200 Kimi-K2 model's q
+                    from 72 tokens per step, BENCHMARKS.md "Dispatch by cost")
   moeplace triton   the same rule in Triton (the fallback)
   sglang dynamic    SGLang 0.5.23's ``_topk_ids_logical_to_physical_dynamic`` with ``rank_invariant``
                     (what ``--moe-a2a-backend none`` runs), loaded from the wheel
@@ -21,14 +24,21 @@ replays is printed too. ``--variant LABEL=SPEC`` (repeatable) adds a row for ano
 kernel: SPEC holds nvcc flags (``-DBD_THREADS=256``) and/or another source of the same C entry point
 (a ``.cu`` path, e.g. an earlier version from git), each checked like the others.
 
-Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (ids that differ: a column; 0 is
-right). A variant that fails is reported in its row and the others still run. Also reported:
+Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (the cost rows with
+``moeplace.cost_dispatch.cost_rule``, split experts' entries in ``pair_slots``' order; ids that differ: a
+column; 0 is right). A variant that fails is reported in its row and the others still run. Also reported:
 augmenting paths per batch (mean, max, share at the cap of 16) and the mean over batches of the
 largest number of distinct experts a rank reads, under each rule, beside the exact per-step optimum.
 
     python3 scripts/bench_dispatch.py --sglang-wheel '.whl/sglang-*.whl' --out bench_dispatch.md --phases
     git show df717cf:kernels/balanced_dispatch.cu > build/previous.cu   # the one-warp kernel
     python3 scripts/bench_dispatch.py --kernels cuda --variant previous=build/previous.cu --variant '256 threads=-DBD_THREADS=256'
+    python3 scripts/bench_dispatch.py --kernels cuda,cost --tokens 9,36,72,144,288,576 --out cost.md
+
+``--exact-only N`` (no GPU needed) instead scores the rule by cost on the first N batches of each size
+against the exact optimum (``moeplace.cost_dispatch.exact_split``, HiGHS: its proven lower bound), in units
+of (token, expert) pairs: the busiest rank's ``q * distinct + tokens``, without the launch term c (so the
+gap is no smaller than with it). The batches are the ones the timing run uses (same seeds).
 """
 
 from __future__ import annotations
@@ -48,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeplace.atomic import atomic_write_text  # noqa: E402
 from moeplace.balanced import MAX_AUGMENT, ReplicaLayout, fast_rule, replica_layout  # noqa: E402
+from moeplace.cost_dispatch import cost_rule  # noqa: E402
 
 TOKENS_PER_STEP = 9
 
@@ -61,6 +72,9 @@ class Batches:
     expected: np.ndarray     # [calls, T, K] physical slots by the fast rule
     augments: np.ndarray     # [calls] augmenting paths the rule used
     optimum: np.ndarray      # [calls] exact per-step optimum of the largest distinct experts on a rank
+    counts: np.ndarray       # [calls, E] tokens per expert
+    cost_expected: np.ndarray | None = None   # [calls, T, K] slots by the rule by cost (with --cost-q)
+    cost_rounds: np.ndarray | None = None     # [calls] its moves
 
 
 def one_layer_model(args):
@@ -96,7 +110,53 @@ def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
     rule = fast_rule(counts, layout.masks, R, MAX_AUGMENT)
     expected = layout.slots[ids, rule.pick[np.arange(args.calls)[:, None, None], ids]]
     optimum = step_optimum(subset_counts(counts > 0, layout.masks, R), subset_sizes(R))
-    return Batches(tokens, ids, expected, rule.augments, optimum)
+    batches = Batches(tokens, ids, expected, rule.augments, optimum, counts)
+    if args.cost_q:
+        batches.cost_expected, batches.cost_rounds = cost_slots(ids, counts, layout, args.cost_q)
+    return batches
+
+
+def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout, q: int) -> tuple[np.ndarray, np.ndarray]:
+    """([calls, T, K] slots, [calls] moves) by the rule by cost: a split expert's entries take its ranks in
+    increasing rank order, in entry order (``moeplace.cost_dispatch.pair_slots``)."""
+    chosen = cost_rule(counts, layout.masks, layout.ranks, q)
+    ends = np.cumsum(chosen.full_alloc(counts), axis=2)                   # [calls, E, R]
+    out = np.empty_like(ids)
+    for c, batch in enumerate(ids):
+        flat = batch.ravel()
+        order = np.argsort(flat, kind="stable")
+        grouped = flat[order]
+        position = np.empty(flat.size, np.int64)
+        position[order] = np.arange(flat.size) - np.searchsorted(grouped, grouped, side="left")
+        rank = (position[:, None] >= ends[c, flat]).sum(axis=1)
+        out[c] = layout.slots[flat, rank].reshape(batch.shape)
+    return out, chosen.rounds
+
+
+def exactness(args, layout: ReplicaLayout) -> list[dict]:
+    """The rule by cost against ``exact_split``'s proven bound on the first ``args.exact_only`` batches of each size."""
+    from moeplace.cost_dispatch import allocation_cost, exact_split
+
+    q, R = args.cost_q, args.ranks
+    out = []
+    for tokens in args.tokens:
+        batches = make_batches(args, layout, tokens)
+        n = min(args.exact_only, args.calls)
+        alloc = cost_rule(batches.counts[:n], layout.masks, R, q).full_alloc(batches.counts[:n])
+        gaps, optimal = [], 0
+        for c in range(n):
+            mine = float(allocation_cost(alloc[c], q, 1).max())
+            exact = exact_split(batches.counts[c], layout.masks, R, q, 1, time_limit=args.exact_time)
+            gaps.append(mine / exact.bound - 1 if exact.bound > 0 else 0.0)
+            optimal += exact.optimal
+        row = dict(tokens=tokens, steps=n, proven_optimal=optimal, gap_mean=float(np.mean(gaps)),
+                   gap_max=float(np.max(gaps)), moves_mean=float(batches.cost_rounds.mean()),
+                   moves_max=int(batches.cost_rounds.max()))
+        out.append(row)
+        print(f"{tokens:3d} tokens: rule by cost vs exact bound, mean {100 * row['gap_mean']:.2f}%, max "
+              f"{100 * row['gap_max']:.2f}% ({optimal}/{n} proven optimal); moves per batch mean "
+              f"{row['moves_mean']:.2f}, max {row['moves_max']}", flush=True)
+    return out
 
 
 def load_sglang_dispatch(wheel: str | None):
@@ -206,7 +266,8 @@ def measure(args) -> tuple[list[dict], dict]:
     import torch
 
     from cuda_timing import graph_time_us
-    from moeplace_kernels.balanced_dispatch import balanced_dispatch, dispatch_tables, launch_cuda, prepare
+    from moeplace_kernels.balanced_dispatch import (balanced_dispatch, cost_dispatch, dispatch_tables, launch_cuda,
+                                                    prepare)
 
     device = torch.device("cuda")
     t0 = time.time()
@@ -215,15 +276,17 @@ def measure(args) -> tuple[list[dict], dict]:
           f"({time.time() - t0:.1f} s)", flush=True)
     masks, slots = dispatch_tables(layout, device)
     backends = []
-    for b in (b for b in ("cuda", "triton") if b in args.kernels):
+    for b in (b for b in ("cuda", "triton") if b in args.kernels or (b == "cuda" and "cost" in args.kernels)):
         try:
             print(f"prepare {b}: {prepare(device, b)}", flush=True)
             backends.append(b)
         except Exception as exc:  # noqa: BLE001 (a build or compile error: reported, the rest still runs)
             print(f"moeplace {b}: unavailable ({type(exc).__name__}: {(str(exc).splitlines() or [''])[0]})",
                   flush=True)
-    sgl, version = load_sglang_dispatch(args.sglang_wheel)
-    info = sglang_dispatch_info(sgl, phy2log, args.experts, device)
+    sgl, version, info = None, "(not loaded)", None
+    if args.sglang_wheel != "none":
+        sgl, version = load_sglang_dispatch(args.sglang_wheel)
+        info = sglang_dispatch_info(sgl, phy2log, args.experts, device)
     physical = int(phy2log.shape[0])
     rows, meta = [], dict(sglang=version, torch=torch.__version__, device=torch.cuda.get_device_name(),
                           calls=args.calls, reps=args.reps, phases=[], sm_clock_mhz={})
@@ -250,6 +313,12 @@ def measure(args) -> tuple[list[dict], dict]:
                     balanced_dispatch(x, masks, slots, num_rows, o, backend=backend)
             return run
 
+        def cost(backend):
+            def run():
+                for x, o in zip(ids, outs):
+                    cost_dispatch(x, masks, slots, args.cost_q, num_rows, o, backend=backend)
+            return run
+
         def build(library):
             def run():
                 for x, o in zip(ids, outs):
@@ -264,9 +333,12 @@ def measure(args) -> tuple[list[dict], dict]:
             for x, o in zip(ids, outs):
                 o.copy_(x)
 
-        variants = [(f"moeplace {b}", moeplace(b)) for b in backends]
+        variants = [(f"moeplace {b}", moeplace(b)) for b in backends if b in args.kernels]
+        if "cost" in args.kernels and "cuda" in backends:
+            variants.append((f"moeplace cost (q {args.cost_q})", cost("cuda")))
         variants += [(f"moeplace cuda [{key[1]}]", build(lib)) for key, lib in libraries.items() if key[0] == "variant"]
-        variants += [(f"sglang {version} dynamic", dynamic), ("copy (floor)", copy)]
+        variants += [(f"sglang {version} dynamic", dynamic)] if sgl is not None else []
+        variants += [("copy (floor)", copy)]
         common = dict(tokens=tokens, entries=tokens * args.topk,
                       augments_mean=float(batches.augments.mean()), augments_max=int(batches.augments.max()),
                       at_cap=float((batches.augments >= MAX_AUGMENT).mean()),
@@ -278,7 +350,11 @@ def measure(args) -> tuple[list[dict], dict]:
                 fn()
                 torch.cuda.synchronize()
                 got = np.stack([o.cpu().numpy() for o in outs])
-                if name.startswith("moeplace"):
+                if name.startswith("moeplace cost"):
+                    row["wrong"] = int((got != batches.cost_expected).sum())
+                    row["moves_mean"] = float(batches.cost_rounds.mean())
+                    row["moves_max"] = int(batches.cost_rounds.max())
+                elif name.startswith("moeplace"):
                     row["wrong"] = int((got != batches.expected).sum())
                 if "floor" not in name:
                     row["max_distinct"] = float(max_distinct(got, args.ranks, physical).mean())
@@ -305,13 +381,15 @@ def table(rows: list[dict], meta: dict, args) -> str:
     lines = [f"Device: {meta['device']}, torch {meta['torch']}, SGLang {meta['sglang']} (wheel). "
              f"{args.experts} experts, top-{args.topk}, {args.ranks} ranks, {args.redundant} spare slots; "
              f"{meta['calls']} calls per graph, median of {meta['reps']} replays.", "",
-             "| tokens | ids | kernel | µs / call | vs sglang dynamic | ids unlike fast_rule | E[max distinct] "
+             "| tokens | ids | kernel | µs / call | vs sglang dynamic | ids unlike the rule | E[max distinct] "
              "| exact optimum | augmenting paths mean / max / at cap |",
              "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         us = r.get("error") or f"{r['us']:.2f}"
         ratio = f"{r['us'] / base[r['tokens']]:.2f}x" if r["us"] and base.get(r["tokens"]) else ""
         wrong = "" if r["wrong"] is None else str(r["wrong"])
+        if "moves_mean" in r:
+            wrong += f" (moves mean {r['moves_mean']:.2f}, max {r['moves_max']})"
         distinct = "" if r["max_distinct"] is None else f"{r['max_distinct']:.2f}"
         lines.append(f"| {r['tokens']} | {r['entries']} | {r['kernel']} | {us} | {ratio} | {wrong} | {distinct} | "
                      f"{r['optimum']:.2f} | {r['augments_mean']:.2f} / {r['augments_max']} / "
@@ -329,10 +407,16 @@ def table(rows: list[dict], meta: dict, args) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sglang-wheel", default=".whl/sglang-*.whl", help="the sglang wheel (a glob is fine)")
+    ap.add_argument("--sglang-wheel", default=".whl/sglang-*.whl",
+                    help="the sglang wheel (a glob is fine); none: no SGLang row")
     ap.add_argument("--out", default="bench_dispatch.md", help="markdown table (a .json beside it)")
     ap.add_argument("--tokens", default="9,36,72", help="token rows per batch, multiples of 9")
-    ap.add_argument("--kernels", default="cuda,triton", help="moeplace kernels to time")
+    ap.add_argument("--kernels", default="cuda,triton", help="moeplace kernels to time: cuda, cost, triton")
+    ap.add_argument("--cost-q", type=int, default=281,
+                    help="the rule by cost's pairs per expert read (its rows, and --exact-only)")
+    ap.add_argument("--exact-only", type=int, default=0, metavar="N",
+                    help="no timing: the rule by cost against the exact optimum on N batches of each size (CPU)")
+    ap.add_argument("--exact-time", type=float, default=10.0, help="seconds the MILP may take per batch")
     ap.add_argument("--experts", type=int, default=384)
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--ranks", type=int, default=8)
@@ -351,6 +435,11 @@ def main() -> None:
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if any(t <= 0 or t % TOKENS_PER_STEP for t in args.tokens):
         ap.error(f"--tokens must be positive multiples of {TOKENS_PER_STEP}")
+    if args.exact_only:
+        _, layout = make_layout(args)
+        rows = exactness(args, layout)
+        atomic_write_text(args.out, json.dumps(dict(q=args.cost_q, rows=rows), indent=1))
+        return
     rows, meta = measure(args)
     text = table(rows, meta, args)
     atomic_write_text(args.out, text)

@@ -26,7 +26,8 @@ With ``--gpus 2`` (two GPUs of one host, the Kimi-expert-shaped model): expert p
 ``--moe-a2a-backend none``, NGRAM) with DeepSeek EPLB, stepaware and balanced-with-spares placements
 fitted on SYNTHETIC routing, started through ``moeplace launch``, and TP-MoE beside them, two servers at a
 time: the map SGLang loaded equals the file on both ranks; both ranks' recorded slot choices are equal on
-every pass (the tracer keeps physical ids); the dispatch kernel runs in the replayed graphs; decode tokens
+every pass (the tracer keeps physical ids); the dispatch kernel runs in the replayed graphs (a placement made
+with ``--dispatch cost``: `launch` announces MOEPLACE_DISPATCH=cost with its q, the rule-by-cost kernel runs); decode tokens
 per second and MoE time per pass against the cost model's prediction; `launch` refuses another EP size,
 another model and DP attention with balanced dispatch, and the server itself refuses the latter.
 
@@ -659,7 +660,7 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
 
 # ----------------------------------------------------------------------------------------- 2 GPUs (EP)
 
-EP_LAYOUTS = ("deepseek", "stepaware", "balanced", "tp-moe")
+EP_LAYOUTS = ("deepseek", "stepaware", "balanced", "tp-moe", "cost")
 
 
 def rank_choices(folder: Path) -> dict[int, list[bytes]]:
@@ -689,17 +690,25 @@ def moe_us_per_pass(server: Server, layers: int, work: Path, rng: random.Random)
     while len(files) < 2 and time.monotonic() < deadline:
         files = sorted(out.glob("*-DECODE.trace.json.gz"))
         time.sleep(0.5)
-    per_rank, dispatch_kernels = [], 0
+    per_rank, dispatch_kernels, cost_kernels = [], 0, 0
     for f in files:
         with gzip.open(f, "rt") as fh:
             kernels = [e for e in json.load(fh)["traceEvents"] if e.get("cat") == "kernel"]
         moe = [e for e in kernels if bare_name(e["name"]).startswith("fused_moe_kernel")]
         dispatch_kernels += sum(bare_name(e["name"]).startswith("balanced_dispatch_kernel") for e in kernels)
+        cost_kernels += sum(is_cost_kernel(e["name"]) for e in kernels)
         per_rank.append(sum(e["dur"] for e in moe) / PROFILE_STEPS)
     tokens = sum(len(a["output_ids"]) for a in answers)
     return {"tokens_per_s": round(tokens / wall, 1), "moe_us_per_pass_slowest_rank": round(max(per_rank), 1)
             if per_rank else None, "moe_us_per_pass_per_rank": [round(x, 1) for x in per_rank],
-            "ranks_profiled": len(files), "balanced_dispatch_kernels": dispatch_kernels}
+            "ranks_profiled": len(files), "balanced_dispatch_kernels": dispatch_kernels,
+            "cost_dispatch_kernels": cost_kernels}
+
+
+def is_cost_kernel(kernel: str) -> bool:
+    """The rule-by-cost instantiation of the dispatch kernel (``balanced_dispatch_kernel<Id, true>``), demangled
+    or not."""
+    return "balanced_dispatch_kernel" in kernel and (", true>" in kernel or "Lb1E" in kernel)
 
 
 def predicted_moe_us(work: Path, model: Path) -> dict:
@@ -731,7 +740,8 @@ def prepare_ep_placements(model: Path, work: Path, experts: int, steps: int = 40
 
     ok("trace", "synth", "--model", str(model / "config.json"), "--steps", str(steps), "-o", "ep-synth.mptrace")
     fits = {"deepseek.json": ["--algorithm", "deepseek"], "stepaware.json": [],
-            "balanced.json": ["--dispatch", "balanced", "--redundant", str(experts // 4)]}
+            "balanced.json": ["--dispatch", "balanced", "--redundant", str(experts // 4)],
+            "cost.json": ["--dispatch", "cost", "--redundant", str(experts // 4)]}
     for out, extra in fits.items():
         ok("optimize", "ep-synth.mptrace", "--ranks", "2", "--mode", "verify", "--model", str(model), *extra, "-o", out)
     ok("optimize", "ep-synth.mptrace", "--ranks", "4", "-o", "ep4.json")
@@ -767,10 +777,14 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
         "balanced": server_argv(model, port + 3, ep + spares, launch=["--placement", "balanced.json", "--sglang-file",
                                         str(work / "balanced.sglang.json")]),
         "tp-moe": server_argv(model, port + 4, ["--tp", "2"]),
+        # the rule by cost: `launch` sets MOEPLACE_DISPATCH=cost and MOEPLACE_DISPATCH_Q from the placement
+        "cost": server_argv(model, port + 7, ep + spares, launch=["--placement", "cost.json", "--sglang-file",
+                                                                 str(work / "cost.sglang.json")]),
     }
-    servers = {name: Server(f"ep2-{name}", port + 1 + i, argv[name],
+    ports = {"deepseek": port + 1, "stepaware": port + 2, "balanced": port + 3, "tp-moe": port + 4, "cost": port + 7}
+    servers = {name: Server(f"ep2-{name}", ports[name], argv[name],
                             {"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / f"traces-ep2-{name}")}, work)
-               for i, name in enumerate(EP_LAYOUTS)}
+               for name in EP_LAYOUTS}
     figures: dict[str, dict] = {}
     refusals = ep_launch_refusals(model, work, port + 6, experts)
     # The server's own refusal, started without `launch` (which refuses first): the map `launch` wrote
@@ -781,7 +795,7 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
                                         str(work / "balanced.sglang.json")],
         speculative=False), {"MOEPLACE_DISPATCH": "balanced"}, work)
     try:
-        for wave in (("deepseek", "stepaware"), ("balanced", "tp-moe")):   # two at once fit in memory
+        for wave in (("deepseek", "stepaware"), ("balanced", "tp-moe"), ("cost",)):   # two at once fit in memory
             for name in wave:
                 servers[name].start()
                 time.sleep(2.0)
@@ -803,7 +817,7 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
     from moeplace.trace.store import TraceReader
 
     problems = []
-    for name in ("deepseek", "stepaware", "balanced"):
+    for name in ("deepseek", "stepaware", "balanced", "cost"):
         folder = work / f"traces-ep2-{name}"
         expected = np.asarray(load_placement(work / f"{name}.json").phy2log)
         maps = {tuple(h.ranks): np.asarray(h.physical_to_logical_map) for h in TraceReader(folder).headers}
@@ -818,9 +832,16 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
             problems.append(f"{name}: the two ranks' recorded slot choices differ")
     if not figures["balanced"].get("balanced_dispatch_kernels"):
         problems.append("balanced: no balanced_dispatch_kernel in the decode-stage profile (graph replays)")
+    cost_log = servers["cost"].log()
+    figures["cost"]["announced"] = [line.strip()[:200] for line in cost_log.splitlines()
+                                    if "MOEPLACE_DISPATCH=cost" in line or "cost dispatch on" in line][:3]
+    if "MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_Q=" not in cost_log:
+        problems.append("cost: launch did not start the server with MOEPLACE_DISPATCH=cost and its q")
+    if not figures["cost"].get("cost_dispatch_kernels"):
+        problems.append("cost: no rule-by-cost dispatch kernel in the decode-stage profile (graph replays)")
     checks.append(Check("ep_launch_and_dispatch", not problems, "; ".join(problems) or
                         "placements loaded as written on both ranks; both ranks chose the same slots on every "
-                        "recorded pass; the dispatch kernel ran in the replayed graphs", figures))
+                        "recorded pass; the dispatch kernels (balanced, by cost) ran in the replayed graphs", figures))
     predicted = predicted_moe_us(work, model)
     order_measured = sorted(EP_LAYOUTS, key=lambda n: figures[n].get("moe_us_per_pass_slowest_rank") or 1e18)
     checks.append(Check("ep_throughput", all(figures[n].get("tokens_per_s") for n in EP_LAYOUTS),

@@ -241,7 +241,7 @@ def _good(device="cpu"):
     (dict(topk_ids=torch.zeros(4, 2)), TypeError, "topk_ids must be int32 or int64, got float32"),
     (dict(topk_ids=torch.zeros(4, 2, 1, dtype=torch.int32)), ValueError, "2 dimension"),
     (dict(topk_ids=torch.zeros(2, 4, dtype=torch.int32).t()), ValueError, "contiguous"),
-    (dict(topk_ids=torch.zeros(129, 8, dtype=torch.int32)), ValueError, "at most 1024 ids"),
+    (dict(topk_ids=torch.zeros(1025, 8, dtype=torch.int32)), ValueError, "at most 8192 ids"),
     (dict(masks=torch.ones(8, dtype=torch.int64)), TypeError, "masks must be int32, got int64"),
     (dict(masks=torch.ones(7, dtype=torch.int32)), ValueError, "masks has 7 experts, slots 8"),
     (dict(slots=torch.zeros(3, 8, dtype=torch.int32).t()), ValueError, "slots must be contiguous"),

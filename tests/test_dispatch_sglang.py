@@ -1,5 +1,6 @@
-"""Balanced dispatch wired into SGLang 0.5.23 (CPU): the AROUND hook on topk_ids_logical_to_physical,
-driven with SGLang's real ExpertLocationDispatchInfo built from our placement file by SGLang's start-up code."""
+"""Balanced dispatch and the rule by cost wired into SGLang 0.5.23 (CPU): the AROUND hook on
+topk_ids_logical_to_physical, driven with SGLang's real ExpertLocationDispatchInfo built from our placement file
+by SGLang's start-up code."""
 
 from __future__ import annotations
 
@@ -58,7 +59,17 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def hooked(server):
-    """Our hook applied by SGLang's HookRegistry; SGLang's function put back afterwards."""
+    """Our hook (balanced rule) applied by SGLang's HookRegistry; SGLang's function put back afterwards."""
+    yield from _hooked(server, "balanced")
+
+
+@pytest.fixture
+def hooked_cost(server):
+    """The same hook running the rule by cost with q = 3 (moves pay from 3 pairs a batch)."""
+    yield from _hooked(server, "cost", q=3)
+
+
+def _hooked(server, rule: str, q: int | None = None):
     from sglang.srt.eplb import expert_location_dispatch as eld
     from sglang.srt.layers.moe import topk
     from sglang.srt.plugins.hook_registry import HookRegistry, _propagate_patch
@@ -70,7 +81,7 @@ def hooked(server):
     original = eld.topk_ids_logical_to_physical
     original_placement = el.compute_initial_expert_location_metadata
     HookRegistry.reset()
-    state = bd.install(bd.DispatchConfig("balanced", max_tokens=16))
+    state = bd.install(bd.DispatchConfig(rule, max_tokens=16 if rule == "balanced" else 64, q=q))
     HookRegistry.apply_hooks()
     yield state, topk, original
     for module, name, fn in ((eld, "topk_ids_logical_to_physical", original),
@@ -105,6 +116,40 @@ def test_router_ids_become_the_rules_slots(hooked, server, rows):
         out = topk.topk_ids_logical_to_physical(torch.from_numpy(ids), info)     # the name topk.py calls
         assert out.dtype == torch.int32
         np.testing.assert_array_equal(out.numpy(), expected(placement, moe_index, ids))
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64])
+def test_router_ids_become_the_cost_rules_slots(hooked_cost, server, rows):
+    """MOEPLACE_DISPATCH=cost on SGLang's real dispatch info: the slots of cost_rule_step, split experts' entries
+    in entry order (the kernels' oracle), padding rows past num_rows on the lowest replica rank."""
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+    from test_cost_dispatch_kernel import expected_cost
+
+    from moeplace.sglang import balanced_dispatch as bd
+
+    state, topk, _ = hooked_cost
+    placement, _ = server
+    rng = np.random.default_rng(rows)
+    moved = 0
+    for moe_index, layer_id in enumerate(placement.model.moe_layers):
+        info = ExpertLocationDispatchInfo.init_new(layer_id)
+        layout = replica_layout(placement.phy2log[moe_index], placement.model.num_experts, RANKS)
+        multi = np.flatnonzero([bin(int(m)).count("1") > 1 for m in layout.masks])
+        hot = np.concatenate([multi, rng.permutation(np.setdiff1d(np.arange(16), multi))])[:6]   # moves pay
+        ids = np.stack([rng.choice(hot, 4, replace=False) for _ in range(rows)]).astype(np.int32)
+        out = topk.topk_ids_logical_to_physical(torch.from_numpy(ids), info)
+        assert out.dtype == torch.int32
+        want = expected_cost(ids.astype(np.int64), layout.masks, layout.slots, rows, 3)
+        np.testing.assert_array_equal(out.numpy(), want)
+        balanced = expected(placement, moe_index, ids)
+        moved += int((want != balanced).sum())
+        layer = state.layers[info.partial_logical_to_all_physical_map.data_ptr()]
+        valid = max(rows // 2, 1)
+        padded = bd.dispatch_on_host(torch.from_numpy(ids), layer, valid, 3).numpy()
+        np.testing.assert_array_equal(padded, expected_cost(ids.astype(np.int64), layout.masks, layout.slots,
+                                                            valid, 3))
+    if rows == 64:
+        assert moved > 0, "the rule by cost made no move on any layer"
 
 
 def test_tables_derived_from_sglangs_map_match_ours(hooked, server):
@@ -187,7 +232,11 @@ def test_a_server_with_nothing_to_choose_stops_at_start(hooked, server, capsys):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"MOEPLACE_DISPATCH": "fastest"}, "MOEPLACE_DISPATCH must be one of balanced"),
+    ({"MOEPLACE_DISPATCH": "fastest"}, "MOEPLACE_DISPATCH must be one of balanced, cost"),
+    ({"MOEPLACE_DISPATCH": "cost"}, "MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "0"}, "an integer from 1 to 65536"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "4.5"}, "got '4.5'"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "70000"}, "an integer from 1 to 65536"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "lots"}, "must be a positive integer"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "0"}, "must be a positive integer"),
 ])
@@ -215,3 +264,10 @@ def test_plugin_registers_the_hook_through_sglang():
                         "assert bd.PLACEMENT in HookRegistry._patched\n"
                         "import sglang.srt.layers.moe.topk as topk\n"
                         "assert topk.topk_ids_logical_to_physical.__wrapped__ is not None\n")
+
+
+def test_plugin_registers_the_cost_rule_through_sglang():
+    assert_load_plugins({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "281"},
+                        "from moeplace.sglang import balanced_dispatch as bd\n"
+                        "assert bd._DISPATCH.config == bd.DispatchConfig('cost', 288, 281), bd._DISPATCH.config\n"
+                        "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n")

@@ -298,17 +298,56 @@ def test_balanced_placement_turns_the_plugins_rule_on(model_dir: Path, balanced_
     assert shlex.split(stdout)[2:4] == ["-m", "sglang.launch_server"]
 
 
-def test_cost_rule_placement_runs_the_balanced_rule_and_says_so(tmp_path: Path, model_dir: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+def _cost_placement(tmp_path: Path, cost_model: dict | None) -> Path:
     p = round_robin(SPEC, ranks=4, redundant=4)
-    p.metrics = {"dispatch": "cost"}
+    p.metrics = {"dispatch": "cost", **({"cost_model": cost_model} if cost_model is not None else {})}
     save_placement(tmp_path / "cost.json", p)
-    code, stdout, stderr = run_cli(["launch", "--placement", str(tmp_path / "cost.json"), "--dry-run", "--",
+    return tmp_path / "cost.json"
+
+
+def test_cost_rule_placement_runs_the_cost_kernel_with_its_q(tmp_path: Path, model_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """q = round(a / b) of the placement's cost model (19 / 0.0415 = 458), in the plugin's environment."""
+    monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    monkeypatch.delenv("MOEPLACE_DISPATCH_Q", raising=False)
+    path = _cost_placement(tmp_path, {"a_us_per_expert": 19.0, "b_us_per_token": 0.0415, "c_us": 50.0})
+    code, stdout, stderr = run_cli(["launch", "--placement", str(path), "--dry-run", "--",
                                     *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
     assert code == 0, stderr
-    assert stdout.startswith("MOEPLACE_DISPATCH=balanced ")
-    assert "warning: the placement was made for moeplace's cost rule; the SGLang plugin runs the balanced" in stderr
+    assert stdout.startswith("MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_Q=458 ")
+    assert "warning" not in stderr
+    monkeypatch.setenv("MOEPLACE_DISPATCH_Q", "300")                     # the user's own q is kept
+    code, stdout, stderr = run_cli(["launch", "--placement", str(path), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
+    assert code == 0 and stdout.startswith("MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_Q=300 "), stderr
+
+
+def test_cost_rule_placement_without_a_token_term_runs_the_balanced_rule(tmp_path: Path, model_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    path = _cost_placement(tmp_path, {"a_us_per_expert": 19.0, "b_us_per_token": 0.0, "c_us": 50.0})
+    code, stdout, stderr = run_cli(["launch", "--placement", str(path), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
+    assert code == 0, stderr
+    assert stdout.startswith("MOEPLACE_DISPATCH=balanced ") and "MOEPLACE_DISPATCH_Q" not in stdout
+    assert "no token term; the SGLang plugin runs the balanced rule" in stderr
+
+
+@pytest.mark.parametrize("cost_model, env, expect", [
+    (None, None, "records no cost model"),
+    ({"a_us_per_expert": "x", "b_us_per_token": 1.0}, None, "records no cost model"),
+    ({"a_us_per_expert": 19.0, "b_us_per_token": 0.04}, "balanced", "MOEPLACE_DISPATCH='balanced'; unset it or set it to cost"),
+])
+def test_cost_rule_placement_refusals(tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                      cost_model, env, expect) -> None:
+    if env is None:
+        monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    else:
+        monkeypatch.setenv("MOEPLACE_DISPATCH", env)
+    path = _cost_placement(tmp_path, cost_model)
+    code, stdout, stderr = run_cli(["launch", "--placement", str(path), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
+    assert_refused(tmp_path, code, stdout, stderr, expect)
 
 
 @pytest.mark.parametrize("extra, env, expect", [

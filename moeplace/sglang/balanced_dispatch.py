@@ -6,13 +6,20 @@ forward pass, all of the step's tokens for an expert go to one of its replicas, 
 busiest rank reads as few distinct experts as possible (``moeplace.balanced``; the GPU kernel is
 ``moeplace_kernels.balanced_dispatch``).
 
+``MOEPLACE_DISPATCH=cost`` runs moeplace's rule by cost instead (``moeplace.cost_dispatch``): the balanced
+rule, then, on a batch of at least ``q`` (token, expert) pairs, up to 16 moves or splits of an expert's tokens
+between its replicas where the token term pays. ``MOEPLACE_DISPATCH_Q`` (required with it; ``moeplace launch``
+sets it from the placement's cost model, ``pairs_per_read``) is q: how many pairs one expert read costs.
+
 * Every rank must pick the same replicas, so the rule reads only the router's ids, which are the same
   on every rank when attention is tensor-parallel: with ``--moe-a2a-backend none`` (SGLang marks the
   dispatch ``rank_invariant``: every rank runs the MoE over the same tokens and the outputs are summed)
   or an all-to-all backend such as DeepEP without DP attention. Under DP attention each rank routes its
   own tokens and no rank sees the others' ids: the first call refuses to run, with one line.
-* Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64: prefill), or of more than the
-  kernel's 1024 ids, go to SGLang's own rule, which balances tokens. The threshold is a host fact (the
+* Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64 for the balanced rule; 288 for the
+  rule by cost, the largest batch where its predicted gain over SGLang's best rule exceeds the kernel's
+  measured time: BENCHMARKS.md, "Rule-by-cost kernel"), or of more than the kernel's 8192 ids, go to
+  SGLang's own rule, which balances tokens. The threshold is a host fact (the
   tensor's shape), so a CUDA graph captures one branch or the other.
 * CUDA-graph safe: the layer's replica tables are derived on the device on the first (eager) call,
   with no host sync, and cached by the address of SGLang's per-layer map; the output goes to one of
@@ -40,30 +47,48 @@ logger = logging.getLogger("moeplace.dispatch")
 
 TARGET = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
 PLACEMENT = "sglang.srt.eplb.expert_location.compute_initial_expert_location_metadata"
-RULES = ("balanced",)
-DEFAULT_MAX_TOKENS = 64
+RULES = ("balanced", "cost")
+DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 288}   # rows; why 288: BENCHMARKS.md, "Rule-by-cost kernel"
 MAX_KERNEL_RANKS = 32
+MAX_Q = 1 << 16   # moeplace_kernels.balanced_dispatch.MAX_Q (not imported: this module must load without torch)
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
+    """rule: "balanced" or "cost"; max_tokens: the largest batch (rows) the rule takes; q: the rule by cost's
+    pairs per expert read (None for the balanced rule)."""
+
     rule: str
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int = DEFAULT_MAX_TOKENS["balanced"]
+    q: int | None = None
 
     @classmethod
     def from_env(cls) -> "DispatchConfig":
-        """Read ``MOEPLACE_DISPATCH`` and ``MOEPLACE_DISPATCH_MAX_TOKENS``; ValueError says what is wrong."""
+        """Read ``MOEPLACE_DISPATCH``, ``MOEPLACE_DISPATCH_MAX_TOKENS`` and ``MOEPLACE_DISPATCH_Q``; ValueError
+        says what is wrong."""
         rule = os.environ.get("MOEPLACE_DISPATCH", "").strip().lower()
         if rule not in RULES:
             raise ValueError(f"MOEPLACE_DISPATCH must be one of {', '.join(RULES)}, got {rule!r}")
-        raw = os.environ.get("MOEPLACE_DISPATCH_MAX_TOKENS", str(DEFAULT_MAX_TOKENS)).strip()
-        try:
-            max_tokens = int(raw)
-        except ValueError:
-            max_tokens = 0
+        raw = os.environ.get("MOEPLACE_DISPATCH_MAX_TOKENS", str(DEFAULT_MAX_TOKENS[rule])).strip()
+        max_tokens = _int_or_zero(raw)
         if max_tokens < 1:
             raise ValueError(f"MOEPLACE_DISPATCH_MAX_TOKENS must be a positive integer, got {raw!r}")
-        return cls(rule, max_tokens)
+        q = None
+        if rule == "cost":
+            raw = os.environ.get("MOEPLACE_DISPATCH_Q", "").strip()
+            q = _int_or_zero(raw)
+            if not 1 <= q <= MAX_Q:
+                raise ValueError(f"MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q, the (token, expert) pairs one "
+                                 f"expert read costs, an integer from 1 to {MAX_Q} (moeplace launch sets it from "
+                                 f"the placement's cost model), got {raw!r}")
+        return cls(rule, max_tokens, q)
+
+
+def _int_or_zero(raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        return 0
 
 
 class _Layer:
@@ -100,7 +125,8 @@ class _Layer:
 
 
 class BalancedDispatch:
-    """The AROUND hook's state: the configuration and each layer's tables."""
+    """The AROUND hook's state: the configuration and each layer's tables (the balanced rule or the rule by
+    cost, as ``config.rule`` says)."""
 
     def __init__(self, config: DispatchConfig) -> None:
         self.config = config
@@ -115,42 +141,52 @@ class BalancedDispatch:
         if not self.checked:
             problem = configuration_problem(info)
             if problem:
-                raise SystemExit(f"moeplace: MOEPLACE_DISPATCH=balanced cannot run here: {problem}")
+                raise SystemExit(f"moeplace: MOEPLACE_DISPATCH={self.config.rule} cannot run here: {problem}")
             self.checked = True
         layer = self.layers.get(info.partial_logical_to_all_physical_map.data_ptr())
         if layer is None:
             layer = _Layer(info, ep_size(), self.config.max_tokens)
             self.layers[info.partial_logical_to_all_physical_map.data_ptr()] = layer
         if not topk_ids.is_cuda:
-            return dispatch_on_host(topk_ids, layer, num_token_non_padded())
-        from moeplace_kernels.balanced_dispatch import MAX_ENTRIES, balanced_dispatch, prepare
+            return dispatch_on_host(topk_ids, layer, num_token_non_padded(), self.config.q)
+        from moeplace_kernels.balanced_dispatch import MAX_ENTRIES, balanced_dispatch, cost_dispatch, prepare
 
-        if topk_ids.numel() > MAX_ENTRIES:   # the kernel's limit (more than 1024 ids: a prefill)
+        if topk_ids.numel() > MAX_ENTRIES:   # the kernel's limit (more than 8192 ids: a prefill)
             return original(topk_ids, info, log2phy_prob)
         if topk_ids.device not in self.prepared:   # build the kernel before any graph is captured
             prepare(topk_ids.device)
             self.prepared.add(topk_ids.device)
+        if self.config.q is not None:
+            return cost_dispatch(topk_ids, layer.masks, layer.slots, self.config.q, num_rows=num_token_non_padded(),
+                                 out=layer.out_for(topk_ids))
         return balanced_dispatch(topk_ids, layer.masks, layer.slots, num_rows=num_token_non_padded(),
                                  out=layer.out_for(topk_ids))
 
 
-def dispatch_on_host(topk_ids, layer: _Layer, num_rows=None):
-    """The same rule for CPU tensors (SGLang's CPU backend, tests), through ``moeplace.balanced``."""
+def dispatch_on_host(topk_ids, layer: _Layer, num_rows=None, q: int | None = None):
+    """The same rule for CPU tensors (SGLang's CPU backend, tests), through ``moeplace.balanced`` (or, with
+    ``q``, ``moeplace.cost_dispatch``: a split expert's valid entries take its ranks in increasing rank order,
+    in entry order, as the kernel's)."""
     import torch
 
-    from moeplace.balanced import fast_rule_step
+    from moeplace.cost_dispatch import cost_rule_step
 
     ids = topk_ids.numpy().astype(np.int64)
     valid_rows = ids.shape[0] if num_rows is None else int(num_rows)
-    masks = layer.masks.numpy().astype(np.int64)
+    masks = layer.masks.numpy().astype(np.int64) & ((1 << layer.slots.shape[1]) - 1)
     slots = layer.slots.numpy()
     live = ids[:valid_rows]
     counts = np.bincount(live[live >= 0], minlength=masks.shape[0])
-    pick = fast_rule_step(counts, masks, slots.shape[1])
+    ends = np.cumsum(cost_rule_step(counts, masks, slots.shape[1], q), axis=1)   # q None: the balanced rule
     first = np.argmax(slots >= 0, axis=1)                # the lowest rank holding each expert
-    e = np.maximum(ids, 0)
-    rank = np.where(np.arange(ids.shape[0])[:, None] < valid_rows, pick[e], first[e])
-    out = np.where(ids >= 0, slots[e, np.maximum(rank, 0)], -1)
+    e = np.maximum(ids, 0).ravel()
+    valid = (ids >= 0).ravel() & (np.arange(ids.size) < valid_rows * ids.shape[1])
+    order = np.argsort(np.where(valid, e, -1), kind="stable")     # entry order within each expert
+    grouped = np.where(valid, e, -1)[order]
+    position = np.empty(ids.size, np.int64)
+    position[order] = np.arange(ids.size) - np.searchsorted(grouped, grouped, side="left")
+    rank = np.where(valid, (position[:, None] >= ends[e]).sum(axis=1), first[e])
+    out = np.where(ids.ravel() >= 0, slots[e, rank], -1).reshape(ids.shape)
     return torch.from_numpy(out).to(topk_ids.dtype)
 
 
@@ -193,7 +229,8 @@ def check_placement(metadata: Any, *args: Any, **kwargs: Any) -> None:
     """AFTER hook on SGLang's initial expert placement: stop a server where the rule has nothing to do."""
     problem = nothing_to_choose(metadata)
     if problem:
-        print(f"moeplace: MOEPLACE_DISPATCH=balanced cannot run here: {problem}; "
+        rule = _DISPATCH.config.rule if _DISPATCH is not None else "balanced"
+        print(f"moeplace: MOEPLACE_DISPATCH={rule} cannot run here: {problem}; "
               f"unset MOEPLACE_DISPATCH to serve with SGLang's own dispatch", file=sys.stderr, flush=True)
         raise SystemExit(2)
     return None
@@ -235,5 +272,9 @@ def install(config: DispatchConfig | None = None) -> BalancedDispatch:
     _DISPATCH = BalancedDispatch(config)
     HookRegistry.register(TARGET, _DISPATCH, HookType.AROUND)
     HookRegistry.register(PLACEMENT, check_placement, HookType.AFTER)
-    logger.info("moeplace balanced dispatch on (up to %d rows a batch)", config.max_tokens)
+    if config.q is None:
+        logger.info("moeplace balanced dispatch on (up to %d rows a batch)", config.max_tokens)
+    else:
+        logger.info("moeplace cost dispatch on (q %d pairs per expert read, up to %d rows a batch)", config.q,
+                    config.max_tokens)
     return _DISPATCH

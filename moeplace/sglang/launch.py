@@ -278,28 +278,54 @@ def dispatch_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
             + (" or pass --ep-dispatch-algorithm dynamic" if made_for == "dynamic" else ""))
 
 
+def cost_rule_q(placement: Placement) -> int | None:
+    """q, the (token, expert) pairs one expert read costs under the cost model the placement was made with
+    (``cost_dispatch.pairs_per_read``; None when its tokens are free: the rule by cost is then the balanced rule).
+    Raises MoeplaceError (one line) when the placement carries no usable cost model."""
+    from moeplace.costmodel import CostModel
+    from moeplace.cost_dispatch import pairs_per_read
+
+    model = placement.metrics.get("cost_model")
+    try:
+        a, b = float(model["a_us_per_expert"]), float(model["b_us_per_token"])
+    except (KeyError, TypeError, ValueError):
+        raise MoeplaceError("the placement was made for moeplace's cost rule but records no cost model (a_us_per_expert, "
+                            "b_us_per_token); re-optimize it with --dispatch cost") from None
+    if not (a >= 0 and b >= 0 and a < float("inf") and b < float("inf")):
+        raise MoeplaceError(f"the placement's cost model has a_us_per_expert {a:g}, b_us_per_token {b:g}: "
+                            "both must be finite and non-negative")
+    return pairs_per_read(CostModel(a, b, 0.0))
+
+
 def cost_rule_note(placement: Placement) -> str | None:
-    """A line for a placement made for the cost rule, which the plugin does not run yet."""
-    if placement.metrics.get("dispatch") != "cost" or placement.num_redundant == 0:
+    """A line for a placement made for the cost rule whose cost model makes tokens free (the balanced rule runs)."""
+    if placement.metrics.get("dispatch") != "cost" or placement.num_redundant == 0 or cost_rule_q(placement):
         return None
-    return ("the placement was made for moeplace's cost rule; the SGLang plugin runs the balanced rule in its place "
-            "(the same choice at verify batch; the cost rule has no GPU kernel yet)")
+    return ("the placement was made for moeplace's cost rule under a cost model with no token term; the SGLang "
+            "plugin runs the balanced rule, which is the rule by cost there")
 
 
 def dispatch_env(placement: Placement, sglang_args: Sequence[str]) -> dict[str, str]:
-    """``{"MOEPLACE_DISPATCH": "balanced"}`` for a placement whose spare slots were placed for balanced
-    dispatch, or for the cost rule, whose spare slots are placed alike (it needs the plugin's rule, and every
-    rank must see the same router ids: no DP attention)."""
-    if placement.metrics.get("dispatch") not in ("balanced", "cost") or placement.num_redundant == 0:
+    """The plugin's rule for a placement whose spare slots were placed for moeplace's dispatch:
+    ``MOEPLACE_DISPATCH=balanced``, or for the rule by cost ``MOEPLACE_DISPATCH=cost`` with
+    ``MOEPLACE_DISPATCH_Q`` from the placement's cost model (every rank must see the same router ids: no DP
+    attention). A ``MOEPLACE_DISPATCH_Q`` already in the environment is kept."""
+    made_for = placement.metrics.get("dispatch")
+    if made_for not in ("balanced", "cost") or placement.num_redundant == 0:
         return {}
+    q = cost_rule_q(placement) if made_for == "cost" else None
+    rule = "cost" if q else "balanced"
+    what = "moeplace's rule by cost" if made_for == "cost" else "balanced dispatch"
     if any(a == "--enable-dp-attention" or a.startswith("--enable-dp-attention=") for a in sglang_args):
-        raise MoeplaceError("the placement was made for balanced dispatch, which needs every rank to see the same "
+        raise MoeplaceError(f"the placement was made for {what}, which needs every rank to see the same "
                             "router ids: drop --enable-dp-attention (attention in tensor parallel)")
     chosen = os.environ.get("MOEPLACE_DISPATCH", "").strip()
-    if chosen and chosen != "balanced":
-        raise MoeplaceError(f"the placement was made for balanced dispatch but MOEPLACE_DISPATCH={chosen!r}; "
-                            "unset it or set it to balanced")
-    return {"MOEPLACE_DISPATCH": "balanced"}
+    if chosen and chosen != rule:
+        raise MoeplaceError(f"the placement was made for {what} but MOEPLACE_DISPATCH={chosen!r}; "
+                            f"unset it or set it to {rule}")
+    if rule == "balanced":
+        return {"MOEPLACE_DISPATCH": "balanced"}
+    return {"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": os.environ.get("MOEPLACE_DISPATCH_Q", "").strip() or str(q)}
 
 
 def require_sglang(python: str) -> None:
