@@ -190,7 +190,7 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     pick[flat[single]] = r1
     # A rank's load as one integer, distinct * span + tokens (tokens < span), so that the order of step
     # 2 (fewest distinct, then fewest tokens, then lowest rank) is that of load * R + rank.
-    span = int(counts.sum(axis=1).max(initial=0)) + 1
+    span = int(np.bincount(step_of, weights=tok, minlength=1).max()) + 1
     # key[s, r] = load * R + r, with a last column that no rank's key reaches
     key = np.full((S, R + 1), _NEVER, np.int64)
     key[:, :R] = np.arange(R)
@@ -200,20 +200,24 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     # expert at once (one expert a step a round, so the updates never collide).
     multi_pair = np.flatnonzero(~single)
     s2 = step_of[multi_pair]
-    nth = np.arange(s2.size) - np.searchsorted(s2, s2)                    # k: position within its step
+    per_step = np.bincount(s2, minlength=S)
+    nth = np.arange(s2.size) - (np.cumsum(per_step) - per_step)[s2]       # k: position within its step
+    nth = nth.astype(np.int16 if s2.size < 2**15 else np.int64)           # (radix sort below)
     by_round = multi_pair[np.argsort(nth, kind="stable")]
     starts = np.searchsorted(np.sort(nth), np.arange(int(nth.max(initial=-1)) + 2))
-    # each expert's replica ranks, ascending, padded with the never column R
+    # each pair's candidate keys: its expert's replica ranks, ascending, padded with the never column R
     order = np.argsort(~bits, axis=1, kind="stable")[:, :max(int(nrep.max(initial=1)), 1)]
     cand = np.where(np.take_along_axis(bits, order, axis=1), order, R)
+    slot = step_of[by_round, None] * (R + 1) + cand[expert_of[by_round]]   # [pairs, most replicas]
+    add = (span + tok[by_round]) * R
+    chosen = np.empty(by_round.size, np.int64)
     flat_key = key.ravel()
     for k in range(starts.size - 1):
-        p = by_round[starts[k]:starts[k + 1]]
-        row = step_of[p]
-        c = cand[expert_of[p]]                                            # [n, most replicas]
-        r = c[np.arange(p.size), flat_key[row[:, None] * (R + 1) + c].argmin(axis=1)]
-        pick[flat[p]] = r
-        flat_key[row * (R + 1) + r] += (span + tok[p]) * R
+        at = slice(starts[k], starts[k + 1])
+        best = np.take_along_axis(slot[at], flat_key[slot[at]].argmin(axis=1)[:, None], axis=1)[:, 0]
+        chosen[at] = best
+        flat_key[best] += add[at]
+    pick[flat[by_round]] = chosen % (R + 1)
     load = key[:, :R] // R
     distinct, tokens = load // span, load % span
     pick = pick.reshape(S, E)
@@ -235,7 +239,8 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pairs: tup
     pair_step, pair_expert = pairs
     # reach[s, a, b]: how many experts on rank a of step s have a replica on rank b (kept up to date)
     origin = pair_step * R + pick[pair_step, pair_expert]
-    reach = np.stack([np.bincount(origin, weights=bits[pair_expert, b], minlength=S * R) for b in range(R)],
+    pair_bits = bits[pair_expert].T.astype(np.float64)                    # [R, pairs]
+    reach = np.stack([np.bincount(origin, weights=w, minlength=S * R) for w in pair_bits],
                      axis=1).reshape(S, R, R).astype(np.int64)
     mbits = bits[multi]                                                   # [M, R]
     rounds = 0
@@ -280,7 +285,7 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pairs: tup
             s, bb = live[w], b[w]
             # the parent: the lowest rank of the level before that reaches bb (the rank bb was found from)
             a = (levels[depth[w] - 1, w] & (adj[w, :, bb] > 0)).argmax(axis=1)
-            movable = (pick[s][:, multi] == a[:, None]) & mbits[:, bb].T
+            movable = (pick[s[:, None], multi] == a[:, None]) & mbits[:, bb].T
             e = multi[movable.argmax(axis=1)]                             # lowest expert id
             pick[s, e] = bb
             c = counts[s, e]

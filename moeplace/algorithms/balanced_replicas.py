@@ -41,6 +41,7 @@ from moeplace.algorithms.replica_exchange import exchange_masks
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
 from moeplace.balanced import mask_bits, replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
+from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps, _ranges
 
 from moeplace.algorithms import DEFAULT_EFFORT
@@ -256,7 +257,7 @@ def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
     sizes = subset_sizes(R)
     halves = (problem.steps.take(np.arange(S // 2)), problem.steps.take(np.arange(S // 2, S)))
     sample = max(sample_size(problem) // 2, 1)
-    loss = np.zeros(len(SMOOTHING_SHARES))
+    fits = []   # (share index, steps, step weights, first copies, expert weight, test steps), drawn in order
     for layer in np.unique(np.linspace(0, L - 1, min(CV_LAYERS, L)).round().astype(int)):
         counts = [step_expert_counts(half, int(layer)) for half in halves]
         for fit, test in ((0, 1), (1, 0)):
@@ -267,9 +268,17 @@ def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
                 active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
             for i, share in enumerate(SMOOTHING_SHARES):
                 steps, step_weight = with_smoothed_steps(active, share, sample // 2, rng)
-                masks = add_replicas(steps, replica_layout(base, E, R).masks, R, problem.redundant // R, weight,
-                                     step_weight)
-                loss[i] += step_optimum(subset_counts(counts[test] > 0, masks, R), sizes).mean()
+                fits.append((i, steps, step_weight, replica_layout(base, E, R).masks, weight, counts[test] > 0))
+
+    def held_out_optimum(job: int) -> float:
+        _, steps, step_weight, masks, weight, test = fits[job]
+        masks = add_replicas(steps, masks, R, problem.redundant // R, weight, step_weight)
+        return float(step_optimum(subset_counts(test, masks, R), sizes).mean())
+
+    loss = np.zeros(len(SMOOTHING_SHARES))
+    workers = layer_workers(PARALLEL_CELLS)   # a job is a replica search (~0.1 s at Kimi K2's size): worth a pool
+    for job, value in sorted(map_layers(held_out_optimum, len(fits), workers)):   # summed in job order
+        loss[fits[job][0]] += value
     return float(SMOOTHING_SHARES[int(np.argmin(loss))])
 
 

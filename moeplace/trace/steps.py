@@ -10,7 +10,7 @@ A step is stored one of two ways:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +39,8 @@ class RoutingSteps:
     topk_ids: np.ndarray
     count_steps: np.ndarray
     counts: np.ndarray
+    # expert_token_counts, kept for the arrays it was counted from (every placement of a fit asks for it)
+    _expert_tokens: tuple = field(default=(), init=False, repr=False, compare=False)
 
     @property
     def num_steps(self) -> int:
@@ -150,12 +152,15 @@ class RoutingSteps:
         return step_of_row[row], row_in_step[row], ids[ids >= 0].astype(np.int64)
 
     def expert_token_counts(self) -> np.ndarray:
-        """[L, E] tokens routed to each logical expert over all steps."""
+        """[L, E] tokens routed to each logical expert over all steps (a new array each call; counted once)."""
+        if self._expert_tokens and self._expert_tokens[0] is self.topk_ids and self._expert_tokens[1] is self.counts:
+            return self._expert_tokens[2].copy()
         L, E = self.model.num_moe_layers, self.model.num_experts
         out = self.counts.sum(axis=0) if len(self.counts) else np.zeros((L, E))
         for layer in range(L):
             ids = self.topk_ids[:, layer, :].ravel()
             out[layer] += np.bincount(ids[ids >= 0], minlength=E)
+        self._expert_tokens = (self.topk_ids, self.counts, out.copy())
         return out
 
 
