@@ -191,58 +191,46 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     # A rank's load as one integer, distinct * span + tokens (tokens < span), so that the order of step
     # 2 (fewest distinct, then fewest tokens, then lowest rank) is that of load * R + rank.
     span = int(np.bincount(step_of, weights=tok, minlength=1).max()) + 1
-    # key[s, r] = load * R + r, with a last column that no rank's key reaches
-    key = np.full((S, R + 1), _NEVER, np.int64)
-    key[:, :R] = np.arange(R)
-    key[:, :R] += R * np.bincount(step_of[single] * R + r1, weights=span + tok[single],
-                                  minlength=S * R).astype(np.int64).reshape(S, R)
-    # Step 2, in expert order within each step: round k takes every step's k-th active multi-replica
-    # expert at once (one expert a step a round, so the updates never collide).
+    # key[s, r] = load * R + r
+    key = np.arange(R) + R * np.bincount(step_of[single] * R + r1, weights=span + tok[single],
+                                         minlength=S * R).astype(np.int64).reshape(S, R)
+    # Step 2, one multi-replica expert at a time in increasing id, in every step that activates it
+    # (within a step that is the rule's order; different steps never interact).
     multi_pair = np.flatnonzero(~single)
-    s2 = step_of[multi_pair]
-    per_step = np.bincount(s2, minlength=S)
-    nth = np.arange(s2.size) - (np.cumsum(per_step) - per_step)[s2]       # k: position within its step
-    nth = nth.astype(np.int16 if s2.size < 2**15 else np.int64)           # (radix sort below)
-    by_round = multi_pair[np.argsort(nth, kind="stable")]
-    starts = np.searchsorted(np.sort(nth), np.arange(int(nth.max(initial=-1)) + 2))
-    # each pair's candidate keys: its expert's replica ranks, ascending, padded with the never column R
-    order = np.argsort(~bits, axis=1, kind="stable")[:, :max(int(nrep.max(initial=1)), 1)]
-    cand = np.where(np.take_along_axis(bits, order, axis=1), order, R)
-    slot = step_of[by_round, None] * (R + 1) + cand[expert_of[by_round]]   # [pairs, most replicas]
-    add = (span + tok[by_round]) * R
-    chosen = np.empty(by_round.size, np.int64)
-    flat_key = key.ravel()
-    for k in range(starts.size - 1):
-        at = slice(starts[k], starts[k + 1])
-        best = np.take_along_axis(slot[at], flat_key[slot[at]].argmin(axis=1)[:, None], axis=1)[:, 0]
-        chosen[at] = best
-        flat_key[best] += add[at]
-    pick[flat[by_round]] = chosen % (R + 1)
-    load = key[:, :R] // R
+    by_expert = multi_pair[np.argsort(expert_of[multi_pair].astype(np.int16 if E < 2**15 else np.int64),
+                                      kind="stable")]
+    bounds = np.flatnonzero(np.diff(expert_of[by_expert], prepend=-1, append=E + 1))
+    step_sorted, add = step_of[by_expert], (span + tok[by_expert]) * R
+    chosen = np.empty(by_expert.size, np.int64)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        ranks_e = np.flatnonzero(bits[expert_of[by_expert[lo]]])
+        rows = step_sorted[lo:hi]
+        r = ranks_e[key[rows[:, None], ranks_e].argmin(axis=1)]
+        chosen[lo:hi] = r
+        key[rows, r] += add[lo:hi]
+    pick[flat[by_expert]] = chosen
+    load = key // R
     distinct, tokens = load // span, load % span
     pick = pick.reshape(S, E)
     augments = np.zeros(S, np.int64)
     multi = np.flatnonzero(nrep > 1)
     if multi.size:
-        _augment(counts, bits, multi, (step_of[multi_pair], expert_of[multi_pair]), pick, distinct, tokens,
-                 augments, max_augment)
+        _augment(counts, bits, multi, pick, distinct, tokens, augments, max_augment)
     return Dispatch(pick, distinct, tokens, augments)
 
 
-def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pairs: tuple[np.ndarray, np.ndarray],
-             pick: np.ndarray, distinct: np.ndarray, tokens: np.ndarray, augments: np.ndarray,
+def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.ndarray, distinct: np.ndarray,
+             tokens: np.ndarray, augments: np.ndarray,
              max_augment: int | None) -> None:
     """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). bits: [E, R] replica
-    ranks; multi: the experts with several; pairs: their active (step, expert) pairs, by step."""
+    ranks; multi: the experts with several, ascending."""
     S, R = distinct.shape
     live = np.arange(S)
-    pair_step, pair_expert = pairs
     # reach[s, a, b]: how many experts on rank a of step s have a replica on rank b (kept up to date)
-    origin = pair_step * R + pick[pair_step, pair_expert]
-    pair_bits = bits[pair_expert].T.astype(np.float64)                    # [R, pairs]
-    reach = np.stack([np.bincount(origin, weights=w, minlength=S * R) for w in pair_bits],
-                     axis=1).reshape(S, R, R).astype(np.int64)
+    pick_m = pick[:, multi]                                               # [S, M] kept in step with pick
     mbits = bits[multi]                                                   # [M, R]
+    mbits_f = mbits.astype(np.float32)
+    reach = np.stack([(pick_m == a).astype(np.float32) @ mbits_f for a in range(R)], axis=1).astype(np.int64)
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
         rounds += 1
@@ -285,9 +273,11 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pairs: tup
             s, bb = live[w], b[w]
             # the parent: the lowest rank of the level before that reaches bb (the rank bb was found from)
             a = (levels[depth[w] - 1, w] & (adj[w, :, bb] > 0)).argmax(axis=1)
-            movable = (pick[s[:, None], multi] == a[:, None]) & mbits[:, bb].T
-            e = multi[movable.argmax(axis=1)]                             # lowest expert id
+            movable = (pick_m[s] == a[:, None]) & mbits[:, bb].T
+            j = movable.argmax(axis=1)                                    # lowest expert id
+            e = multi[j]
             pick[s, e] = bb
+            pick_m[s, j] = bb
             c = counts[s, e]
             tokens[s, a] -= c
             tokens[s, bb] += c
