@@ -113,15 +113,16 @@ def _holds(ranks: int) -> np.ndarray:
     return np.hstack([(ids[:, None] >> np.arange(ranks)) & 1, np.ones((ids.size, 1))]).astype(np.float32)
 
 
-def _pair_scores(experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, inter: np.ndarray,
+def _pair_scores(steps: np.ndarray, experts: np.ndarray, masks: np.ndarray, fragile: np.ndarray, inter: np.ndarray,
                  union: np.ndarray, weight: np.ndarray, ranks: int, num_experts: int, progress: float) -> np.ndarray:
-    """[E, R] score of active (step, expert) pairs (experts: [N]; fragile, inter, union, weight: [N], of
-    each pair's step). A pair whose expert has every replica inside all tight sets of its step gains
-    the step's weight for each rank outside them all when the step is fragile, and ``progress`` of it
-    (one step nearer to a later gain) when it is not."""
-    keep = (masks[experts] & ~inter) == 0
-    w = _outside(ranks)[union[keep]] * (np.where(fragile[keep], 1.0, progress) * weight[keep])[:, None]
-    index = (experts[keep, None] * ranks + np.arange(ranks)).ravel()
+    """[E, R] score of active (step, expert) pairs (steps, experts: [N]; fragile, inter, union, weight: [S],
+    per step). A pair whose expert has every replica inside all tight sets of its step gains the step's
+    weight for each rank outside them all when the step is fragile, and ``progress`` of it (one step
+    nearer to a later gain) when it is not."""
+    keep = (masks[experts] & ~inter[steps]) == 0
+    s, e = steps[keep], experts[keep]
+    w = _outside(ranks)[union[s]] * (np.where(fragile[s], 1.0, progress) * weight[s])[:, None]
+    index = (e[:, None] * ranks + np.arange(ranks)).ravel()
     scores = np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks)
     return scores.astype(np.float64, copy=False).reshape(num_experts, ranks)   # bincount of no pairs is int
 
@@ -132,7 +133,7 @@ def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarr
     f = subset_counts(active, masks, ranks)
     fragile, inter, union = _tight(f, subset_sizes(ranks), ranks)
     s, e = np.nonzero(active)
-    gains = _pair_scores(e, masks, fragile[s], inter[s], union[s], np.ones(s.size), ranks, active.shape[1], 0.0)
+    gains = _pair_scores(s, e, masks, fragile, inter, union, np.ones(active.shape[0]), ranks, active.shape[1], 0.0)
     return np.where(mask_bits(masks, ranks), 0.0, gains)
 
 
@@ -158,15 +159,14 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     # f without the empty set, its columns grouped by set size (``_tight_by_size``); ids: each column's set
     ids = np.arange(1, 1 << ranks, dtype=np.int16)[_by_size(ranks)[0]]
     rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
-    f = subset_counts(active, masks, ranks)[:, ids]
+    f = subset_counts(active, masks, ranks)[:, ids].astype(np.float32)   # float: updated by products, exact
     fragile, inter, union = _tight_by_size(f, ranks)
     # The score only involves active (step, expert) pairs: keep them as lists, grouped by step.
     pair_step, pair_expert = np.nonzero(active)
     first_pair = np.searchsorted(pair_step, np.arange(S + 1))
 
     def contribution(pairs: np.ndarray) -> np.ndarray:
-        s = pair_step[pairs]
-        return _pair_scores(pair_expert[pairs], masks, fragile[s], inter[s], union[s], step_weight[s], ranks, E,
+        return _pair_scores(pair_step[pairs], pair_expert[pairs], masks, fragile, inter, union, step_weight, ranks, E,
                             PROGRESS_WEIGHT)
 
     score = contribution(np.arange(pair_step.size))
@@ -197,7 +197,7 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         hit = np.flatnonzero(active[:, experts].any(axis=1))
         # f[X] drops by one for the sets holding all of e's replicas but not r
         drop = np.array([((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0) for e, r in chosen])
-        f -= (active[:, experts].astype(np.float32) @ drop.astype(np.float32)).astype(np.int16)
+        f -= active[:, experts].astype(np.float32) @ drop.astype(np.float32)
         new_fragile, new_inter, new_union = _tight_by_size(f[hit], ranks)
         # A pair's score changes where its step's tight sets changed, or where its expert is a chosen
         # one (its mask changed); every pair of a chosen expert lies in ``hit``.
