@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moeplace.algorithms.deepseek import rebalance_experts
-from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
+from moeplace.algorithms.hall import by_size, step_optimum, subset_counts, subset_sizes
 from moeplace.algorithms.replica_exchange import exchange_masks
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
 from moeplace.balanced import mask_bits, replica_layout, step_expert_counts
@@ -65,19 +65,18 @@ def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np
     X is tight when f[X] > (M - 1)|X|; fragile: no tight set is more than one expert over (M - 1)|X|
     (then one fewer expert in each lowers the optimum). M comes from the largest f of each set size.
     """
-    return _tight_by_size(f[:, _by_size(ranks)[0] + 1], ranks)
+    return _tight_by_size(f[:, by_size(ranks)[0] + 1], ranks)
 
 
 def _tight_by_size(g: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``_tight`` of ``g [S, X-1]``: f without the empty set, its columns in ``_by_size`` order."""
-    order, starts = _by_size(ranks)
+    """``_tight`` of ``g [S, X-1]``: f without the empty set, its columns in ``hall.by_size`` order."""
+    order, starts = by_size(ranks)
     size = _sizes_by_size(ranks)
     top = np.maximum.reduceat(g, starts, axis=1)                           # [S, R] largest f per set size
     k = np.arange(1, ranks + 1, dtype=np.int16)
     opt = ((top + k - 1) // k).max(axis=1)
-    over = g - (opt[:, None] - 1) * size
-    tight = over >= 1
-    fragile = (over.max(axis=1) <= 1) & (opt > 0)
+    tight = g - (opt[:, None] - 1) * size >= 1
+    fragile = ((top - (opt[:, None] - 1) * k).max(axis=1) <= 1) & (opt > 0)   # no set 2 over (M - 1)|X|
     # per rank, how many tight sets hold it: in all of them (inter), in one at least (union)
     holding = tight.astype(np.float32) @ _holds(ranks)                     # [S, R + 1]; last: tight sets
     bit = np.int16(1) << np.arange(ranks, dtype=np.int16)
@@ -87,16 +86,9 @@ def _tight_by_size(g: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, n
 
 
 @lru_cache(maxsize=None)
-def _by_size(ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """Non-empty rank sets grouped by size, and where each size starts: (order [X-1], starts [R])."""
-    sizes = subset_sizes(ranks)[1:]
-    return np.argsort(sizes, kind="stable"), np.searchsorted(np.sort(sizes), np.arange(1, ranks + 1))
-
-
-@lru_cache(maxsize=None)
 def _sizes_by_size(ranks: int) -> np.ndarray:
-    """[X-1] each non-empty rank set's size, in ``_by_size`` order."""
-    return subset_sizes(ranks)[1:][_by_size(ranks)[0]]
+    """[X-1] each non-empty rank set's size, in ``hall.by_size`` order."""
+    return subset_sizes(ranks)[1:][by_size(ranks)[0]]
 
 
 @lru_cache(maxsize=None)
@@ -107,9 +99,9 @@ def _outside(ranks: int) -> np.ndarray:
 
 @lru_cache(maxsize=None)
 def _holds(ranks: int) -> np.ndarray:
-    """[X-1, R + 1] float32, in ``_by_size`` order: whether each non-empty rank set holds each rank,
+    """[X-1, R + 1] float32, in ``hall.by_size`` order: whether each non-empty rank set holds each rank,
     then a column of ones (float32 counts of at most 2^R sets are exact)."""
-    ids = np.arange(1, 1 << ranks)[_by_size(ranks)[0]]
+    ids = np.arange(1, 1 << ranks)[by_size(ranks)[0]]
     return np.hstack([(ids[:, None] >> np.arange(ranks)) & 1, np.ones((ids.size, 1))]).astype(np.float32)
 
 
@@ -157,7 +149,7 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     S, E = active.shape
     step_weight = np.ones(S) if step_weight is None else np.asarray(step_weight, np.float64)
     # f without the empty set, its columns grouped by set size (``_tight_by_size``); ids: each column's set
-    ids = np.arange(1, 1 << ranks, dtype=np.int16)[_by_size(ranks)[0]]
+    ids = np.arange(1, 1 << ranks, dtype=np.int16)[by_size(ranks)[0]]
     rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
     f = subset_counts(active, masks, ranks)[:, ids].astype(np.float32)   # float: updated by products, exact
     fragile, inter, union = _tight_by_size(f, ranks)

@@ -9,6 +9,8 @@ set X, the optimum is the largest ``ceil(f[X] / |X|)`` over non-empty X.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 
@@ -33,5 +35,18 @@ def subset_counts(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarr
 
 
 def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """[S] the optimal max distinct experts per rank of each step, from ``subset_counts``."""
-    return ((f[:, 1:] + sizes[1:] - 1) // sizes[1:]).max(axis=1)
+    """[S] the optimal max distinct experts per rank of each step, from ``subset_counts`` (sizes:
+    ``subset_sizes``): the largest f of each set size k, then the largest ceil(that / k)."""
+    ranks = int(sizes[-1])
+    order, starts = by_size(ranks)
+    top = np.maximum.reduceat(f[:, order + 1], starts, axis=1)                 # [S, R]
+    k = np.arange(1, ranks + 1)
+    return ((top + k - 1) // k).max(axis=1)
+
+
+@lru_cache(maxsize=None)
+def by_size(ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-empty rank sets grouped by size (as indices into the sets after the empty one), and where
+    each size starts: (order [X-1], starts [R])."""
+    sizes = subset_sizes(ranks)[1:]
+    return np.argsort(sizes, kind="stable"), np.searchsorted(np.sort(sizes), np.arange(1, ranks + 1))
