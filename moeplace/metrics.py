@@ -286,21 +286,23 @@ def accumulate(sums: LayerSums, steps: RoutingSteps, placement: Placement, cost_
 
 
 def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[Placement],
-                   cost_models: list[CostModel], dispatch: str = "dynamic",
+                   cost_models: list[CostModel], dispatch: str | list[str] = "dynamic",
                    static_tables: list[list[np.ndarray] | None] | None = None, workers: int = 1) -> None:
     """Add one chunk of steps to each ``sums[i]`` under ``placements[i]``, layer by layer, so that what
     does not depend on the placement (the step-expert presence, the lower bound) is computed once.
 
-    workers: processes to spread the layers over (``moeplace.parallel``; only where no other thread is
-    running, as forking beside a trace reader's decoding threads is not safe)."""
+    dispatch: one rule for all placements, or one each. workers: processes to spread the layers over
+    (``moeplace.parallel``; only where no other thread is running, as forking beside a trace reader's
+    decoding threads is not safe)."""
     static_tables = static_tables or [None] * len(placements)
+    rules = [dispatch] * len(placements) if isinstance(dispatch, str) else list(dispatch)
 
     def layer_totals(layer: int) -> list[dict[str, Any]]:
         activity = layer_activity(steps, layer)
         distinct_total = activity.distinct_total()
         counts = None   # [S, E], made once for the placements with spare slots
         out = []
-        for placement, cost_model, tables in zip(placements, cost_models, static_tables):
+        for placement, cost_model, tables, dispatch in zip(placements, cost_models, static_tables, rules):
             R, phy2log = placement.ranks, placement.phy2log[layer]
             if placement.num_redundant == 0:
                 # one replica each: every rule sends an expert to its one rank, which is also the optimum

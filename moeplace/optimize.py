@@ -149,17 +149,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
 
     workers = layer_workers(held_out.num_steps * (model.num_experts + redundant) * model.num_moe_layers)
 
-    def evaluate_on(steps_: RoutingSteps) -> list[Evaluation]:
-        """Every placement under its own rule and cost model; those sharing both are measured in one pass."""
-        groups: dict[tuple, dict[str, Placement]] = {}
-        for name, p in placements.items():
-            groups.setdefault((rules[name], id(costs[name])), {})[name] = p
-        measured = {e.name: e for group in groups.values()
-                    for e in evaluate(group, [steps_], costs[next(iter(group))], rules[next(iter(group))],
-                                      workers)}
-        return [measured[name] for name in placements]
-
-    evals = evaluate_on(held_out)
+    evals = evaluate(placements, [held_out], costs, rules, workers)   # each row under its own rule and cost model
     fitted_sample = evenly_spaced(fit, FITTED_SAMPLE_STEPS)
     fitted = (max_distinct_means(fitted_sample, list(placements.values()), [rules[n] for n in placements],
                                  [costs[n] for n in placements], workers) if holdout else [])

@@ -25,22 +25,23 @@ class Evaluation:
 
 
 def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
-             cost_model: CostModel | Mapping[str, CostModel], dispatch: str = "dynamic",
+             cost_model: CostModel | Mapping[str, CostModel], dispatch: str | Mapping[str, str] = "dynamic",
              workers: int = 1) -> list[Evaluation]:
     """Measure every placement on the same stream of step chunks (one pass over the trace).
 
     cost_model: one for all placements, or one per placement name (placements that differ in slots
-    per rank cost differently). workers: processes for the layers of steps held in memory
-    (``metrics.accumulate_all``).
+    per rank cost differently); dispatch likewise. workers: processes for the layers of steps held in
+    memory (``metrics.accumulate_all``).
     """
     items = list(placements.items())
     costs = [cost_model[name] if isinstance(cost_model, Mapping) else cost_model for name, _ in items]
+    rules = [dispatch[name] if isinstance(dispatch, Mapping) else dispatch for name, _ in items]
     sums = [LayerSums(p.model.num_moe_layers, p.ranks) for _, p in items]
     tables = [[static_dispatch_table(p.phy2log[layer], p.model.num_experts, p.ranks, p.nodes)
-               for layer in range(p.model.num_moe_layers)] if dispatch == "static" else None
-              for _, p in items]
+               for layer in range(p.model.num_moe_layers)] if rule == "static" else None
+              for (_, p), rule in zip(items, rules)]
     for chunk in chunks:
-        accumulate_all(sums, chunk, [p for _, p in items], costs, dispatch, tables, workers)
+        accumulate_all(sums, chunk, [p for _, p in items], costs, rules, tables, workers)
     return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 
