@@ -24,10 +24,9 @@ def independent_steps(active: np.ndarray, num_steps: int, rng: np.random.Generat
     log_p = np.log(counts / counts.sum())
     sizes = active.sum(axis=1)[rng.integers(S, size=num_steps)]
     keys = log_p[None, :] - np.log(-np.log(rng.random((num_steps, E))))    # Gumbel: top-n keys = a draw of n
-    order = np.argsort(-keys, axis=1)
-    position = np.empty_like(order)
-    np.put_along_axis(position, order, np.arange(E)[None, :], axis=1)
-    return position < sizes[:, None]
+    # a step's experts: its n largest keys, those at or above its n-th largest (continuous keys: no ties)
+    nth = np.sort(keys, axis=1)[np.arange(num_steps), np.minimum(E - sizes, E - 1)]
+    return (keys >= nth[:, None]) & (sizes[:, None] > 0)
 
 
 def with_smoothed_steps(active: np.ndarray, share: float, num_smoothed: int,
