@@ -45,7 +45,6 @@ from moeplace.errors import MoeplaceError
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
-_NEVER = np.int64(1) << 62   # a key above every rank's
 
 
 @dataclass(frozen=True)
@@ -220,16 +219,15 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
 
 
 def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.ndarray, distinct: np.ndarray,
-             tokens: np.ndarray, augments: np.ndarray,
-             max_augment: int | None) -> None:
+             tokens: np.ndarray, augments: np.ndarray, max_augment: int | None) -> None:
     """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). bits: [E, R] replica
     ranks; multi: the experts with several, ascending."""
     S, R = distinct.shape
     live = np.arange(S)
-    # reach[s, a, b]: how many experts on rank a of step s have a replica on rank b (kept up to date)
     pick_m = pick[:, multi]                                               # [S, M] kept in step with pick
     mbits = bits[multi]                                                   # [M, R]
     mbits_f = mbits.astype(np.float32)
+    # reach[s, a, b]: how many experts on rank a of step s have a replica on rank b (kept up to date)
     reach = np.stack([(pick_m == a).astype(np.float32) @ mbits_f for a in range(R)], axis=1).astype(np.int64)
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):

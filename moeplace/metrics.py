@@ -302,7 +302,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
         distinct_total = activity.distinct_total()
         counts = None   # [S, E], made once for the placements with spare slots
         out = []
-        for placement, cost_model, tables, dispatch in zip(placements, cost_models, static_tables, rules):
+        for placement, cost_model, tables, rule in zip(placements, cost_models, static_tables, rules):
             R, phy2log = placement.ranks, placement.phy2log[layer]
             if placement.num_redundant == 0:
                 # one replica each: every rule sends an expert to its one rank, which is also the optimum
@@ -310,12 +310,12 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                 optimum = distinct.max(axis=1)
             else:
                 counts = step_expert_counts(steps, layer) if counts is None else counts
-                if dispatch == "balanced":
+                if rule == "balanced":
                     balanced, optimum = balanced_loads(steps, layer, phy2log, R, counts)
                     distinct, tokens = balanced.distinct, balanced.tokens
                 else:
                     table = tables[layer] if tables is not None else None
-                    distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, dispatch, table, cost_model)
+                    distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)
                     optimum = replica_optimum(counts, phy2log, R)
             out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
         return out
@@ -343,17 +343,17 @@ def max_distinct_means(steps: RoutingSteps, placements: list[Placement], rules: 
         activity = layer_activity(steps, layer)
         counts = None
         out = []
-        for placement, dispatch, cost_model in zip(placements, rules, cost_models):
+        for placement, rule, cost_model in zip(placements, rules, cost_models):
             R, phy2log = placement.ranks, placement.phy2log[layer]
             if placement.num_redundant == 0:
                 step_max = single_copy_loads(activity, phy2log, R, steps.count_steps)[0].max(axis=1)
-            elif dispatch == "balanced":
+            elif rule == "balanced":
                 counts = step_expert_counts(steps, layer) if counts is None else counts
                 step_max = replica_optimum(counts, phy2log, R)
             else:
                 table = (static_dispatch_table(phy2log, placement.model.num_experts, R, placement.nodes)
-                         if dispatch == "static" else None)
-                step_max = layer_rank_loads(steps, layer, phy2log, R, dispatch, table, cost_model)[0].max(axis=1)
+                         if rule == "static" else None)
+                step_max = layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)[0].max(axis=1)
             out.append(float(step_max.mean()))
         return out
 
