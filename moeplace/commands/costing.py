@@ -8,6 +8,7 @@ with a one-line warning.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import click
 
@@ -16,6 +17,9 @@ from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.expert_shape import GENERIC, ExpertShape, known_expert_shape
 from moeplace.model import ModelSpec
+
+if TYPE_CHECKING:
+    from moeplace.layouts import Layout
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ class Costing:
         if moe_tp == 1:
             return self.ep(local_slots, step_tokens, config_tokens)
         return self.tp(moe_tp, local_slots, step_tokens, config_tokens)
+
+    def layout(self, layout: "Layout", num_experts: int, step_tokens: int = STEP_TOKENS) -> CostModel:
+        """One GPU of ``layout`` (``moeplace.layouts``) for steps of ``step_tokens`` tokens: SGLang's kernel
+        config and launch grid for that step on that GPU's slots."""
+        return self.group(layout.local_slots(num_experts), layout.moe_tp, step_tokens)
 
     def tp(self, ranks: int, experts: int, step_tokens: int = STEP_TOKENS,
            config_tokens: int | None = None) -> CostModel:
