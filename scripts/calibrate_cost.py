@@ -17,6 +17,9 @@ weight sets so no expert is read twice from L2 within one replay, and the time i
     python3 scripts/calibrate_cost.py measure --sglang-wheel '.whl/sglang-*.whl' --out calib.json
     # here (fits, writes moeplace/data/cost_h200_*.json)
     python scripts/calibrate_cost.py fit calib.json --out-dir moeplace/data
+
+``CONFIG_SWEEPS`` (``--only`` their labels) measure each expert slice of issue 22's EP x TP layouts at each
+kernel config SGLang runs it with, through ``StaticStep`` (launches captured once per step size).
 """
 
 from __future__ import annotations
@@ -498,8 +501,8 @@ def measure(args) -> None:
         result["sweeps"][label] = sweep = measure_config_sweep(sgl, label, args.reps)
         gc.collect()         # a RankMoe and its StaticSteps refer to each other
         torch.cuda.empty_cache()
-        print(f"{label}: {len(sweep['points'])} points in {time.time() - t0:.1f} s, config {sweep['points'][0]['config']}"
-              f", tuned file: {sweep['tuned_file']}; " + " ".join(
+        print(f"{label}: {len(sweep['points'])} points in {time.time() - t0:.1f} s, "
+              f"config {sweep['points'][0]['config']}, tuned file: {sweep['tuned_file']}; " + " ".join(
                   f"{r['distinct']}/{r['tokens']}:{r['us']:.0f}" for r in sweep["points"][::5]), flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     for label, shape, dtype, path, grid in SWEEPS:
@@ -599,7 +602,8 @@ def fit(args) -> None:
               f"(mean err {full['mean_rel_err']:.1%}, max {full['max_rel_err']:.1%}); "
               f"verify config: a={low['a']:.2f} b={low['b']:.3f} c={low['c']:.1f} (mean err {low['mean_rel_err']:.1%}); "
               f"linear within 10% up to {bound} tokens")
-        name = files.get(label) or (f"cost_h200_bf16_{label.replace('-', '_')}.json" if label in CONFIG_SWEEPS else None)
+        name = files.get(label) or (f"cost_h200_bf16_{label.replace('-', '_')}.json"
+                                    if label in CONFIG_SWEEPS else None)
         if not name:
             continue
         s = sweep["shape"]

@@ -352,7 +352,8 @@ def sglang_on_h200(tmp_path, monkeypatch):
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
         "max_position_embeddings": 512, "torch_dtype": "bfloat16"}))
     state = runtime_context.snapshot_context()
-    runtime_context.publish(ServerArgs(model_path=str(folder), skip_tokenizer_init=True, device="cpu"), role="scheduler")
+    runtime_context.publish(ServerArgs(model_path=str(folder), skip_tokenizer_init=True, device="cpu"),
+                            role="scheduler")
     monkeypatch.setattr(cfgmod, "get_device_name", lambda device_id=0: "NVIDIA H200")
     cfgmod.get_moe_configs.cache_clear()
     yield cfgmod

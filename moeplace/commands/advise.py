@@ -35,7 +35,7 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
 def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
            window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
            holdout: float, as_json: bool) -> None:
-    """Say which layout runs TRACE's MoE layers fastest: EP with the best placement, TP-MoE, or EP groups with MoE TP inside.
+    """Say which layout runs TRACE's MoE layers fastest: EP, TP-MoE, or EP groups with MoE TP inside.
 
     One comparison of every layout SGLang can run on the --ranks GPUs (--tp-size R --ep-size G: G EP
     groups, each expert split over R/G GPUs; EP R, ..., TP-MoE), each without spare slots (the better of
@@ -108,9 +108,8 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                + " (the table's batches are built from those)")
     name = {"ep": f"EP ({ep_row.layout.name}, {here.ep_placement} placement)", "tp": f"TP-MoE ({tp_row.layout.name})"}
     click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
-               f"{name[here.winner]} is faster than {name['tp' if here.winner == 'ep' else 'ep'].split(' (')[0]}, "
-               f"{here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE {here.tp_us / 1e3:.2f} ms of MoE per "
-               f"step, {steps.model.num_moe_layers} layers)"
+               f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
+               f"{here.tp_us / 1e3:.2f} ms of MoE per step, {steps.model.num_moe_layers} layers)"
                + ("" if flip is None else f"; EP against TP-MoE flips at about {flip:.0f} tokens per step") + ".")
     unmeasured = [layout.name for layout in (r.layout for r in layouts)
                   if isinstance(layout_cost(layout, trace_batch).provenance.get("derived_from"), list)]
