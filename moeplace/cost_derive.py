@@ -26,15 +26,23 @@ few physical terms, fitted once per GPU, so that any expert shape and weight for
   line used for its own rank shape has its c and b moved by ``us_per_program`` x column blocks x
   the row-block difference (``measured_line``).
 * When a step has more tokens than the rank has local experts (GPT-OSS under EP: 4 per rank),
-  SGLang picks its large-block config (BM 64, BN 64, BK 32): few programs per expert, so a layer
-  costs a fixed pipeline time per K step (``us_per_k_step``) and each extra expert only part of its
-  reads (``read_share``); both from the files measured in that regime.
+  SGLang picks its large-block config (BM 64, BN 64, BK 32): a layer costs a fixed pipeline time per
+  K step (``us_per_k_step``) and each extra expert a share of its reads (``read_share``: 0.6 for
+  GPT-OSS's 2880 x 2880 experts, above 1 for Kimi K2's slices); both averaged over the files measured
+  in that regime, for shapes none of them covers.
 * ``b``: the files' median once the row blocks of their layout are taken out (under 2% of a verify
   step's cost).
 
-A rank shape that was measured itself (same hidden, intermediate, weight format, local slots) uses
-its measured line wherever SGLang runs the kernel config it was measured with (the file's fit
-covers that config's points). ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
+SGLang's kernel config follows the step (``sglang_default_config``: no tuned file ships for the
+shapes modelled, tests/test_cost_derive.py asks SGLang's own lookup), and so does the model: a
+16-row-block line while the step's tokens are at most the rank's slots, a 64-row-block one above
+(an expert costs 1.4-1.8x more to read there, Kimi K2 slices). The config sweeps
+(``cost_h200_bf16_*_bm16/_bm64.json``, ``calibrate_cost.py``'s ``CONFIG_SWEEPS``) give a measured line
+for each expert slice of issue 22's layouts at each config it runs, measured at that config's
+smallest batch (``Measured.step_tokens``) with SGLang's layout; they feed the large-block terms but
+not the others (those stay the verify-step files'). A rank shape with a measured line for its
+(hidden, intermediate, weight format, config) uses it, the file of the nearest slot count, moved to
+the step's and the rank's grid (``measured_line``): spare slots change only the grid. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
 the cost model") compares both with GPU replays. Not counted: the output rows SGLang zeroes for
 other ranks' pairs (a few µs a layer at verify batch).
 """
