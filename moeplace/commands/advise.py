@@ -111,8 +111,8 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
                f"{here.tp_us / 1e3:.2f} ms of MoE per step, {steps.model.num_moe_layers} layers)"
                + ("" if flip is None else f"; EP against TP-MoE flips at about {flip:.0f} tokens per step") + ".")
-    unmeasured = [layout.name for layout in (r.layout for r in layouts)
-                  if isinstance(layout_cost(layout, trace_batch).provenance.get("derived_from"), list)]
+    unmeasured = [r.layout.name for r in layouts if any(
+        isinstance(layout_cost(r.layout, b).provenance.get("derived_from"), list) for b in (trace_batch, *r.grid))]
     echo_layouts(layouts, flips, ranks, trace_batch, unmeasured)
     click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce). Each batch's cost models follow "
                "SGLang's kernel config for it (16-row blocks while the step's tokens are at most the GPU's slots, "
@@ -131,7 +131,8 @@ def ep_vs_tp(ep: LayoutCosts, tp: LayoutCosts, batch: int | None = None) -> Batc
 def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]], gpus: int, trace_batch: int,
                  unmeasured: list[str]) -> None:
     """The layouts table: MoE ms per step of each layout at each batch, the fastest, and where it changes;
-    ``unmeasured``: the layouts whose GPU shape has no measured cost file (marked *)."""
+    ``unmeasured``: the layouts whose GPU shape has no measured cost file for the kernel config of some batch
+    (marked *)."""
     names = [r.layout.name + ("*" if r.layout.name in unmeasured else "") for r in results]
     spares = next((r.layout.spares for r in results if r.layout.spares), 0)
     click.echo(f"Layouts on {gpus} GPUs (SGLang --tp-size {gpus} --ep-size G: EPG, each expert split over the "
@@ -164,6 +165,7 @@ def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]]
         click.echo("The fastest layout flips: " + ", then ".join(parts)
                    + f" (layouts within {100 * EVEN:.0f}% of each other count as even).")
     if unmeasured:
-        click.echo("*: no measured cost file for that GPU's expert shape; its model is derived from the experts' bytes "
-                   "(a TP slice of small experts measured up to 1.4x slower than derived, BENCHMARKS.md \"Derived cost "
-                   "model\"; scripts/calibrate_cost.py measures one; scripts/replay_placement.py times the layouts).")
+        click.echo("*: at some batch sizes no measured cost file covers that GPU's expert shape and kernel config; its "
+                   "model there is derived from the experts' bytes (a TP slice of small experts measured up to 1.4x "
+                   "slower than derived, BENCHMARKS.md \"Derived cost model\"; scripts/calibrate_cost.py measures one; "
+                   "scripts/replay_placement.py times the layouts).")
