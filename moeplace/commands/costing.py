@@ -21,6 +21,7 @@ from moeplace.model import ModelSpec
 
 if TYPE_CHECKING:
     from moeplace.layouts import Layout
+    from moeplace.trace.load import Trace
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class Costing:
 BATCH_PEEK_STEPS = 256     # steps read to find a trace's batch (evenly spaced)
 
 
-def trace_batch(src, mode: str) -> int:
+def trace_batch(src: Trace, mode: str) -> int:
     """The trace's tokens per step (median over up to ``BATCH_PEEK_STEPS`` steps of ``mode``; a verify step's
     9 where it has none): the batch SGLang's kernel config is chosen for (``moeplace.cost_derive``)."""
     steps = src.load(mode, BATCH_PEEK_STEPS)
