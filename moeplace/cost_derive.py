@@ -26,15 +26,23 @@ few physical terms, fitted once per GPU, so that any expert shape and weight for
   line used for its own rank shape has its c and b moved by ``us_per_program`` x column blocks x
   the row-block difference (``measured_line``).
 * When a step has more tokens than the rank has local experts (GPT-OSS under EP: 4 per rank),
-  SGLang picks its large-block config (BM 64, BN 64, BK 32): few programs per expert, so a layer
-  costs a fixed pipeline time per K step (``us_per_k_step``) and each extra expert only part of its
-  reads (``read_share``); both from the files measured in that regime.
+  SGLang picks its large-block config (BM 64, BN 64, BK 32): a layer costs a fixed pipeline time per
+  K step (``us_per_k_step``) and each extra expert a share of its reads (``read_share``: 0.6 for
+  GPT-OSS's 2880 x 2880 experts, above 1 for Kimi K2's slices); both averaged over the files measured
+  in that regime, for shapes none of them covers.
 * ``b``: the files' median once the row blocks of their layout are taken out (under 2% of a verify
   step's cost).
 
-A rank shape that was measured itself (same hidden, intermediate, weight format, local slots) uses
-its measured line wherever SGLang runs the kernel config it was measured with (the file's fit
-covers that config's points). ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
+SGLang's kernel config follows the step (``sglang_default_config``: no tuned file ships for the
+shapes modelled, tests/test_cost_derive.py asks SGLang's own lookup), and so does the model: a
+16-row-block line while the step's tokens are at most the rank's slots, a 64-row-block one above
+(an expert costs 1.4-1.8x more to read there, Kimi K2 slices). The config sweeps
+(``cost_h200_bf16_*_bm16/_bm64.json``, ``calibrate_cost.py``'s ``CONFIG_SWEEPS``) give a measured line
+for each expert slice of issue 22's layouts at each config it runs, measured at that config's
+smallest batch (``Measured.step_tokens``) with SGLang's layout; they feed the large-block terms but
+not the others (those stay the verify-step files'). A rank shape with a measured line for its
+(hidden, intermediate, weight format, config) uses it, the file of the nearest slot count, moved to
+the step's and the rank's grid (``measured_line``): spare slots change only the grid. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
 the cost model") compares both with GPU replays. Not counted: the output rows SGLang zeroes for
 other ranks' pairs (a few µs a layer at verify batch).
 """
@@ -114,6 +122,8 @@ class Measured:
     config: tuple[int, int, int]
     top_k: int | None = None
     sglang_layout: bool = False
+    step_tokens: int = STEP_TOKENS      # the step its c was measured at (a config sweep: its config's smallest batch)
+    fits_terms: bool = True             # whether the GPU's terms are fitted on it (not the config sweeps)
 
     def __post_init__(self) -> None:
         if self.sglang_layout and self.top_k is None:
@@ -124,7 +134,7 @@ class Measured:
         """Row blocks of the kernel's grid that the file's c paid for (at a verify step)."""
         bm = self.config[0]
         if self.sglang_layout:
-            return sglang_row_blocks(STEP_TOKENS * self.top_k, self.local_slots, bm)
+            return sglang_row_blocks(self.step_tokens * self.top_k, self.local_slots, bm)
         return self.local_slots * (bm - 1) / bm
 
     @property
@@ -169,8 +179,11 @@ def packaged_measurements() -> list[Measured]:
         shape = ExpertShape(int(s["hidden"]), int(s["expert_intermediate"]), prov["dtype"], path.name)
         slots = int(s["local_slots"])
         top_k = int(prov["top_k"]) if "top_k" in prov else None
-        out.append(Measured(path.name, cost, shape, slots, sglang_default_config(STEP_TOKENS, slots, shape.weights),
-                            top_k, prov.get("align_layout") == "sglang"))
+        tokens = int(prov.get("step_tokens", STEP_TOKENS))
+        config = (tuple(int(x) for x in prov["kernel_config"]) if "kernel_config" in prov
+                  else sglang_default_config(tokens, slots, shape.weights))
+        out.append(Measured(path.name, cost, shape, slots, config, top_k, prov.get("align_layout") == "sglang",
+                            tokens, fits_terms="kernel_config" not in prov))
     return out
 
 
@@ -178,7 +191,9 @@ def calibrate(files: list[Measured]) -> Calibration:
     """Fit the terms on one GPU's measured files (see the module docstring for which file sets what)."""
     if len({m.cost.provenance.get("gpu") for m in files}) != 1:
         raise MoeplaceError("calibrate: the files must come from one GPU")
-    large = [m for m in files if m.config == LARGE_M]
+    every = files
+    large = [m for m in every if m.config == LARGE_M]       # the large-block terms: every file of that config
+    files = [m for m in every if m.fits_terms]              # the rest: the files measured at a verify step
     read_bound = [m for m in files if m.shape.weights in ("bf16", "fp8") and m.config != LARGE_M]
     bf16 = [m for m in read_bound if m.shape.weights == "bf16"]
     if len(bf16) < 2:
@@ -207,7 +222,7 @@ def calibrate(files: list[Measured]) -> Calibration:
         gpu=files[0].cost.provenance["gpu"], us_per_byte=us_per_byte, launch_us=float(launch_us),
         us_per_program=float(us_per_program), extra_us={k: float(np.mean(v)) for k, v in extra.items()},
         us_per_weight={k: float(np.mean(v)) for k, v in per_weight.items()}, read_share=read_share,
-        us_per_k_step=per_k, b_us_per_token=0.0, files=tuple(files))
+        us_per_k_step=per_k, b_us_per_token=0.0, files=tuple(every))
     return replace(cal, b_us_per_token=float(median(cal.net_b(m) for m in files)))
 
 
@@ -237,14 +252,25 @@ def formula_cost(cal: Calibration, shape: ExpertShape, local_slots: int, top_k: 
     return a, cal.b_us_per_token, c
 
 
-def measured_line(cal: Calibration, m: Measured, top_k: int,
-                  step_tokens: int = STEP_TOKENS) -> tuple[float, float, float]:
-    """(a, b, c) of a measured file for a step of ``step_tokens`` x ``top_k`` pairs: its line with the
-    grid moved from the layout it was measured with to SGLang's (c: the step's row blocks instead of
-    the file's; b: without the row blocks the file's layout added per pair)."""
-    rows = sglang_row_blocks(step_tokens * top_k, m.local_slots, m.config[0])
+def measured_line(cal: Calibration, m: Measured, top_k: int, step_tokens: int = STEP_TOKENS,
+                  local_slots: int | None = None) -> tuple[float, float, float]:
+    """(a, b, c) of a measured file for a step of ``step_tokens`` x ``top_k`` pairs on a rank of
+    ``local_slots`` slots (default: the file's): its line with the grid moved from the layout and step it
+    was measured with to SGLang's for this step and rank (c: the step's row blocks instead of the file's;
+    b: without the row blocks the file's layout added per pair). Slots change only the grid: a rank reads
+    and computes only the experts a step activates."""
+    rows = sglang_row_blocks(step_tokens * top_k, local_slots or m.local_slots, m.config[0])
     c = m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks)
     return m.cost.a_us_per_expert, cal.net_b(m), c
+
+
+def measured_for(cal: Calibration, shape: ExpertShape, local_slots: int,
+                 config: tuple[int, int, int]) -> Measured | None:
+    """The measured file of this expert shape and kernel config, the one of the nearest slot count (the same
+    slots first); None where that shape never ran that config."""
+    same = [m for m in cal.files if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.config) ==
+            (shape.hidden, shape.intermediate, shape.weights, config)]
+    return min(same, key=lambda m: (abs(m.local_slots - local_slots), m.local_slots), default=None)
 
 
 def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str = DEFAULT_GPU,
@@ -266,22 +292,24 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
     grid = f"SGLang's launch grid for {step_tokens} tokens x top-{top_k}"
     if config_tokens and config_tokens != step_tokens:
         grid += f", kernel config for {config_tokens}"
-    for m in cal.files:
-        if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.local_slots, m.config) == \
-                (shape.hidden, shape.intermediate, shape.weights, local_slots, config):
-            a, b, c = measured_line(cal, m, top_k, step_tokens)
-            return CostModel(round(a, 4), round(b, 4), round(c, 3),
-                             {**m.cost.provenance, "derived_from": m.name, "top_k": top_k, "step_tokens": step_tokens,
-                              "config_tokens": config_tokens or step_tokens},
-                             f"{where}: measured ({m.name}; {grid})")
+    m = measured_for(cal, shape, local_slots, config)
+    if m is not None:
+        a, b, c = measured_line(cal, m, top_k, step_tokens, local_slots)
+        moved = "" if m.local_slots == local_slots else f", its grid moved from {m.local_slots} slots"
+        return CostModel(round(a, 4), round(b, 4), round(c, 3),
+                         {**m.cost.provenance, "derived_from": m.name, "top_k": top_k, "step_tokens": step_tokens,
+                          "config_tokens": config_tokens or step_tokens, "kernel_config": list(config),
+                          "local_slots": local_slots},
+                         f"{where}: measured ({m.name}{moved}; {grid}, BLOCK_SIZE_M {config[0]})")
     a, b, c = formula_cost(cal, shape, local_slots, top_k, step_tokens, config_tokens)
     prov = {"derived_from": [m.name for m in cal.files], "gpu": gpu, "weights": shape.weights,
             "shape": {"hidden": shape.hidden, "expert_intermediate": shape.intermediate,
                       "local_slots": local_slots}, "step_tokens": step_tokens, "top_k": top_k,
-            "config_tokens": config_tokens or step_tokens,
+            "config_tokens": config_tokens or step_tokens, "kernel_config": list(config),
             "calibration": {"us_per_byte": cal.us_per_byte, "launch_us": cal.launch_us,
                             "us_per_program": cal.us_per_program, "extra_us": cal.extra_us,
                             "us_per_weight": cal.us_per_weight, "read_share": cal.read_share,
                             "us_per_k_step": cal.us_per_k_step}}
     return CostModel(round(a, 4), round(b, 4), round(c, 3), prov,
-                     f"{where}: derived from expert bytes ({len(cal.files)} measured files; {grid})")
+                     f"{where}: derived from expert bytes ({len(cal.files)} measured files; {grid}, "
+                     f"BLOCK_SIZE_M {config[0]})")

@@ -130,6 +130,8 @@ class LayoutCosts:
     at_trace: float
     grid: dict[int, float]
     placement: dict[int, str]
+    trace_batch: int = 0
+    at_trace_placement: str = ""
 
 
 def compare_layouts(model: ModelSpec, fit: RoutingSteps, at_trace: RoutingSteps, grid: dict[int, RoutingSteps],
@@ -149,7 +151,7 @@ def compare_layouts(model: ModelSpec, fit: RoutingSteps, at_trace: RoutingSteps,
         here = best(at_trace, trace_batch)
         per_batch = {batch: best(steps, batch) for batch, steps in grid.items()}
         out.append(LayoutCosts(layout, here[0], {b: v[0] for b, v in per_batch.items()},
-                               {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}))
+                               {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}, trace_batch, here[1]))
     return out
 
 

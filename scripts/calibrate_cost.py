@@ -17,12 +17,16 @@ weight sets so no expert is read twice from L2 within one replay, and the time i
     python3 scripts/calibrate_cost.py measure --sglang-wheel '.whl/sglang-*.whl' --out calib.json
     # here (fits, writes moeplace/data/cost_h200_*.json)
     python scripts/calibrate_cost.py fit calib.json --out-dir moeplace/data
+
+``CONFIG_SWEEPS`` (``--only`` their labels) measure each expert slice of issue 22's EP x TP layouts at each
+kernel config SGLang runs it with, through ``StaticStep`` (launches captured once per step size).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib
 import json
 import sys
@@ -37,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeplace.cost_derive import sglang_sorted_rows  # noqa: E402
 
 COPIES = 4
+L2_FLUSH_BYTES = 2 * 60 << 20   # twice the H200's L2: reads of at least this leave no weight cached for the next replay
+MIN_COPIES = 2                  # a graph's launch (a few µs) is then shared by two copies of the work
 VERIFY_TOKENS = 9   # tokens in a verify step (1 + 8 draft tokens): the regime the cost files are fit for
 # Expert shapes. hidden, intermediate per expert (SiLU-gated: gate+up is 2*inter wide), local slots.
 # SGLang (--moe-a2a-backend none) picks the kernel config by M = the step's token count T, which every
@@ -145,6 +151,7 @@ class RankMoe:
         self.torch = torch
         self.kernels, self.cfgmod, _ = sgl
         self.H, self.I, self.E, self.top_k, self.dtype, self.path = hidden, inter, n_local, top_k, dtype, path
+        self._steps: dict[int, StaticStep] = {}
         gen = torch.Generator(device="cuda").manual_seed(0)
         self.w13, self.w2, self.s13, self.s2 = [], [], [], []
         for _ in range(COPIES):
@@ -172,12 +179,18 @@ class RankMoe:
                 self.s13.append(None)
                 self.s2.append(None)
 
+    def tuned_configs(self) -> dict | None:
+        """SGLang's tuned configs for this rank's (E, N, device, dtype), None where it ships none."""
+        dtype = {"bf16": None, "fp8": "fp8_w8a8", "int4": "int4_w4a16"}[self.dtype]
+        block = {"bf16": None, "fp8": [128, 128], "int4": [0, 32]}[self.dtype]
+        return self.cfgmod.get_moe_configs(self.E, self.I, dtype, block[0] if block else 0,
+                                           block[1] if block else 0, per_channel_quant=False, down_moe=False)
+
     def config(self, m: int) -> dict:
         """SGLang's choice for M rows: its tuned file for (E, N, device, dtype) if any, else its default."""
         dtype = {"bf16": None, "fp8": "fp8_w8a8", "int4": "int4_w4a16"}[self.dtype]
         block = {"bf16": None, "fp8": [128, 128], "int4": [0, 32]}[self.dtype]
-        configs = self.cfgmod.get_moe_configs(self.E, self.I, dtype, block[0] if block else 0,
-                                              block[1] if block else 0, per_channel_quant=False, down_moe=False)
+        configs = self.tuned_configs()
         if configs:
             return dict(configs[min(configs, key=lambda x: abs(x - m))])
         return dict(self.cfgmod.get_default_config(m, self.E, self.I, self.H, 1, dtype, False, block))
@@ -245,6 +258,12 @@ class RankMoe:
         run.step_pairs = pairs
         return run
 
+    def step(self, step_tokens: int) -> "StaticStep":
+        """The rank's launches for steps of ``step_tokens`` tokens, captured once (``StaticStep``)."""
+        if step_tokens not in self._steps:
+            self._steps[step_tokens] = StaticStep(self, step_tokens)
+        return self._steps[step_tokens]
+
     def check(self, counts: list[int]) -> float:
         """Relative error of one run against an fp32 torch reference (bf16 and fp8 weights); the rows of
         other ranks' pairs must come out zero."""
@@ -265,6 +284,96 @@ class RankMoe:
                 ref[r0:r0 + c] = (h @ w2[s].t()) * w[r0:r0 + c]
                 r0 += c
         return float((out.float() - ref).norm() / ref.norm())
+
+
+def copies_for(distinct: int, expert_bytes: int) -> int:
+    """Weight copies a replay cycles through so that its reads are at least ``L2_FLUSH_BYTES``: a rank
+    reading less than that would find the previous replay's weights in L2."""
+    return int(min(COPIES, max(MIN_COPIES, -(-L2_FLUSH_BYTES // max(1, distinct * expert_bytes)))))
+
+
+class StaticStep:
+    """One rank's launches for every workload of one step size, captured in CUDA graphs once.
+
+    SGLang's sorted-token buffer, and so the kernels' grids, depend only on the step's pairs
+    (``step_tokens`` x top-k), the rank's slots and BLOCK_SIZE_M, never on which slots get the pairs
+    (``moeplace.cost_derive.sglang_sorted_rows``). So a workload is timed by writing its layout
+    (sorted ids, expert ids, padded total) into the captured graph's buffers and replaying it: no
+    capture per workload. A graph per weight-copy count (``copies_for``).
+    """
+
+    def __init__(self, rank: "RankMoe", step_tokens: int):
+        import torch
+        import triton.language as tl
+        if rank.path != "triton" or rank.dtype != "bf16":
+            raise ValueError("StaticStep times SGLang's bf16 Triton path")
+        self.rank, self.torch, self.step_tokens = rank, torch, step_tokens
+        self.cfg = rank.config(step_tokens)
+        self.pairs = step_tokens * rank.top_k
+        bm = self.cfg["BLOCK_SIZE_M"]
+        size = sglang_sorted_rows(self.pairs, rank.E, bm)
+        dev = dict(device="cuda")
+        self.sorted_ids = torch.full((size,), self.pairs, dtype=torch.int32, **dev)
+        self.expert_ids = torch.full((-(-size // bm),), -1, dtype=torch.int32, **dev)
+        self.post = torch.zeros(1, dtype=torch.int32, **dev)
+        self.topk_ids = torch.full((self.pairs, 1), -1, dtype=torch.int32, **dev)
+        self.topk_w = torch.rand(self.pairs, 1, **dev)
+        self.xs = [torch.randn(self.pairs, rank.H, dtype=torch.bfloat16, **dev) for _ in range(COPIES)]
+        self.c1 = torch.empty(self.pairs, 2 * rank.I, dtype=torch.bfloat16, **dev)
+        self.c2 = torch.empty(self.pairs, rank.H, dtype=torch.bfloat16, **dev)
+        self.tl = tl
+        self.graphs: dict[int, object] = {}
+        self.expert_bytes = 3 * rank.H * rank.I * 2
+
+    def _run(self, copies: int) -> None:
+        torch, r = self.torch, self.rank
+        q = dict(use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                 per_channel_quant=False, block_shape=None)
+        for i in range(copies):
+            for a, w, c, routed in ((self.xs[i], r.w13[i], self.c1, False), (None, r.w2[i], self.c2, True)):
+                if a is None:
+                    a = torch.nn.functional.silu(self.c1[:, :r.I]) * self.c1[:, r.I:]
+                r.kernels.invoke_fused_moe_kernel(a, w, None, c, None, None, None, self.topk_w, self.topk_ids,
+                                                  self.sorted_ids, self.expert_ids, self.post, routed, 1, self.cfg,
+                                                  self.tl.bfloat16, **q)
+
+    def _graph(self, copies: int):
+        torch = self.torch
+        if copies not in self.graphs:
+            self._run(copies)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self._run(copies)
+            self.graphs[copies] = g
+        return self.graphs[copies]
+
+    def load(self, counts: list[int]) -> int:
+        """Write the layout of ``counts`` (tokens per local slot) into the buffers; returns the copies to run."""
+        torch = self.torch
+        ids = rank_pairs(counts, self.pairs)
+        sorted_ids, expert_ids, padded = align_layout(ids, self.rank.E, self.cfg["BLOCK_SIZE_M"])
+        self.sorted_ids.copy_(torch.from_numpy(sorted_ids))
+        self.expert_ids.copy_(torch.from_numpy(expert_ids))
+        self.post.fill_(padded)
+        self.topk_ids.copy_(torch.from_numpy(ids.astype(np.int32)))
+        return copies_for(sum(1 for c in counts if c), self.expert_bytes)
+
+    def time_us(self, counts: list[int], reps: int) -> float:
+        """Median µs of this rank's step with ``counts`` (graph replays, per weight copy)."""
+        torch = self.torch
+        copies = self.load(counts)
+        g = self._graph(copies)
+        g.replay()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            g.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000)
+        return float(np.median(times)) / copies
 
 
 def graph_time_us(fn, reps: int) -> float:
@@ -295,6 +404,50 @@ def sweep_grid(name: str) -> list[tuple[int, int]]:
         ds, ns = [1, 2, 4, 8, 12, 16, 24, 32, 40, 48], [1, 2, 4, 9, 16, 32, 64, 128, 256]
     points = [(d, n) for d in ds for n in ns if d <= n]
     return points if name in ("kimi-tp", "gptoss-tp", "torch") else [(0, 0)] + points
+
+
+# SGLang's default bf16 config switches from 16-row to 64-row blocks once a step's tokens exceed the rank's
+# local experts (``get_default_config``: M > E). One sweep per (expert slice, config) that issue 22's
+# layouts (EP8, EP4xTP2, EP2xTP4, TP8 on 8 GPUs) meet at 9-576 tokens and no file above covers: label ->
+# (hidden, intermediate of the slice, local slots, top-k, EP groups, step tokens). Each runs every point at one
+# step size (the smallest batch of its config), so its c is that step's; the cost model moves it to other
+# steps and slot counts by the launch grid (``moeplace.cost_derive.measured_line``).
+CONFIG_SWEEPS = {
+    "kimi-i2048-bm64": (7168, 2048, 48, 8, 8, 72),
+    "kimi-i1024-bm16": (7168, 1024, 96, 8, 4, 9),
+    "kimi-i1024-bm64": (7168, 1024, 96, 8, 4, 144),
+    "kimi-i512-bm16": (7168, 512, 192, 8, 2, 9),
+    "kimi-i512-bm64": (7168, 512, 192, 8, 2, 288),
+    "kimi-i256-bm64": (7168, 256, 384, 8, 1, 576),
+    "gptoss-i1440-bm64": (2880, 1440, 8, 4, 4, 9),
+    "gptoss-i1440-bm16": (2880, 1440, 10, 4, 4, 9),     # 8 spare slots: 10 a group, 9 tokens <= 10
+    "gptoss-i720-bm16": (2880, 720, 16, 4, 2, 9),
+    "gptoss-i720-bm64": (2880, 720, 16, 4, 2, 36),
+    "gptoss-i360-bm64": (2880, 360, 32, 4, 1, 36),
+}
+
+
+def config_sweep_points(slots: int, step_pairs: int, groups: int) -> list[tuple[int, int]]:
+    """(distinct, pairs on the rank) of a config sweep: up to 8 expert counts to the rank's slots, and pair
+    counts around the mean share of the step's pairs (``step_pairs / groups``) up to twice it."""
+    mean = step_pairs / groups
+    ds = sorted({max(1, round(x)) for x in np.linspace(1, min(slots, step_pairs), 8)})
+    ns = sorted({max(1, min(step_pairs, round(mean * f))) for f in (0.25, 0.5, 1.0, 1.5, 2.0)})
+    return [(d, max(d, n)) for d in ds for n in ns if n >= d or n == ns[-1]]
+
+
+def measure_config_sweep(sgl, label: str, reps: int) -> dict:
+    """One ``CONFIG_SWEEPS`` entry: every point at its step size, through ``StaticStep``."""
+    hidden, inter, slots, top_k, groups, tokens = CONFIG_SWEEPS[label]
+    rank = RankMoe(sgl, hidden, inter, slots, top_k)
+    step = rank.step(tokens)
+    rows = []
+    for d, n in dict.fromkeys(config_sweep_points(slots, tokens * top_k, groups)):
+        rows.append({"distinct": d, "tokens": n, "us": step.time_us(even_counts(d, n), reps), "config_m": tokens,
+                     "step_pairs": step.pairs, "config": step.cfg})
+    shape = dict(hidden=hidden, inter=inter, n_local=slots, top_k=top_k)
+    return {"shape": shape, "dtype": "bf16", "path": "triton", "points": rows, "step_tokens": tokens,
+            "tuned_file": bool(rank.tuned_configs())}
 
 
 SWEEPS = [  # (label, shape, dtype, path, grid), most needed first
@@ -338,6 +491,20 @@ def measure(args) -> None:
         torch.cuda.empty_cache()
     only = set(args.only.split(",")) if args.only else None
     deadline = time.time() + args.budget_s
+    for label in CONFIG_SWEEPS:
+        if only and label not in only:
+            continue
+        if time.time() > deadline:
+            print(f"{label}: skipped (time budget)", flush=True)
+            continue
+        t0 = time.time()
+        result["sweeps"][label] = sweep = measure_config_sweep(sgl, label, args.reps)
+        gc.collect()         # a RankMoe and its StaticSteps refer to each other
+        torch.cuda.empty_cache()
+        print(f"{label}: {len(sweep['points'])} points in {time.time() - t0:.1f} s, "
+              f"config {sweep['points'][0]['config']}, tuned file: {sweep['tuned_file']}; " + " ".join(
+                  f"{r['distinct']}/{r['tokens']}:{r['us']:.0f}" for r in sweep["points"][::5]), flush=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
     for label, shape, dtype, path, grid in SWEEPS:
         if only and label not in only:
             continue
@@ -398,6 +565,16 @@ def linear_range(points: list[dict], tol: float = 0.10) -> int | None:
     return best
 
 
+H200_SMS = 132
+
+
+def filling_experts(inter: int, config: dict) -> int:
+    """Experts whose gate/up programs (one row block each: 2 x inter / BLOCK_SIZE_N) fill the GPU's SMs twice.
+    Below that the kernel is latency-bound and sublinear in experts (BENCHMARKS.md: 1, 2, 4 experts cost
+    66, 79, 106 µs in the 16-row config), a regime the slowest GPU of a layer at these batches is not in."""
+    return -(-2 * H200_SMS // -(-2 * inter // config["BLOCK_SIZE_N"]))
+
+
 def fit(args) -> None:
     raw = json.loads(Path(args.calib).read_text())
     out_dir = Path(args.out_dir)
@@ -415,14 +592,19 @@ def fit(args) -> None:
         bound = linear_range(pts)
         # The file is for verify steps (T = VERIFY_TOKENS): fit the points that ran the kernel config
         # SGLang picks at that T. Other configs (M > local experts) are a different line (see fit notes).
-        verify_cfg = min(pts, key=lambda p: abs(p.get("config_m", p["tokens"]) - VERIFY_TOKENS))["config"]
+        tokens = sweep.get("step_tokens", VERIFY_TOKENS)     # a config sweep ran every point at one step size
+        verify_cfg = min(pts, key=lambda p: abs(p.get("config_m", p["tokens"]) - tokens))["config"]
         same = [p for p in pts if p["config"] == verify_cfg]
+        if label in CONFIG_SWEEPS:   # a layer's slowest GPU runs many experts: fit where they fill the GPU
+            same = [p for p in same if p["distinct"] >= filling_experts(sweep["shape"]["inter"], verify_cfg)] or same
         low = fit_linear(same)
         print(f"{label}: all points a={full['a']:.2f} b={full['b']:.3f} c={full['c']:.1f} "
               f"(mean err {full['mean_rel_err']:.1%}, max {full['max_rel_err']:.1%}); "
               f"verify config: a={low['a']:.2f} b={low['b']:.3f} c={low['c']:.1f} (mean err {low['mean_rel_err']:.1%}); "
               f"linear within 10% up to {bound} tokens")
-        if not files.get(label):
+        name = files.get(label) or (f"cost_h200_bf16_{label.replace('-', '_')}.json"
+                                    if label in CONFIG_SWEEPS else None)
+        if not name:
             continue
         s = sweep["shape"]
         doc = {
@@ -435,7 +617,12 @@ def fit(args) -> None:
                 # sweeps that know their top-k ran SGLang's buffer (moeplace.cost_derive.Measured)
                 **({"align_layout": "sglang", "top_k": s["top_k"]} if "top_k" in s else {}),
                 "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
-                        f"kernel config for a {VERIFY_TOKENS}-token step ({verify_cfg})"),
+                        f"kernel config for a {tokens}-token step ({verify_cfg})"
+                        + (f" with at least {filling_experts(s['inter'], verify_cfg)} experts (they fill the GPU)"
+                           if label in CONFIG_SWEEPS else "")),
+                "step_tokens": tokens,
+                "kernel_config": [verify_cfg[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K")],
+                **({"tuned_file": sweep["tuned_file"]} if "tuned_file" in sweep else {}),
                 "fit_mean_rel_err": round(low["mean_rel_err"], 4), "fit_max_rel_err": round(low["max_rel_err"], 4),
                 "linear_up_to_tokens": bound,
                 "all_points_fit": {k: round(full[k], 4) for k in ("a", "b", "c", "mean_rel_err", "max_rel_err")},
@@ -443,8 +630,8 @@ def fit(args) -> None:
                 "source": "scripts/calibrate_cost.py measure (CUDA-graph replay medians)",
             },
         }
-        (out_dir / files[label]).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"  wrote {out_dir / files[label]}")
+        (out_dir / name).write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"  wrote {out_dir / name}")
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,13 +21,15 @@ from moeplace.expert_shape import GENERIC, KNOWN_MODELS, MXFP4_NOTE, ExpertShape
 from moeplace.model import ModelSpec
 from moeplace.model_config import expert_shape_from_hf_config
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
 FILES = {m.name: m for m in packaged_measurements()}
 TOP_K = {"cost_h200_bf16.json": 8, "cost_h200_fp8.json": 8, "cost_h200_int4.json": 8, "cost_h200_bf16_tp8.json": 8,
          "cost_h200_bf16_gptoss.json": 4, "cost_h200_bf16_gptoss_tp8.json": 4}   # the models the files were for
 
 
 def test_every_packaged_file_names_its_rank_shape():
-    assert len(FILES) == 6
+    assert len(FILES) == 17
     for m in FILES.values():
         for key in ("gpu", "dtype", "kernel", "date", "shape"):
             assert m.cost.provenance[key], (m.name, key)
@@ -50,7 +54,7 @@ def test_calibration_fits_the_files_as_measured():
     """The packaged files ran the first emulation layout (local_slots x (BM-1)/BM padding row blocks);
     the terms fitted on them are those BENCHMARKS.md records (22.7 µs + 1.33 ns a program)."""
     cal = gpu_calibration()
-    assert not any(m.sglang_layout for m in FILES.values())
+    assert not any(FILES[n].sglang_layout for n in VERIFY_FILES)
     assert cal.launch_us == pytest.approx(22.7, abs=0.1) and cal.us_per_program * 1e3 == pytest.approx(1.33, abs=0.01)
     kimi = FILES["cost_h200_bf16.json"]
     assert kimi.row_blocks == 48 * 15 / 16 and kimi.row_blocks_per_pair == 1 / 16
@@ -64,7 +68,11 @@ def test_per_byte_cost_holds_across_bf16_and_fp8():
     assert 1 / cal.us_per_byte / 1e6 == pytest.approx(4.6, rel=0.1)   # TB/s: near the H200's 4.8 peak
 
 
-@pytest.mark.parametrize("name", sorted(FILES))
+VERIFY_FILES = sorted(n for n, m in FILES.items() if m.fits_terms)     # measured at a verify step
+CONFIG_FILES = sorted(n for n, m in FILES.items() if not m.fits_terms)  # one per (slice, kernel config), issue 22
+
+
+@pytest.mark.parametrize("name", VERIFY_FILES)
 def test_measured_shapes_use_their_line_on_sglangs_grid(name):
     """A measured rank shape keeps its a; its c moves by the launches of the row-block difference
     between SGLang's grid at a verify step and the layout the file was measured with."""
@@ -81,12 +89,41 @@ def test_measured_shapes_use_their_line_on_sglangs_grid(name):
         assert abs(moved) < 3
 
 
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_config_files_give_the_line_of_their_config(name):
+    """A file measured at one kernel config and step (``scripts/calibrate_cost.py``'s config sweeps, SGLang's
+    layout) is what the model uses wherever SGLang runs that config on that expert slice: at its own step its
+    line as measured; at other steps and slot counts (spare slots) c moves by the launch grid only."""
+    m, cal = FILES[name], gpu_calibration()
+    assert m.sglang_layout and m.top_k and m.config == sglang_default_config(m.step_tokens, m.local_slots, "bf16")
+    own = derive_cost_model(m.shape, m.local_slots, m.top_k, step_tokens=m.step_tokens)
+    assert f"measured ({m.name}" in own.describe()
+    assert (own.a_us_per_expert, own.b_us_per_token) == (m.cost.a_us_per_expert, m.cost.b_us_per_token)
+    assert own.c_us == pytest.approx(m.cost.c_us, abs=1e-3)
+    slots = m.local_slots + m.local_slots // 4            # E/4 spare slots spread over the same groups
+    tokens = m.step_tokens * 2 if m.config == LARGE_M else m.step_tokens
+    if sglang_default_config(tokens, slots, "bf16") == m.config:
+        other = derive_cost_model(m.shape, slots, m.top_k, step_tokens=tokens)
+        assert other.a_us_per_expert == m.cost.a_us_per_expert and "moved from" in other.describe()
+        rows = sglang_row_blocks(tokens * m.top_k, slots, m.config[0])
+        assert other.c_us == pytest.approx(m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks), abs=1e-3)
+
+
+def test_kimi_ep_doubles_its_cost_per_expert_past_its_slots():
+    """SGLang's default config at 72 tokens on 48 slots (64-row blocks) reads an expert 1.6x slower than at
+    9 tokens (16-row blocks): the step the first issue-22 replay measured at about 2x the old prediction."""
+    kimi = FILES["cost_h200_bf16.json"].shape
+    small, large = derive_cost_model(kimi, 48, 8, step_tokens=36), derive_cost_model(kimi, 48, 8, step_tokens=72)
+    assert small.provenance["kernel_config"][0] == 16 and large.provenance["kernel_config"][0] == 64
+    assert large.cost(40, 72) > 1.4 * small.cost(40, 72)
+
+
 def test_sglang_layout_files_calibrate_alike():
     """The same physics written as files measured with SGLang's layout (c and b moved to its grid at a
     verify step) gives the same terms: the calibration reads each file's layout."""
     cal = gpu_calibration()
-    twins = []
-    for name, m in FILES.items():
+    twins = [m for m in FILES.values() if not m.fits_terms]
+    for name, m in ((n, FILES[n]) for n in VERIFY_FILES):
         rows = sglang_row_blocks(STEP_TOKENS * TOP_K[name], m.local_slots, m.config[0])
         cost = dataclasses.replace(m.cost, b_us_per_token=cal.net_b(m),
                                    c_us=m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks))
@@ -96,7 +133,7 @@ def test_sglang_layout_files_calibrate_alike():
     assert again.us_per_program == pytest.approx(cal.us_per_program, rel=0.05)
     assert again.b_us_per_token == pytest.approx(cal.b_us_per_token, rel=1e-6)
     with pytest.raises(MoeplaceError, match="no top_k"):
-        dataclasses.replace(twins[0], top_k=None)
+        dataclasses.replace(twins[-1], top_k=None)
 
 
 def test_grid_follows_the_steps_pairs():
@@ -290,3 +327,81 @@ def test_config_without_expert_size_is_one_line():
     from moeplace.errors import FormatError
     with pytest.raises(FormatError, match="no expert size"):
         expert_shape_from_hf_config({"hidden_size": 64}, "x")
+
+
+# Every GPU rank shape issue 22's layouts meet on 8 GPUs (EP8, EP4xTP2, EP2xTP4, TP8, without and with E/4
+# spare slots): Kimi K2 (7168 x 2048, 384 experts, top-8) and GPT-OSS-20B (2880 x 2880, 32 experts, top-4).
+MODELLED = [(7168, 2048 // tp, (384 + spares) // (8 // tp), 8) for tp in (1, 2, 4, 8) for spares in (0, 96, 192)
+            if tp < 8 or spares == 0] + \
+           [(2880, 2880 // tp, (32 + spares) // (8 // tp), 4) for tp in (1, 2, 4, 8) for spares in (0, 8)
+            if tp < 8 or spares == 0]
+
+
+@pytest.fixture
+def sglang_on_h200(tmp_path, monkeypatch):
+    """SGLang's config module as its server runs it, on a CPU that says it is an H200 (the tuned-file lookup
+    keys on the device name)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as cfgmod
+    from sglang.srt.server_args import ServerArgs
+
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
+        "max_position_embeddings": 512, "torch_dtype": "bfloat16"}))
+    state = runtime_context.snapshot_context()
+    runtime_context.publish(ServerArgs(model_path=str(folder), skip_tokenizer_init=True, device="cpu"),
+                            role="scheduler")
+    monkeypatch.setattr(cfgmod, "get_device_name", lambda device_id=0: "NVIDIA H200")
+    cfgmod.get_moe_configs.cache_clear()
+    yield cfgmod
+    cfgmod.get_moe_configs.cache_clear()
+    runtime_context.restore_context(state)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("hidden,inter,slots,top_k", MODELLED)
+def test_modelled_ranks_get_sglangs_config_at_every_batch(sglang_on_h200, hidden, inter, slots, top_k):
+    """SGLang's own lookup (``try_get_optimal_moe_config``: a tuned file for (E, N, device), any Triton
+    version's, else ``get_default_config``) picks, for every rank shape the layouts meet, the config the cost
+    model assumes, at every batch from 1 to 1,024 tokens: no tuned bf16 file ships for these shapes on the
+    H200, and the default switches to 64-row blocks once the step's tokens exceed the rank's slots."""
+    cfgmod = sglang_on_h200
+    assert cfgmod.get_moe_configs(slots, inter, None) is None
+    for tokens in (1, 9, 36, 72, 144, 288, 576, 1024, slots, slots + 1):
+        config = cfgmod.try_get_optimal_moe_config((slots, 2 * inter, hidden), (slots, hidden, inter), top_k,
+                                                   None, tokens)
+        expected = sglang_default_config(tokens, slots, "bf16")
+        assert (config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]) == expected, tokens
+        assert expected == (LARGE_M if tokens > slots else SMALL_M)
+        assert derive_cost_model(ExpertShape(hidden, inter, "bf16", "t"), slots, top_k,
+                                 step_tokens=tokens).provenance["kernel_config"] == list(expected)
+
+
+@pytest.mark.sglang
+def test_a_tuned_file_is_found_where_sglang_ships_one(sglang_on_h200):
+    """The lookup above does read tuned files: E=8, N=2048 on the H200 ships one (Triton 3.1's folder)."""
+    assert sglang_on_h200.get_moe_configs(8, 2048, None)
+
+
+SWEEPS = json.loads((Path(__file__).parent / "data" / "calib_h200_config_sweeps.json").read_text())
+
+
+@pytest.mark.parametrize("label", sorted(SWEEPS["sweeps"]))
+def test_model_predicts_the_recorded_config_sweeps(label):
+    """The model the commands use, against the H200 measurements its config files were fitted on
+    (``calibrate_cost.py measure``'s raw points, tests/data): every point where the experts fill the GPU
+    within 20% (18% where 28 experts get 82 pairs each: two 64-row blocks an expert, which the line's b averages),
+    their mean within 6% (the fits: 0.2-5.8% mean); the kernel config the model names is the one each point ran."""
+    import calibrate_cost
+    sweep = SWEEPS["sweeps"][label]
+    s = sweep["shape"]
+    shape = ExpertShape(s["hidden"], s["inter"], "bf16", label)
+    model = derive_cost_model(shape, s["n_local"], s["top_k"], step_tokens=sweep["step_tokens"])
+    ran = sweep["points"][0]["config"]
+    assert model.provenance["kernel_config"] == [ran["BLOCK_SIZE_M"], ran["BLOCK_SIZE_N"], ran["BLOCK_SIZE_K"]]
+    pts = [p for p in sweep["points"] if p["distinct"] >= calibrate_cost.filling_experts(s["inter"], ran)]
+    err = np.array([model.cost(p["distinct"], p["tokens"]) / p["us"] - 1 for p in pts])
+    assert np.abs(err).max() < 0.2 and np.abs(err).mean() < 0.06, (label, err)

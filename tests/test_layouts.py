@@ -96,11 +96,12 @@ def test_advise_prints_the_layouts(capsys):
     code, out, err = run_main(capsys, "advise", SAMPLE, "--ranks", "8", "--mode", "verify", "--effort", "1e6")
     assert code == 0, err
     head = next(line for line in out.splitlines() if line.startswith("tokens/step") and "EP4xTP2" in line)
-    # measured cost files exist for GPT-OSS's EP8 rank (4 experts) and its TP-MoE slice; the rest are derived
-    assert head.split()[1:] == ["EP8", "EP8+8*", "EP4xTP2*", "EP4xTP2+8*", "EP2xTP4*", "EP2xTP4+8*", "TP8", "fastest"]
+    # every GPU shape of GPT-OSS's layouts has a measured line for each kernel config it runs (the config sweeps;
+    # spare slots move a line by the launch grid) except EP8's whole experts at 1-5 tokens (16-row blocks)
+    assert head.split()[1:] == ["EP8*", "EP8+8*", "EP4xTP2", "EP4xTP2+8", "EP2xTP4", "EP2xTP4+8", "TP8", "fastest"]
     assert "Layouts on 8 GPUs (SGLang --tp-size 8 --ep-size G" in out
     assert "At this trace's traffic (9 tokens per step) the fastest layout is" in out
-    assert "*: no measured cost file" in out
+    assert "*: at some batch sizes no measured cost file" in out
     code, out, err = run_main(capsys, "advise", SAMPLE, "--ranks", "8", "--mode", "verify", "--effort", "1e6",
                               "--json")
     data = json.loads(out)

@@ -27,8 +27,9 @@ def test_prepare_and_report_batches_cost_rule_and_layouts(tmp_path):
         "--effort", "1e7")
     meta = json.loads((work / "work.json").read_text())
     assert set(meta["traces"]) == {"kimi", "kimi-b36"}
-    assert meta["traces"]["kimi-b36"]["groups"] == {"cost+r96": 8, "ep4xtp2": 4, "ep4xtp2+r96": 4,
-                                                    "ep2xtp4": 2, "ep2xtp4+r96": 2}
+    assert meta["traces"]["kimi-b36"]["groups"] == {"cost+r96": 8, "ep4xtp2": 4, "deepseek-ep4xtp2": 4,
+                                                    "ep4xtp2+r96": 4, "ep2xtp4": 2, "deepseek-ep2xtp4": 2,
+                                                    "ep2xtp4+r96": 2}
     jobs = meta["jobs"]
     assert jobs["kimi-b36-ep-96-tp2"]["shape"]["inter"] == 1024 and jobs["kimi-b36-ep-96-tp2"]["step_tokens"] == 36
     assert "step_tokens" not in jobs["kimi-ep-60"]      # 9-token jobs keep measure's --step-tokens
@@ -41,3 +42,45 @@ def test_prepare_and_report_batches_cost_rule_and_layouts(tmp_path):
     text = run("report", "--work", str(work), "--times", str(tmp_path / "t.json"))
     assert "batches of 36 tokens" in text
     assert "| ep4xtp2 | EP4 x MoE TP 2, 96 redundant, cost |" in text and "| cost | EP, 96 redundant, cost |" in text
+    # issue 22's goals from the same run: the rules table and advise's choice against the fastest layout
+    assert "rules (measured MoE ms per step)" in text and "advise's choice measured vs fastest" in text
+    assert "| EP8 | EP8+96 | EP4xTP2 | EP4xTP2+96 | EP2xTP4 | EP2xTP4+96 | TP8 |" in text
+
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import replay_placement  # noqa: E402  (scripts/ is on sys.path)
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+WORK = st.lists(st.integers(1, 200), max_size=12).map(lambda c: tuple(sorted(c, reverse=True)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(WORK, min_size=1, max_size=8), st.tuples(*[st.floats(0, 50)] * 4))
+def test_dominated_ranks_are_never_the_slowest(keys, coef):
+    """Under any cost that grows with experts, pairs and 16- and 64-row blocks, the slowest rank of a layer is
+    among the ranks ``dominated`` keeps; ranks with equal work keep one."""
+    def cost(k):
+        return (coef[0] * len(k) + coef[1] * sum(k) + coef[2] * sum(-(-c // 16) for c in k)
+                + coef[3] * sum(-(-c // 64) for c in k))
+    skip = replay_placement.dominated(keys)
+    assert not skip.all()
+    assert max(cost(k) for k, s in zip(keys, skip) if not s) == max(cost(k) for k in keys)
+    assert len({k for k, s in zip(keys, skip) if not s}) == sum(not s for s in skip)
+
+
+def test_share_deadline_passes_saved_time_on():
+    """Each job gets its share of the time left: a first job that overran (compiles) leaves the rest their
+    shares of what remains, never a deadline already past."""
+    assert replay_placement.share_deadline(0.0, 10.0, 1.0, 4.0) == 2.5
+    assert replay_placement.share_deadline(9.0, 10.0, 1.0, 2.0) == 9.5
+    assert replay_placement.share_deadline(11.0, 10.0, 1.0, 2.0) == 11.0
+
+
+def test_layout_members_are_advises_layouts():
+    tags = ["contiguous", "deepseek", "stepaware", "deepseek+r96", "balanced+r96", "cost+r96", "ep4xtp2",
+            "deepseek-ep4xtp2", "ep4xtp2+r96", "tp"]
+    groups = {"cost+r96": 8, "ep4xtp2": 4, "deepseek-ep4xtp2": 4, "ep4xtp2+r96": 4}
+    assert replay_placement.layout_members(tags, 384, 8, groups) == {
+        "EP8": ["deepseek", "stepaware"], "EP8+96": ["cost+r96"], "EP4xTP2": ["ep4xtp2", "deepseek-ep4xtp2"],
+        "EP4xTP2+96": ["ep4xtp2+r96"], "TP8": ["tp"]}

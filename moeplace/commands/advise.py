@@ -5,12 +5,10 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from moeplace.advise import BATCH_GRID, flip_batch, model_check, resample_batches, step_costs, verdict
-from moeplace.algorithms import PlacementProblem, solve
+from moeplace.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check, resample_batches
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, trace_options
-from moeplace.cost_dispatch import PLACED_AS
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
@@ -28,8 +26,8 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
               help="TP-MoE cost model (one rank, 1/R of every expert) to use instead of the one derived for "
                    "the model's experts.")
 @click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Redundant expert slots for the EP placements; also the spare slots of the layouts with spares "
-                   "(default there: E/4, rounded down to a multiple of --ranks).")
+              help="Spare slots of the layouts with spares (default: E/4, rounded down to a multiple of --ranks); "
+                   "given, the EP-vs-TP verdict is for EP R with them.")
 @effort_option(2e8, "2e8")
 @holdout_option(0.3, "Share of the trace's last steps held out: the placements are fitted on the rest and every "
                      "cost is measured on the held-out steps (0: all steps for both).")
@@ -37,18 +35,19 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
 def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
            window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
            holdout: float, as_json: bool) -> None:
-    """Say whether EP with the best placement, TP-MoE, or EP groups with MoE TP inside run TRACE's MoE layers fastest.
+    """Say which layout runs TRACE's MoE layers fastest: EP, TP-MoE, or EP groups with MoE TP inside.
 
-    EP cost: the slowest rank per layer under DeepSeek EPLB and step-aware placements (the better one
-    counts). TP-MoE: every rank runs every activated expert at 1/R width. Then every layout SGLang can
-    run on the --ranks GPUs (--tp-size R --ep-size G: G EP groups, each expert split over R/G GPUs;
-    EP R, ..., TP-MoE), each without spare slots and with them (moeplace's cost rule, balanced dispatch
-    at verify batch), at every batch size, and the batches where the fastest changes. Cost models are derived
-    for the model's experts (shape from --model or the trace's model name, its top-k; H200 measurements
-    of SGLang's fused MoE kernel, with SGLang's launch grid for each batch size and the kernel config of
-    the trace's batch) unless --cost-model / --tp-cost-model give files. Communication is not counted.
-    The placements are fitted on up to 2,000 steps of the trace's first part, every cost is measured on
-    up to 256 of its last --holdout share, and batches of other sizes are built from those held-out steps.
+    One comparison of every layout SGLang can run on the --ranks GPUs (--tp-size R --ep-size G: G EP
+    groups, each expert split over R/G GPUs; EP R, ..., TP-MoE), each without spare slots (the better of
+    DeepSeek EPLB and step-aware placements, one replica per expert, so --dispatch does not matter) and
+    with them (moeplace's cost rule, balanced dispatch at verify batch), at the trace's batch and at every
+    batch size, and the batches where the fastest changes; its EP R and TP-MoE rows give the EP-vs-TP
+    verdict. A layout's cost per layer is its slowest GPU's. Cost models are derived for the model's
+    experts (shape from --model or the trace's model name, its top-k; H200 measurements of SGLang's fused
+    MoE kernel) with SGLang's kernel config and launch grid for each batch size, unless --cost-model /
+    --tp-cost-model give files. Communication is not counted. The placements are fitted on up to 2,000
+    steps of the trace's first part, every cost is measured on up to 256 of its last --holdout share, and
+    batches of other sizes are built from those held-out steps.
 
     \b
     Example:
@@ -69,37 +68,24 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     fitted, held_out = split_steps(steps, holdout)
     fit, sample = evenly_spaced(fitted, FIT_STEPS), evenly_spaced(held_out, EVAL_STEPS)
     trace_batch = max(1, int(np.median(sample.num_tokens)))
-
-    def cost_models(batch: int) -> tuple[CostModel, CostModel]:
-        """(EP, TP-MoE) models for steps of ``batch`` tokens: SGLang's launch grid follows the batch, the
-        kernel config stays the trace's (other configs are measured for few shapes)."""
-        return (costing.ep((model.num_experts + redundant) // ranks, batch, trace_batch),
-                tp_file or costing.tp(ranks, model.num_experts, batch, trace_batch))
-
-    ep_cost, tp_cost = cost_models(trace_batch)
-    placements = {}
-    for name in ("deepseek", "stepaware"):
-        click.echo(f"placing: {name}", err=True)
-        placements[name] = solve(name, PlacementProblem(steps.model, fit, ranks, redundant=redundant,
-                                                        dispatch=PLACED_AS.get(dispatch, dispatch),
-                                                        cost_model=ep_cost, effort=effort))
-    here = verdict(step_costs(sample, placements, ranks, ep_cost, tp_cost, dispatch), trace_batch)
-    grid = []
-    samples = {}
-    for batch in BATCH_GRID:
-        samples[batch] = resample_batches(held_out, batch, EVAL_STEPS // 4)
-        grid.append(verdict(step_costs(samples[batch], placements, ranks, *cost_models(batch), dispatch), batch))
-    flip = flip_batch(grid)
+    samples = {batch: resample_batches(held_out, batch, EVAL_STEPS // 4) for batch in BATCH_GRID}
     spares = redundant or model.num_experts // 4 // ranks * ranks
 
     def layout_cost(layout: Layout, batch: int) -> CostModel:
+        """A GPU of ``layout`` at steps of ``batch`` tokens: SGLang's kernel config and grid for that batch."""
         if layout.ep == 1 and tp_file:
             return tp_file
-        return costing.group(layout.local_slots(model.num_experts), layout.moe_tp, batch, trace_batch)
+        return costing.layout(layout, model.num_experts, batch)
     layouts = compare_layouts(steps.model, fit, sample, samples,
                               candidate_layouts(ranks, model.num_experts, costing.shape.intermediate, spares),
                               layout_cost, trace_batch, effort, lambda n: click.echo(f"placing: {n}", err=True))
     flips = layout_flips(layouts)
+    ep_row = next((r for r in layouts if r.layout == Layout(ranks, ranks, redundant)), layouts[0])
+    tp_row = next(r for r in layouts if r.layout.ep == 1)
+    here = ep_vs_tp(ep_row, tp_row)
+    grid = [ep_vs_tp(ep_row, tp_row, batch) for batch in BATCH_GRID]
+    flip = flip_batch(grid)
+    ep_cost, tp_cost = layout_cost(ep_row.layout, trace_batch), layout_cost(tp_row.layout, trace_batch)
     if as_json:
         def row(v):
             return {"batch": v.batch, "ep_us": v.ep_us, "tp_us": v.tp_us, "ep_placement": v.ep_placement,
@@ -110,46 +96,43 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                    "layouts": [{"name": r.layout.name, "ep_size": r.layout.ep, "moe_tp": r.layout.moe_tp,
                                 "spares": r.layout.spares, "rule": r.layout.rule, "at_trace_us": r.at_trace,
                                 "grid_us": {str(b): v for b, v in r.grid.items()},
-                                "placement": {str(b): v for b, v in r.placement.items()}} for r in layouts],
+                                "placement": {str(b): v for b, v in r.placement.items()},
+                                "kernel_block_m": {str(b): layout_cost(r.layout, b).provenance.get(
+                                    "kernel_config", [None])[0] for b in r.grid}} for r in layouts],
                    "fastest_layout_at_trace": fastest(layouts).layout.name,
                    "layout_flips": [{"batch": at, "below": lo, "above": hi} for at, lo, hi in flips]})
         return
-    name = {"ep": f"EP ({here.ep_placement} placement)", "tp": "TP-MoE"}
     click.echo(f"placements fitted on {fit.num_steps:,} of the first {steps_phrase(fitted.num_steps, mode)}; "
                + (f"costs on {sample.num_steps:,} of the last {held_out.num_steps:,}, held out" if holdout else
                   f"costs on {sample.num_steps:,} of the same steps (--holdout 0)")
                + " (the table's batches are built from those)")
+    name = {"ep": f"EP ({ep_row.layout.name}, {here.ep_placement} placement)", "tp": f"TP-MoE ({tp_row.layout.name})"}
     click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
-               f"{name[here.winner]} is faster, {here.speedup:.2f}x "
-               f"(EP {here.ep_us / 1e3:.2f} ms vs TP-MoE {here.tp_us / 1e3:.2f} ms of MoE per step, "
-               f"{steps.model.num_moe_layers} layers).")
-    click.echo("tokens/step   EP ms   TP ms   faster")
-    for v in grid:
-        click.echo(f"{v.batch:>11} {v.ep_us / 1e3:7.2f} {v.tp_us / 1e3:7.2f}   {v.winner.upper()} "
-                   f"x{v.speedup:.2f}" + (f" ({v.ep_placement})" if v.winner == "ep" else ""))
-    changes = [(lo.winner, hi.winner) for lo, hi in zip(grid, grid[1:]) if lo.winner != hi.winner]
-    if flip is None:
-        click.echo(f"No flip between {BATCH_GRID[0]} and {BATCH_GRID[-1]} tokens per step.")
-    else:
-        below, above = changes[0]
-        click.echo(f"The answer flips at about {flip:.0f} tokens per step ({below.upper()} below, "
-                   f"{above.upper()} above" + (f"; it changes {len(changes) - 1} more time(s) further up" if
-                                               len(changes) > 1 else "") + ").")
-    unmeasured = [layout.name for layout in (r.layout for r in layouts)
-                  if isinstance(layout_cost(layout, trace_batch).provenance.get("derived_from"), list)]
+               f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
+               f"{here.tp_us / 1e3:.2f} ms of MoE per step, {steps.model.num_moe_layers} layers)"
+               + ("" if flip is None else f"; EP against TP-MoE flips at about {flip:.0f} tokens per step") + ".")
+    unmeasured = [r.layout.name for r in layouts if any(
+        isinstance(layout_cost(r.layout, b).provenance.get("derived_from"), list) for b in (trace_batch, *r.grid))]
     echo_layouts(layouts, flips, ranks, trace_batch, unmeasured)
-    click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce).")
+    click.echo("Costs are compute only (no EP dispatch/combine, no TP all-reduce). Each batch's cost models follow "
+               "SGLang's kernel config for it (16-row blocks while the step's tokens are at most the GPU's slots, "
+               "64-row blocks above: its default, no tuned file ships for these shapes) and its launch grid.")
     click.echo(f"EP cost model at {trace_batch} tokens per step: {ep_cost.describe()}")
     click.echo(f"TP cost model at {trace_batch} tokens per step: {tp_cost.describe()}")
-    if not (cost_model_path and tp_cost_path):
-        click.echo(f"Other rows: the same models with SGLang's launch grid for their tokens x top-{model.top_k} "
-                   f"(kernel config kept at {trace_batch} tokens).")
+
+
+def ep_vs_tp(ep: LayoutCosts, tp: LayoutCosts, batch: int | None = None) -> BatchVerdict:
+    """EP R against TP-MoE, read from the layouts comparison at ``batch`` (None: at the trace's batch)."""
+    if batch is None:
+        return BatchVerdict(ep.trace_batch, ep.at_trace, tp.at_trace, ep.at_trace_placement)
+    return BatchVerdict(batch, ep.grid[batch], tp.grid[batch], ep.placement[batch])
 
 
 def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]], gpus: int, trace_batch: int,
                  unmeasured: list[str]) -> None:
     """The layouts table: MoE ms per step of each layout at each batch, the fastest, and where it changes;
-    ``unmeasured``: the layouts whose GPU shape has no measured cost file (marked *)."""
+    ``unmeasured``: the layouts whose GPU shape has no measured cost file for the kernel config of some batch
+    (marked *)."""
     names = [r.layout.name + ("*" if r.layout.name in unmeasured else "") for r in results]
     spares = next((r.layout.spares for r in results if r.layout.spares), 0)
     click.echo(f"Layouts on {gpus} GPUs (SGLang --tp-size {gpus} --ep-size G: EPG, each expert split over the "
@@ -182,6 +165,7 @@ def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]]
         click.echo("The fastest layout flips: " + ", then ".join(parts)
                    + f" (layouts within {100 * EVEN:.0f}% of each other count as even).")
     if unmeasured:
-        click.echo("*: no measured cost file for that GPU's expert shape; its model is derived from the experts' bytes "
-                   "(a TP slice of small experts measured up to 1.4x slower than derived, BENCHMARKS.md \"Derived cost "
-                   "model\"; scripts/calibrate_cost.py measures one; scripts/replay_placement.py times the layouts).")
+        click.echo("*: at some batch sizes no measured cost file covers that GPU's expert shape and kernel config; its "
+                   "model there is derived from the experts' bytes (a TP slice of small experts measured up to 1.4x "
+                   "slower than derived, BENCHMARKS.md \"Derived cost model\"; scripts/calibrate_cost.py measures one; "
+                   "scripts/replay_placement.py times the layouts).")

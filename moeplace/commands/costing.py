@@ -8,14 +8,20 @@ with a one-line warning.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import click
+import numpy as np
 
 from moeplace.cost_derive import STEP_TOKENS, derive_cost_model
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.expert_shape import GENERIC, ExpertShape, known_expert_shape
 from moeplace.model import ModelSpec
+
+if TYPE_CHECKING:
+    from moeplace.layouts import Layout
+    from moeplace.trace.load import Trace
 
 
 @dataclass(frozen=True)
@@ -45,11 +51,26 @@ class Costing:
             return self.ep(local_slots, step_tokens, config_tokens)
         return self.tp(moe_tp, local_slots, step_tokens, config_tokens)
 
+    def layout(self, layout: Layout, num_experts: int, step_tokens: int = STEP_TOKENS) -> CostModel:
+        """One GPU of ``layout`` (``moeplace.layouts``) for steps of ``step_tokens`` tokens: SGLang's kernel
+        config and launch grid for that step on that GPU's slots."""
+        return self.group(layout.local_slots(num_experts), layout.moe_tp, step_tokens)
+
     def tp(self, ranks: int, experts: int, step_tokens: int = STEP_TOKENS,
            config_tokens: int | None = None) -> CostModel:
         """A rank holding 1/ranks of every one of ``experts`` experts (TP-MoE), for steps of ``step_tokens``."""
         return derive_cost_model(self.shape.tp_slice(ranks), experts, self.top_k, step_tokens=step_tokens,
                                  config_tokens=config_tokens)
+
+
+BATCH_PEEK_STEPS = 256     # steps read to find a trace's batch (evenly spaced)
+
+
+def trace_batch(src: Trace, mode: str) -> int:
+    """The trace's tokens per step (median over up to ``BATCH_PEEK_STEPS`` steps of ``mode``; a verify step's
+    9 where it has none): the batch SGLang's kernel config is chosen for (``moeplace.cost_derive``)."""
+    steps = src.load(mode, BATCH_PEEK_STEPS)
+    return max(1, int(np.median(steps.num_tokens))) if steps.num_steps else STEP_TOKENS
 
 
 def expert_shape_from_model_ref(model_ref: str, model: ModelSpec) -> ExpertShape:

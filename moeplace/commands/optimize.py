@@ -9,7 +9,7 @@ import click
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from moeplace.atomic import all_or_nothing
 from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
-from moeplace.commands.costing import Costing, cost_model_line, resolve_costing
+from moeplace.commands.costing import Costing, cost_model_line, resolve_costing, trace_batch
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
                                        trace_options)
 from moeplace.errors import MoeplaceError
@@ -128,8 +128,9 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         check_split(ranks, groups, model.num_experts, costing.shape.intermediate)
     redundant = spare_slots(model, groups, redundant, replica_memory, costing, moe_tp)
     check_ranks(src, groups, redundant)
-    cost_model = costing.group((model.num_experts + redundant) // groups, moe_tp)
-    today_cost = costing.group(model.num_experts // groups, moe_tp)   # the reference row's ranks hold no spare slot
+    batch = trace_batch(src, mode)       # SGLang's kernel config and launch grid follow the trace's batch
+    cost_model = costing.group((model.num_experts + redundant) // groups, moe_tp, batch)
+    today_cost = costing.group(model.num_experts // groups, moe_tp, batch)   # the reference row: no spare slot
     result = run_optimize(src, groups, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                           seed, max_steps, effort, balance_floor,
                           progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
