@@ -358,3 +358,15 @@ def test_steps_from_counts_follow_the_counts():
     got = steps.expert_token_counts()[0]
     assert got[[3, 4, 5, 6]].sum() < 0.02 * got.sum()  # experts with no tokens (almost) never drawn
     assert got[0] > got[1] > got[2]
+
+
+@pytest.mark.parametrize("mode", ["all", "verify", "decode"])
+def test_step_tokens_reads_what_load_reads_without_the_ids(mode, tmp_path):
+    """``step_tokens`` (the first two arrays of each chunk) equals the loaded steps' token counts, on the
+    shipped sample and on a trace whose chunks are decoded in full (the in-memory npz reader)."""
+    sample = open_trace(Path(__file__).parent.parent / "traces" / "gptoss20b-sample.mptrace")
+    np.testing.assert_array_equal(sample.step_tokens(mode), sample.load(mode).num_tokens)
+    ids = np.random.default_rng(0).integers(0, 8, (40, 1, 2)).astype(np.int64)
+    np.savez(tmp_path / "r.npz", topk_ids=ids)
+    npz = open_trace(tmp_path / "r.npz")
+    np.testing.assert_array_equal(npz.step_tokens(mode), npz.load(mode).num_tokens)

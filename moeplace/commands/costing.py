@@ -63,14 +63,11 @@ class Costing:
                                  config_tokens=config_tokens)
 
 
-BATCH_PEEK_STEPS = 256     # steps read to find a trace's batch (evenly spaced)
-
-
 def trace_batch(src: Trace, mode: str) -> int:
-    """The trace's tokens per step (median over up to ``BATCH_PEEK_STEPS`` steps of ``mode``; a verify step's
-    9 where it has none): the batch SGLang's kernel config is chosen for (``moeplace.cost_derive``)."""
-    steps = src.load(mode, BATCH_PEEK_STEPS)
-    return max(1, int(np.median(steps.num_tokens))) if steps.num_steps else STEP_TOKENS
+    """The trace's tokens per step (the median over its steps of ``mode``; a verify step's 9 where it has
+    none): the batch SGLang's kernel config is chosen for (``moeplace.cost_derive``). Reads no ids."""
+    tokens = src.step_tokens(mode)
+    return max(1, int(np.median(tokens))) if tokens.size else STEP_TOKENS
 
 
 def expert_shape_from_model_ref(model_ref: str, model: ModelSpec) -> ExpertShape:

@@ -80,6 +80,18 @@ class Trace:
         self._note_damage(warn=read_any)
         return total
 
+    def step_tokens(self, mode: str = "all") -> np.ndarray:
+        """[S] tokens of each step of ``mode``, in order: one pass like ``count``, no ids decoded."""
+        if self._steps is not None:
+            return self._steps.num_tokens[M.mode_mask(self._steps.modes, mode)]
+        parts, read_any = [np.zeros(0, np.int64)], False
+        for modes, tokens in self._reader.step_tokens():
+            self._note_damage(warn=True)
+            parts.append(tokens[M.mode_mask(modes, mode)])
+            read_any = True
+        self._note_damage(warn=read_any)
+        return np.concatenate(parts)
+
     def load(self, mode: str = "all", max_steps: int | None = None, total: int | None = None) -> RoutingSteps:
         """All steps of ``mode`` in order; if more than ``max_steps``, exactly ``max_steps`` of them,
         evenly spaced (step ``floor(i * total / max_steps)`` for i < max_steps, counting steps of ``mode``).

@@ -351,17 +351,27 @@ class TraceReader:
         """Each whole chunk's forward modes [S], in the order and with the damage checks of iterating
         the reader, but decompressing only the start of each chunk (modes is its first array): a
         pass that counts steps costs the reading of the file, not the decoding of its ids."""
+        for modes, in self._leading(("modes",)):
+            yield modes
+
+    def step_tokens(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(modes [S], num_tokens [S]) of each whole chunk, as cheaply as ``modes`` (its first two arrays)."""
+        yield from self._leading(("modes", "num_tokens"))
+
+    def _leading(self, names: tuple[str, ...]) -> Iterator[tuple[np.ndarray, ...]]:
+        """The leading arrays ``names`` (in CHUNK_ARRAYS order) of each whole chunk."""
         self.damaged.clear()
         for path, header in zip(self.shards, self.headers):
             self._note_unfinished(path)
             for payload, num_steps in self._payloads(path):
-                modes = _leading_modes(payload, num_steps)
-                if modes is None:   # not laid out as our writers do: decode it all
-                    modes = self._decode(path, header, payload, None).modes
-                if modes.shape != (num_steps,):
+                arrays = _leading_arrays(payload, num_steps, names)
+                if arrays is None:   # not laid out as our writers do: decode it all
+                    steps = self._decode(path, header, payload, None)
+                    arrays = tuple(getattr(steps, name) for name in names)
+                if any(a.shape != (num_steps,) for a in arrays):
                     self.damaged.append((path, "chunk header disagrees with its payload"))
                     break
-                yield modes
+                yield arrays
 
     def _note_unfinished(self, path: Path) -> None:
         if path.name.endswith(SHARD_SUFFIX + PARTIAL_SUFFIX):
@@ -424,20 +434,25 @@ def _read_ahead(items: Iterator, n: int) -> Iterator:
     yield from waiting
 
 
-def _leading_modes(payload: bytes, num_steps: int) -> np.ndarray | None:
-    """The ``modes`` array [S] that starts a chunk's npz, from a few decompressed bytes; None if the
-    payload does not start with it (then the caller decodes the whole chunk)."""
+def _leading_arrays(payload: bytes, num_steps: int, names: tuple[str, ...]) -> tuple[np.ndarray, ...] | None:
+    """The arrays ``names`` [S] that start a chunk's npz, in order, from a few decompressed bytes; None if
+    the payload does not start with them (then the caller decodes the whole chunk)."""
     try:
-        head = zlib.decompressobj().decompress(payload, 1024 + 8 * num_steps)
-        if head[:4] != b"PK\x03\x04":
-            return None
-        name_len, extra_len = struct.unpack("<HH", head[26:30])
-        if head[30:30 + name_len] != b"modes.npy":
-            return None
-        modes = np.lib.format.read_array(io.BytesIO(head[30 + name_len + extra_len:]), allow_pickle=False)
+        head = io.BytesIO(zlib.decompressobj().decompress(payload, 1024 * len(names) + 8 * num_steps * len(names)))
+        out = []
+        for name in names:
+            local = head.read(30)
+            if local[:4] != b"PK\x03\x04":
+                return None
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            if head.read(name_len) != f"{name}.npy".encode():
+                return None
+            head.read(extra_len)
+            out.append(np.lib.format.read_array(head, allow_pickle=False))   # leaves head at the next member
     except (zlib.error, ValueError, EOFError, struct.error):
         return None
-    return modes.astype(np.uint8, copy=False)
+    out[0] = out[0].astype(np.uint8, copy=False) if names[0] == "modes" else out[0]
+    return tuple(out)
 
 
 def _physical_to_logical_ids(ids: np.ndarray, p2l: np.ndarray) -> np.ndarray:
