@@ -177,11 +177,12 @@ def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: 
     return chosen, optimum
 
 
-def replica_optimum(counts: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
+def replica_optimum(active: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
     """[S] the best max distinct experts per rank that the replicas of ``phy2log`` allow in each step
-    (``counts [S, E]``): Hall's formula (``algorithms.hall``), exact, without running a rule."""
-    masks = replica_layout(phy2log, counts.shape[1], ranks).masks
-    return step_optimum(subset_counts(counts > 0, masks, ranks), subset_sizes(ranks))
+    (``active [S, E]``: the steps' active experts, bool or 0/1 float32): Hall's formula
+    (``algorithms.hall``), exact, without running a rule."""
+    masks = replica_layout(phy2log, active.shape[1], ranks).masks
+    return step_optimum(subset_counts(active, masks, ranks), subset_sizes(ranks))
 
 
 def layer_distinct_total(steps: RoutingSteps, layer: int) -> np.ndarray:
@@ -316,7 +317,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                 else:
                     table = tables[layer] if tables is not None else None
                     distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)
-                    optimum = replica_optimum(counts, phy2log, R)
+                    optimum = replica_optimum(counts > 0, phy2log, R)
             out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
         return out
 
@@ -341,15 +342,16 @@ def max_distinct_means(steps: RoutingSteps, placements: list[Placement], rules: 
     """
     def layer_means(layer: int) -> list[float]:
         activity = layer_activity(steps, layer)
-        counts = None
+        active = None   # [S, E] 0/1 float32, made once for the placements with spare slots
         out = []
         for placement, rule, cost_model in zip(placements, rules, cost_models):
             R, phy2log = placement.ranks, placement.phy2log[layer]
             if placement.num_redundant == 0:
                 step_max = single_copy_loads(activity, phy2log, R, steps.count_steps)[0].max(axis=1)
             elif rule == "balanced":
-                counts = step_expert_counts(steps, layer) if counts is None else counts
-                step_max = replica_optimum(counts, phy2log, R)
+                if active is None:
+                    active = (step_expert_counts(steps, layer) > 0).astype(np.float32)
+                step_max = replica_optimum(active, phy2log, R)
             else:
                 table = (static_dispatch_table(phy2log, placement.model.num_experts, R, placement.nodes)
                          if rule == "static" else None)

@@ -21,7 +21,8 @@ def subset_sizes(ranks: int) -> np.ndarray:
 
 
 def subset_counts(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
-    """f [S, X] int16: active experts whose replica ranks all lie in each rank set. active: [S, E] bool.
+    """f [S, X] int16: active experts whose replica ranks all lie in each rank set. active: [S, E] bool
+    (or already 0/1 float32, when several placements are measured on the same steps).
 
     Two small matrix products: active experts per distinct mask [S, K], times whether each mask lies
     in each rank set [K, X] (float32 is exact: counts stay far below 2^24).
@@ -31,7 +32,7 @@ def subset_counts(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarr
     per_mask = np.zeros((masks.shape[0], uniq.size), np.float32)
     per_mask[np.arange(masks.shape[0]), cls] = 1.0
     inside = ((np.arange(X)[None, :] & uniq[:, None]) == uniq[:, None]).astype(np.float32)   # [K, X]
-    return ((active.astype(np.float32) @ per_mask) @ inside).astype(np.int16)
+    return ((np.asarray(active, np.float32) @ per_mask) @ inside).astype(np.int16)
 
 
 def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
