@@ -361,19 +361,12 @@ class StaticStep:
 
     def time_us(self, counts: list[int], reps: int) -> float:
         """Median µs of this rank's step with ``counts`` (graph replays, per weight copy)."""
-        torch = self.torch
+        from cuda_timing import replay_us  # scripts/ is on sys.path
+
         copies = self.load(counts)
         g = self._graph(copies)
         g.replay()
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            g.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1000)
-        return float(np.median(times)) / copies
+        return replay_us(g, reps) / copies
 
 
 def graph_time_us(fn, reps: int) -> float:
@@ -491,11 +484,17 @@ def measure(args) -> None:
         torch.cuda.empty_cache()
     only = set(args.only.split(",")) if args.only else None
     deadline = time.time() + args.budget_s
-    for label in CONFIG_SWEEPS:
+    def due(label: str) -> bool:
+        """Whether sweep ``label`` runs: asked for (--only) and within the time budget (else one line)."""
         if only and label not in only:
-            continue
+            return False
         if time.time() > deadline:
             print(f"{label}: skipped (time budget)", flush=True)
+            return False
+        return True
+
+    for label in CONFIG_SWEEPS:
+        if not due(label):
             continue
         t0 = time.time()
         result["sweeps"][label] = sweep = measure_config_sweep(sgl, label, args.reps)
@@ -506,10 +505,7 @@ def measure(args) -> None:
                   f"{r['distinct']}/{r['tokens']}:{r['us']:.0f}" for r in sweep["points"][::5]), flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     for label, shape, dtype, path, grid in SWEEPS:
-        if only and label not in only:
-            continue
-        if time.time() > deadline:
-            print(f"{label}: skipped (time budget)", flush=True)
+        if not due(label):
             continue
         t0 = time.time()
         try:

@@ -3,6 +3,8 @@ kernel-config rule, known models, and expert shapes read from config.json."""
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import json
 import sys
@@ -182,23 +184,10 @@ def test_bad_step_is_one_clear_error():
                                                  ("int4", "int4_w4a16", [0, 32])])
 @pytest.mark.parametrize("tokens,local", [(9, 4), (9, 5), (9, 9), (9, 48), (1, 1), (64, 32), (9, 384)])
 def test_kernel_config_rule_is_sglangs(tokens, local, weights, quant, block, tmp_path):
-    from sglang.srt import runtime_context
     from sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe_triton_config import get_default_config
-    from sglang.srt.server_args import ServerArgs
 
-    folder = tmp_path / "tiny"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
-        "max_position_embeddings": 512, "torch_dtype": "bfloat16"}))
-    state = runtime_context.snapshot_context()
-    try:
-        runtime_context.publish(ServerArgs(model_path=str(folder), skip_tokenizer_init=True, device="cpu"),
-                                role="scheduler")
+    with sglang_server_context(tmp_path):
         config = get_default_config(tokens, local, 2048, 7168, 8, quant, False, block)
-    finally:
-        runtime_context.restore_context(state)
     assert sglang_default_config(tokens, local, weights) == \
         (config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"])
 
@@ -341,8 +330,20 @@ MODELLED = [(7168, 2048 // tp, (384 + spares) // (8 // tp), 8) for tp in (1, 2, 
 def sglang_on_h200(tmp_path, monkeypatch):
     """SGLang's config module as its server runs it, on a CPU that says it is an H200 (the tuned-file lookup
     keys on the device name)."""
-    from sglang.srt import runtime_context
     from sglang.srt.layers.moe.moe_runner.triton_utils import fused_moe_triton_config as cfgmod
+
+    with sglang_server_context(tmp_path):
+        monkeypatch.setattr(cfgmod, "get_device_name", lambda device_id=0: "NVIDIA H200")
+        cfgmod.get_moe_configs.cache_clear()
+        yield cfgmod
+        cfgmod.get_moe_configs.cache_clear()
+
+
+@contextlib.contextmanager
+def sglang_server_context(tmp_path):
+    """SGLang's runtime context as its scheduler publishes it, for a tiny model folder (the fused-MoE config
+    lookups read it); restored on exit."""
+    from sglang.srt import runtime_context
     from sglang.srt.server_args import ServerArgs
 
     folder = tmp_path / "tiny"
@@ -352,13 +353,12 @@ def sglang_on_h200(tmp_path, monkeypatch):
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 256,
         "max_position_embeddings": 512, "torch_dtype": "bfloat16"}))
     state = runtime_context.snapshot_context()
-    runtime_context.publish(ServerArgs(model_path=str(folder), skip_tokenizer_init=True, device="cpu"),
-                            role="scheduler")
-    monkeypatch.setattr(cfgmod, "get_device_name", lambda device_id=0: "NVIDIA H200")
-    cfgmod.get_moe_configs.cache_clear()
-    yield cfgmod
-    cfgmod.get_moe_configs.cache_clear()
-    runtime_context.restore_context(state)
+    try:
+        runtime_context.publish(ServerArgs(model_path=str(folder), skip_tokenizer_init=True, device="cpu"),
+                                role="scheduler")
+        yield
+    finally:
+        runtime_context.restore_context(state)
 
 
 @pytest.mark.sglang
