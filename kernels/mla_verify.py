@@ -59,21 +59,29 @@ def _split_plan(kv_indptr, batch, B, MAX_SPLITS, TARGET_PROGRAMS, MIN_CHUNK: tl.
 
 
 @triton.jit
-def _online_update(qn, qp, kn, kp, vn, keep, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
-    """One online-softmax step of a row tile against a KV tile.
-
-    qn [M, 512] qp [M, 64] kn [N, 512] kp [N, 64] vn [N, 512] keep [M, N] bool.
-    Returns the updated (m_i [M], l_i [M], acc [M, 512]); scores are in the log2 domain.
-    UPCAST runs the products in fp32: Triton's CPU interpreter multiplies bf16 wrongly.
-    """
+def _scores(qn, qp, kn, kp, UPCAST: tl.constexpr):
+    """[M, N] QK scores of a row tile (qn [M, 512], qp [M, 64]) against a KV tile (kn [N, 512], kp [N, 64]).
+    UPCAST runs the products in fp32: Triton's CPU interpreter multiplies bf16 wrongly."""
     if UPCAST:
         qn = qn.to(tl.float32)
         qp = qp.to(tl.float32)
         kn = kn.to(tl.float32)
         kp = kp.to(tl.float32)
-        vn = vn.to(tl.float32)
     s = tl.dot(qn, tl.trans(kn))
-    s = tl.dot(qp, tl.trans(kp), s)
+    return tl.dot(qp, tl.trans(kp), s)
+
+
+@triton.jit
+def _online_update(qn, qp, kn, kp, vn, keep, m_i, l_i, acc, qk_scale, UPCAST: tl.constexpr):
+    """One online-softmax step of a row tile against a KV tile.
+
+    qn [M, 512] qp [M, 64] kn [N, 512] kp [N, 64] vn [N, 512] keep [M, N] bool.
+    Returns the updated (m_i [M], l_i [M], acc [M, 512]); scores are in the log2 domain.
+    UPCAST: the products in fp32 (``_scores``).
+    """
+    s = _scores(qn, qp, kn, kp, UPCAST)
+    if UPCAST:
+        vn = vn.to(tl.float32)
     s = tl.where(keep, s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)

@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeplace_kernels.mla_verify import LOG2E, _tree_keep
+from moeplace_kernels.mla_verify import LOG2E, _scores, _tree_keep
 
 log = logging.getLogger(__name__)
 
@@ -124,14 +124,9 @@ def _tree_part(Q, K_ext, V_ext, Mask, mask_indptr, b, h, tok, rows_ok, D, n, off
     kp = tl.load(k_row[:, None] + DN + offs_dp[None, :], mask=rows_ok[:, None], other=0.0)
     vn = tl.load(V_ext + tok[:, None] * stride_vet + offs_v[None, :], mask=rows_ok[:, None],
                  other=0.0)
+    s = _scores(qn, qp, kn, kp, UPCAST)
     if UPCAST:  # Triton's CPU interpreter multiplies bf16 tiles wrongly
-        qn = qn.to(tl.float32)
-        qp = qp.to(tl.float32)
-        kn = kn.to(tl.float32)
-        kp = kp.to(tl.float32)
         vn = vn.to(tl.float32)
-    s = tl.dot(qn, tl.trans(kn))
-    s = tl.dot(qp, tl.trans(kp), s)
     # rows = draft index (H = 1 in _tree_keep's row numbering)
     keep = _tree_keep(Mask, mask_indptr, b, offs_i, offs_i, 1, D, n, D_MAX, MASK_MODE,
                       HAS_MASK_INDPTR)

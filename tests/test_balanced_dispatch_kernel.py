@@ -349,7 +349,13 @@ _INTERP_SCRIPT = textwrap.dedent("""
 
 def test_triton_kernel_in_interpreter():
     """The Triton kernel itself, in Triton's CPU interpreter, against fast_rule_step."""
+    run_in_triton_interpreter(_INTERP_SCRIPT, timeout=600)
+
+
+def run_in_triton_interpreter(script: str, timeout: int) -> None:
+    """Run ``script`` (``{tests}``: this folder, to import the tests' helpers) in a fresh Python with Triton's
+    CPU interpreter on (it must be set before Triton loads); it passes when it exits 0 and prints ok."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = _INTERP_SCRIPT.format(tests=os.path.dirname(__file__))
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", script.format(tests=os.path.dirname(__file__))], env=env,
+                         capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

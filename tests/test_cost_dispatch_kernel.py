@@ -13,9 +13,6 @@ CPU: the Triton kernel in Triton's interpreter on parametrised and hypothesis ca
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -28,7 +25,7 @@ from moeplace.balanced import replica_layout  # noqa: E402
 from moeplace.cost_dispatch import MAX_ROUNDS, cost_rule_step, pair_slots  # noqa: E402
 from moeplace_kernels.balanced_dispatch import cost_dispatch, dispatch_tables  # noqa: E402
 
-from test_balanced_dispatch_kernel import _layout, random_masks, slots_of  # noqa: E402
+from test_balanced_dispatch_kernel import _layout, random_masks, run_in_triton_interpreter, slots_of  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 BACKENDS = ("cuda", "triton")
@@ -252,7 +249,4 @@ _INTERP_SCRIPT = textwrap.dedent("""
 
 def test_triton_kernel_in_interpreter():
     """The Triton kernel itself, in Triton's CPU interpreter, against cost_rule_step (fixed and hypothesis cases)."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    script = _INTERP_SCRIPT.format(tests=os.path.dirname(__file__))
-    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    run_in_triton_interpreter(_INTERP_SCRIPT, timeout=900)

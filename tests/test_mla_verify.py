@@ -239,22 +239,35 @@ def test_sm90_layout_probe():
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_graph_replay_with_new_lengths(backend):
     """Capture once at one set of lengths; replay with others written into the same buffers."""
+    bs, D, H, cap = 4, 9, 8, 70000
+    op = make_op(H, D, bs, backend)
+
+    def forward(static, out):
+        op.forward(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
+                   static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
+                   mask=static["mask"], mask_layout="qlen_only",
+                   mask_indptr=static["mask_indptr"], out=out)
+
+    # Masks of other trees have the same size under QLEN_ONLY; copied in place.
+    cases = ((ctx, make_case(bs, [D] * bs, H, ctx, seed=seed + 10, nan_pool=False))
+             for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 5, 65536, 64]]))
+    check_graph_replay(forward, make_case(bs, [D] * bs, H, [64, 4096, 1, 300], seed=1), cases,
+                       pool_rows=bs * cap + 64, index_rows=bs * cap, sm_scale=op.sm_scale)
+
+
+def check_graph_replay(forward, first: dict, cases, pool_rows: int, index_rows: int, sm_scale: float) -> None:
+    """Capture ``forward(static, out)`` once on buffers big enough for every case, filled from ``first``;
+    then, for each (label, case) of ``cases``, write the case into the same buffers, replay, and compare
+    with the oracle (``mla_verify_ref``): no NaN, relative error under 1e-2."""
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
-    bs, D, H, cap = 4, 9, 8, 70000
-    first = make_case(bs, [D] * bs, H, [64, 4096, 1, 300], seed=1)
-    slots = bs * cap + 64
-    # Static buffers big enough for every replay.
-    static = dict(
-        q=first["q"].clone(), k_ext=first["k_ext"].clone(),
-        kv_pool=torch.randn(slots, 1, 576, device="cuda").to(torch.bfloat16),
-        qo_indptr=first["qo_indptr"].clone(), kv_indptr=first["kv_indptr"].clone(),
-        kv_indices=torch.zeros(bs * cap, dtype=torch.long, device="cuda"),
-        mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone(),
-    )
+    static = dict(q=first["q"].clone(), k_ext=first["k_ext"].clone(),
+                  kv_pool=torch.zeros(pool_rows, 1, 576, dtype=torch.bfloat16, device="cuda"),
+                  qo_indptr=first["qo_indptr"].clone(), kv_indptr=first["kv_indptr"].clone(),
+                  kv_indices=torch.zeros(index_rows, dtype=torch.long, device="cuda"),
+                  mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone())
     static["v_ext"] = static["k_ext"][..., :512]
-    op = make_op(H, D, bs, backend)
-    out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(first["q"].shape[0], first["q"].shape[1], 512, dtype=torch.bfloat16, device="cuda")
 
     def load(case):
         n = case["kv_indices"].numel()
@@ -264,30 +277,22 @@ def test_cuda_graph_replay_with_new_lengths(backend):
         for k in ("q", "k_ext", "qo_indptr", "kv_indptr", "mask", "mask_indptr"):
             static[k].copy_(case[k])
 
-    def run():
-        op.forward(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
-                   static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
-                   mask=static["mask"], mask_layout="qlen_only",
-                   mask_indptr=static["mask_indptr"], out=out)
-
     load(first)
-    run()  # compile outside capture
+    forward(static, out)  # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
-    for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 5, 65536, 64]]):
-        case = make_case(bs, [D] * bs, H, ctx, seed=seed + 10, nan_pool=False)
-        # Masks of other trees have the same size under QLEN_ONLY; copy in place.
+        forward(static, out)
+    for label, case in cases:
         load(case)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         ref, _ = mla_verify_ref(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
                                 static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
-                                op.sm_scale, static["mask"], "qlen_only", static["mask_indptr"])
+                                sm_scale, static["mask"], "qlen_only", static["mask_indptr"])
         err = ((out.float() - ref).norm() / ref.norm()).item()
-        assert not out.isnan().any() and err < 1e-2, (ctx, err)
+        assert not out.isnan().any() and err < 1e-2, (label, err)
 
 
 def _candidate_tags() -> list[str]:

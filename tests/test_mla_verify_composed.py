@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_mla_verify import make_case  # noqa: E402
+from test_mla_verify import check_graph_replay, make_case  # noqa: E402
 
 from moeplace_kernels import mla_verify_api, mla_verify_composed  # noqa: E402
 from moeplace_kernels.mla_verify_api import (  # noqa: E402
@@ -406,30 +406,12 @@ def test_composed_cuda_graph_replay_with_new_lengths(merge):
     """Plan and forward captured once; replays with other lengths in the same buffers."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
-    from moeplace_kernels.mla_verify_ref import mla_verify_ref
 
     bs, D, H, cap = 4, 9, 8, 70016
-    pages = bs * cap // 64 + 8
-    first = paged_case([D] * bs, H, [64, 4096, 1, 300], seed=1)
-    static = dict(q=first["q"].clone(), k_ext=first["k_ext"].clone(),
-                  kv_pool=torch.zeros(pages * 64, 1, 576, dtype=torch.bfloat16, device="cuda"),
-                  qo_indptr=first["qo_indptr"].clone(), kv_indptr=first["kv_indptr"].clone(),
-                  kv_indices=torch.zeros(bs * cap, dtype=torch.long, device="cuda"),
-                  mask=first["mask"].clone(), mask_indptr=first["mask_indptr"].clone())
-    static["v_ext"] = static["k_ext"][..., :512]
     op = MlaVerify(H, D, bs, backend="composed", page_size=64,
                    merge_config=mla_verify_composed.MergeConfig(**merge))
-    out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
 
-    def load(case):
-        n = case["kv_indices"].numel()
-        static["kv_pool"].zero_()
-        static["kv_pool"][:case["kv_pool"].shape[0]].copy_(case["kv_pool"].nan_to_num(0.0))
-        static["kv_indices"][:n].copy_(case["kv_indices"])
-        for k in ("q", "k_ext", "qo_indptr", "kv_indptr", "mask", "mask_indptr"):
-            static[k].copy_(case[k])
-
-    def run():
+    def forward(static, out):
         plan = op.plan(static["qo_indptr"], static["kv_indptr"], static["kv_indices"])
         for _ in range(2):
             op.forward(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
@@ -437,20 +419,7 @@ def test_composed_cuda_graph_replay_with_new_lengths(merge):
                        mask=static["mask"], mask_layout="qlen_only",
                        mask_indptr=static["mask_indptr"], out=out, plan=plan)
 
-    load(first)
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 0, 65536, 64]]):
-        case = paged_case([D] * bs, H, ctx, seed=seed + 10)
-        load(case)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref, _ = mla_verify_ref(static["q"], static["k_ext"], static["v_ext"], static["kv_pool"],
-                                static["qo_indptr"], static["kv_indptr"], static["kv_indices"],
-                                op.sm_scale, static["mask"], "qlen_only", static["mask_indptr"])
-        err = ((out.float() - ref).norm() / ref.norm()).item()
-        assert not out.isnan().any() and err < 1e-2, (ctx, err)
+    cases = ((ctx, paged_case([D] * bs, H, ctx, seed=seed + 10))
+             for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 0, 65536, 64]]))
+    check_graph_replay(forward, paged_case([D] * bs, H, [64, 4096, 1, 300], seed=1), cases,
+                       pool_rows=(bs * cap // 64 + 8) * 64, index_rows=bs * cap, sm_scale=op.sm_scale)
