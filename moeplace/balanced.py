@@ -170,18 +170,35 @@ class Dispatch:
     augments: np.ndarray
 
 
+@dataclass(frozen=True)
+class ActivePairs:
+    """The active (step, expert) pairs of ``counts [S, E]``, by step then expert id: what the fast rule
+    reads of the counts whatever the placement, so several placements on the same steps share it."""
+
+    flat: np.ndarray     # [N] step * E + expert
+    step: np.ndarray     # [N]
+    expert: np.ndarray   # [N]
+    tokens: np.ndarray   # [N]
+
+
+def active_pairs(counts: np.ndarray) -> ActivePairs:
+    """``ActivePairs`` of ``counts [S, E]``."""
+    flat = np.flatnonzero(counts > 0)
+    step, expert = np.divmod(flat, counts.shape[1])
+    return ActivePairs(flat, step, expert, np.asarray(counts).ravel()[flat].astype(np.int64, copy=False))
+
+
 def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
-              max_augment: int | None = MAX_AUGMENT) -> Dispatch:
+              max_augment: int | None = MAX_AUGMENT, pairs: ActivePairs | None = None) -> Dispatch:
     """``fast_rule_step`` for every row of ``counts [S, E]`` (whole tokens) at once: the same picks,
-    vectorised over steps."""
+    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already."""
     S, E = counts.shape
     R = ranks
     counts = np.asarray(counts, np.int64)
     bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
-    flat = np.flatnonzero(counts > 0)                                     # active pairs, by step then expert id
-    step_of, expert_of = np.divmod(flat, E)
-    tok = counts.ravel()[flat]
+    pairs = active_pairs(counts) if pairs is None else pairs
+    flat, step_of, expert_of, tok = pairs.flat, pairs.step, pairs.expert, pairs.tokens
     single = nrep[expert_of] == 1
     pick = np.full(S * E, -1, np.int8)                                    # ranks <= MAX_RANKS fit in int8
     home = bits.argmax(axis=1)
@@ -348,7 +365,7 @@ def step_expert_counts(steps, layer: int) -> np.ndarray:
     step_of_row, _, ids = steps.layer(layer)
     valid = ids >= 0
     flat = np.broadcast_to(step_of_row[:, None], ids.shape)[valid] * E + ids[valid]
-    out = np.bincount(flat, minlength=S * E).reshape(S, E).astype(np.int64)
+    out = np.bincount(flat, minlength=S * E).reshape(S, E).astype(np.int64, copy=False)
     if steps.count_steps.size:
         out[steps.count_steps] += np.rint(steps.counts[:, layer, :]).astype(np.int64)
     return out

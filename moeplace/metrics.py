@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
-from moeplace.balanced import MAX_AUGMENT, fast_rule, replica_layout, step_expert_counts
+from moeplace.balanced import MAX_AUGMENT, ActivePairs, active_pairs, fast_rule, replica_layout, step_expert_counts
 from moeplace.cost_dispatch import layer_dispatch, pair_slots
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
@@ -158,16 +158,16 @@ def _needs_cost(cost_model: CostModel | None) -> CostModel:
 
 
 def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
-                   counts: np.ndarray | None = None):
+                   counts: np.ndarray | None = None, pairs: ActivePairs | None = None):
     """(the fast rule's dispatch as the GPU runs it, the optimum [S]) of balanced dispatch at one layer.
 
     The rule without its cap on augmenting paths is the exact optimum (``moeplace.balanced``); the
     capped rule differs only on the steps that needed more paths, which are recomputed.
-    counts: the layer's ``step_expert_counts``, where the caller has them already.
+    counts: the layer's ``step_expert_counts``, and pairs their ``active_pairs``, where the caller has them.
     """
     layout = replica_layout(phy2log, steps.model.num_experts, ranks)
     counts = step_expert_counts(steps, layer) if counts is None else counts
-    chosen = fast_rule(counts, layout.masks, ranks, max_augment=None)
+    chosen = fast_rule(counts, layout.masks, ranks, max_augment=None, pairs=pairs)
     optimum = chosen.distinct.max(axis=1)
     over = np.flatnonzero(chosen.augments > MAX_AUGMENT)
     if over.size:
@@ -301,7 +301,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
     def layer_totals(layer: int) -> list[dict[str, Any]]:
         activity = layer_activity(steps, layer)
         distinct_total = activity.distinct_total()
-        counts = None   # [S, E], made once for the placements with spare slots
+        counts = pairs = None   # [S, E] and its active pairs, made once for the placements with spare slots
         out = []
         for placement, cost_model, tables, rule in zip(placements, cost_models, static_tables, rules):
             R, phy2log = placement.ranks, placement.phy2log[layer]
@@ -312,7 +312,8 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
             else:
                 counts = step_expert_counts(steps, layer) if counts is None else counts
                 if rule == "balanced":
-                    balanced, optimum = balanced_loads(steps, layer, phy2log, R, counts)
+                    pairs = active_pairs(counts) if pairs is None else pairs
+                    balanced, optimum = balanced_loads(steps, layer, phy2log, R, counts, pairs)
                     distinct, tokens = balanced.distinct, balanced.tokens
                 else:
                     table = tables[layer] if tables is not None else None

@@ -548,3 +548,29 @@ def test_raw_chunks_keep_the_physical_ids(tmp_path):
     (path, raw), = list(reader.raw_chunks())
     assert path.name == "p.mptrace" and raw["topk_ids"].ravel().tolist() == [4, 1]
     assert concat_steps(list(reader)).topk_ids.ravel().tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("shape,dtype", [((0,), np.int64), ((7,), np.uint8), ((5, 3, 2), np.int16),
+                                         ((4, 6), np.float64), ((3, 2), ">i4")])
+@pytest.mark.parametrize("fortran", [False, True])
+def test_npz_views_equal_np_load(shape, dtype, fortran):
+    """The chunk decoder's zero-copy npz reader gives what np.load gives, for any dtype, shape and order;
+    a compressed npz, a cut one or another zip layout gives None (then np.load reads it)."""
+    from moeplace.trace.store import _npz_arrays
+    rng = np.random.default_rng(len(shape))
+    a = np.asarray(rng.integers(0, 100, shape), dtype)
+    arrays = {"first": a if not fortran else np.asfortranarray(a), "second": np.arange(11, dtype=np.int32)}
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    raw = buf.getvalue()
+    got = _npz_arrays(raw)
+    want = np.load(io.BytesIO(raw))
+    assert list(got) == want.files
+    for k in want.files:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape
+        np.testing.assert_array_equal(got[k], want[k])
+    assert list(_npz_arrays(raw, 1)) == ["first"]
+    assert _npz_arrays(raw[:len(raw) // 2], 2) is None
+    squeezed = io.BytesIO()
+    np.savez_compressed(squeezed, **arrays)
+    assert _npz_arrays(squeezed.getvalue()) is None

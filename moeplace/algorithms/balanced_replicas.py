@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 
 MAX_SEARCH_RANKS = 12
 SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
+MODEL_SEARCH_CELLS = 36_000_000   # and over all layers at most this many: a 60-layer model samples half
+                                  # as many steps a layer as a 24-layer one, so optimize stays seconds
 MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
@@ -223,8 +225,10 @@ class SpareSearch:
 
 
 def sample_size(problem: PlacementProblem) -> int:
-    """Steps the search fits at most: SEARCH_CELLS / (rank sets + experts)."""
-    return max(SEARCH_CELLS // ((1 << problem.ranks) + problem.model.num_experts), 1)
+    """Steps the search fits at most, a layer: SEARCH_CELLS / (rank sets + experts), and no more than
+    MODEL_SEARCH_CELLS over all layers (the search's time grows with steps x cells x layers)."""
+    cells = (1 << problem.ranks) + problem.model.num_experts
+    return max(min(SEARCH_CELLS // cells, MODEL_SEARCH_CELLS // (cells * problem.model.num_moe_layers)), 1)
 
 
 def search_steps(problem: PlacementProblem, rng: np.random.Generator) -> SpareSearch:
@@ -247,7 +251,7 @@ def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
         return 0.0
     rng = np.random.default_rng(seed)
     sizes = subset_sizes(R)
-    halves = (problem.steps.take(np.arange(S // 2)), problem.steps.take(np.arange(S // 2, S)))
+    halves = (problem.steps.slice(0, S // 2), problem.steps.slice(S // 2, S))
     sample = max(sample_size(problem) // 2, 1)
     fits = []   # (share index, steps, step weights, first copies, expert weight, test steps), drawn in order
     for layer in np.unique(np.linspace(0, L - 1, min(CV_LAYERS, L)).round().astype(int)):

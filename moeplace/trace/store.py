@@ -405,8 +405,11 @@ class TraceReader:
     @staticmethod
     def _decode(path: Path, header: TraceHeader, payload: bytes, p2l: np.ndarray | None) -> RoutingSteps:
         try:
-            z = np.load(io.BytesIO(zlib.decompress(payload)), allow_pickle=False)
-            a = {k: z[k] for k in z.files}
+            raw = zlib.decompress(payload)
+            a = _npz_arrays(raw)
+            if a is None:
+                z = np.load(io.BytesIO(raw), allow_pickle=False)
+                a = {k: z[k] for k in z.files}
             ids = a["topk_ids"]
             counts = a["counts"]
             if p2l is not None:
@@ -438,21 +441,45 @@ def _leading_arrays(payload: bytes, num_steps: int, names: tuple[str, ...]) -> t
     """The arrays ``names`` [S] that start a chunk's npz, in order, from a few decompressed bytes; None if
     the payload does not start with them (then the caller decodes the whole chunk)."""
     try:
-        head = io.BytesIO(zlib.decompressobj().decompress(payload, 1024 * len(names) + 8 * num_steps * len(names)))
-        out = []
-        for name in names:
-            local = head.read(30)
-            if local[:4] != b"PK\x03\x04":
-                return None
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            if head.read(name_len) != f"{name}.npy".encode():
-                return None
-            head.read(extra_len)
-            out.append(np.lib.format.read_array(head, allow_pickle=False))   # leaves head at the next member
-    except (zlib.error, ValueError, EOFError, struct.error):
+        head = zlib.decompressobj().decompress(payload, 1024 * len(names) + 8 * num_steps * len(names))
+    except zlib.error:
         return None
+    arrays = _npz_arrays(head, len(names))
+    if arrays is None or tuple(arrays) != names:
+        return None
+    out = [a.copy() for a in arrays.values()]   # not views of the decompressed bytes, most of them unused
     out[0] = out[0].astype(np.uint8, copy=False) if names[0] == "modes" else out[0]
     return tuple(out)
+
+
+def _npz_arrays(buf: bytes, count: int | None = None) -> dict[str, np.ndarray] | None:
+    """The arrays of the npz in ``buf`` (the first ``count`` only, where given) as read-only views of it,
+    not copies: the members as ``np.savez`` stores them (uncompressed, sizes known). None where ``buf``
+    is laid out otherwise or ends early; then the caller reads it with ``np.load``."""
+    out: dict[str, np.ndarray] = {}
+    pos, view = 0, memoryview(buf)
+    try:
+        while buf[pos:pos + 4] == b"PK\x03\x04" and (count is None or len(out) < count):
+            flags, method = struct.unpack_from("<HH", buf, pos + 6)
+            name_len, extra_len = struct.unpack_from("<HH", buf, pos + 26)
+            name = bytes(view[pos + 30:pos + 30 + name_len]).decode()
+            if method != 0 or flags & 0x8 or not name.endswith(".npy"):   # compressed, or sizes after the data
+                return None
+            start = pos + 30 + name_len + extra_len
+            header = io.BytesIO(view[start:start + 65536])   # an npy header is shorter
+            version = np.lib.format.read_magic(header)
+            read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = read_header(header)
+            size = int(np.prod(shape, dtype=np.int64))
+            data = start + header.tell()
+            if dtype.hasobject or data + size * dtype.itemsize > len(buf):
+                return None
+            out[name[:-4]] = np.frombuffer(buf, dtype, size, data).reshape(shape, order="F" if fortran else "C")
+            pos = data + size * dtype.itemsize
+    except (ValueError, UnicodeDecodeError, struct.error):
+        return None
+    return out if out and (count is None or len(out) == count) else None
 
 
 def _physical_to_logical_ids(ids: np.ndarray, p2l: np.ndarray) -> np.ndarray:
