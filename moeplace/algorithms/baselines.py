@@ -38,7 +38,7 @@ def separate_replicas(phy2log: np.ndarray, ranks: int, weight: np.ndarray) -> np
     out = phy2log.copy()
     spr = out.shape[0] // ranks
     copies = np.bincount(out, minlength=weight.shape[0])
-    for slot in range(out.shape[0]):
+    for slot in range(out.shape[0]) if (copies > ranks).any() else ():
         # EPLB does not cap replicas at the rank count, and more than ``ranks`` replicas cannot be
         # separated: an extra one on a rank that already holds its expert goes to the expert EPLB
         # would replicate next (highest load per replica) among those under the cap, preferably
@@ -53,7 +53,11 @@ def separate_replicas(phy2log: np.ndarray, ranks: int, weight: np.ndarray) -> np
             out[slot], copies[e], copies[f] = f, copies[e] - 1, copies[f] + 1
     replica_load = weight / copies
     rank_of = np.arange(out.shape[0]) // spr
-    for slot in range(out.shape[0]):
+    # Only a slot whose expert its rank already holds in an earlier slot can need a swap, and a swap
+    # never makes a new one (both ranks lacked what they receive), so the loop visits only those.
+    repeated = np.ones(out.shape[0], bool)
+    repeated[np.unique(rank_of * weight.shape[0] + out, return_index=True)[1]] = False
+    for slot in np.flatnonzero(repeated):
         r, e = slot // spr, out[slot]
         mine = out[r * spr:(r + 1) * spr]
         if np.count_nonzero(mine == e) < 2 or np.flatnonzero(mine == e)[0] == slot - r * spr:
