@@ -75,9 +75,9 @@ def _tight_by_size(g: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, n
     order, starts = by_size(ranks)
     size = _sizes_by_size(ranks)
     top = np.maximum.reduceat(g, starts, axis=1)                           # [S, R] largest f per set size
-    k = np.arange(1, ranks + 1, dtype=np.int16)
-    opt = ((top + k - 1) // k).max(axis=1)
-    tight = g - (opt[:, None] - 1) * size >= 1
+    k = np.arange(1, ranks + 1, dtype=np.float32)
+    opt = np.ceil(top / k).max(axis=1)          # exact: a quotient of small integers is whole only if exact
+    tight = g >= (opt[:, None] - 1) * size + 1
     fragile = ((top - (opt[:, None] - 1) * k).max(axis=1) <= 1) & (opt > 0)   # no set 2 over (M - 1)|X|
     # per rank, how many tight sets hold it: in all of them (inter), in one at least (union)
     holding = tight.astype(np.float32) @ _holds(ranks)                     # [S, R + 1]; last: tight sets
