@@ -24,15 +24,18 @@
 // The rule by cost (moeplace_cost_dispatch; the kernel's kCost instantiation) adds, when the step has at
 // least q valid (token, expert) pairs:
 //   5b. moves (warp 0), up to max_rounds <= kMaxSplit: a rank costs q * distinct + tokens; each lane scans
-//      its share of the list for the moves of cost_rule_step (all of an expert's tokens on a rank at the
-//      maximum to another replica, or the share that levels the two), each as one 64-bit key whose order
+//      its share of the list (an expert with no tokens on a rank at the maximum, one ballot, is skipped at
+//      once) for the moves of cost_rule_step (all of an expert's tokens on a rank at the maximum to
+//      another replica, or the share that levels the two), each as one 64-bit key whose order
 //      is the rule's (the two ranks' higher cost, a whole move first, expert, source, target); a warp
 //      minimum picks the move. A moved expert gets a row of a small table of its tokens per rank (its
 //      list rank becomes 32 + row), so memory stays fixed whatever the layout;
-//   6b. output of a split expert: its valid entries go to its ranks in increasing rank order, in entry
-//      order (moeplace.cost_dispatch.pair_slots). Each warp takes a contiguous segment of the entries:
-//      it counts its entries of each moved expert (shared atomics), one barrier, then numbers them
-//      from the counts of the warps before it, a __match_any_sync per 32 entries.
+//   6b. output, only when a move was made (otherwise 6 as in the balanced rule): a moved expert's valid
+//      entries go to its ranks in increasing rank order, in entry order (moeplace.cost_dispatch.pair_slots).
+//      Each warp takes a contiguous segment of the entries and writes every other entry at once, counting
+//      the moved experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
+//      it numbers those entries from the counts of the warps before it (a ballot per moved expert in such
+//      a chunk; the other chunks are not read again).
 //
 // Loops are rolled: the kernel runs once per SM and pays an instruction fetch for each new line of
 // code, which made the earlier one-warp, 16-way unrolled kernel (~2,100 instructions) slow.
@@ -45,11 +48,12 @@
 //
 // Cost on an H200 (BENCHMARKS.md, "Balanced dispatch kernel"): 2.9 us per call at 72 ids under graph replay,
 // 0.95 us of it the launch; after the loads (one round trip), each phase costs 600-800 cycles and the greedy
-// pass ~90 cycles per multi-replica expert.
+// pass ~90 cycles per multi-replica expert. The rule by cost ("Rule-by-cost kernel, faster"): 5.2 / 7.6 / 13.9 us
+// at 36 / 72 / 576 tokens, the extra time in the move rounds (1,000-2,500 cycles each) and the split output.
 //
 // Benchmark builds only (scripts/bench_dispatch.py --phases, --variant): BD_STOP_AFTER=n ends the
-// kernel after phase n above (-1: at once), writing a value that depends on it so that nothing is
-// optimised away; BD_CLOCK=1 makes that value (or, for the whole kernel, out[0]) the SM cycles since the
+// kernel after phase n above (-1: at once; 6: after 5b, the moves; 4 and 5 skip them), writing a value
+// that depends on it so that nothing is optimised away; BD_CLOCK=1 makes that value (or, for the whole kernel, out[0]) the SM cycles since the
 // kernel began. BD_THREADS sets kThreads, BD_STAGE_SLOTS=0 turns the slot staging off.
 
 #include <cuda_runtime.h>
@@ -149,68 +153,70 @@ __device__ __forceinline__ bool stop_here(int phase, Id* out, int entries, int v
   return true;
 }
 
-// Phase 6 of the rule by cost: the output, where the valid entries of a moved expert j (cnt[id] = 32 + j)
-// go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in entry order.
+// Slot of entry i (id known or -1) where no moved expert is involved: valid rows of a multi-replica expert
+// the rule's rank (cnt[id]), padding rows the lowest replica rank, ids with no replica -1.
+__device__ __forceinline__ int plain_slot(int i, int id, unsigned m, const int* cnt, const int* sslots,
+                                          const Params& p, int valid) {
+  if (m == 0) return -1;
+  const int r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
+  return p.stage_slots ? sslots[id * p.ranks + r] : __ldg(p.slots + id * p.ranks + r);
+}
+
+// Phase 6b, only when a move split or moved an expert: the valid entries of moved expert j (cnt[id] = 32 + j)
+// go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in entry order. Each warp
+// takes a contiguous segment of the entries. Pass 1 writes every other entry at once and counts the moved
+// experts' entries (few: shared atomics), noting which chunks of 32 hold one; after one barrier, pass 2
+// numbers those entries from the counts of the warps before it, one ballot per moved expert in a chunk.
 template <typename Id, int kSplit>
 __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const unsigned* msk, const int* cnt,
                                                   const int* sslots, const Params& p, int valid, int entries,
-                                                  int used, int (*split_alloc)[32], int (*split_count)[kSplit],
-                                                  int (*split_base)[kSplit]) {
+                                                  int (*split_alloc)[32], int (*split_count)[kSplit]) {
   const int E = p.experts, R = p.ranks, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned rank_bits = R >= 32 ? kFull : (1u << R) - 1u;
   const int segment = (entries + 32 * kWarps - 1) / (32 * kWarps) * 32;   // whole chunks of 32 per warp
   const int first = warp * segment, last = min(first + segment, entries);
-  // the moved expert of entry i, or -1
-  auto split_of = [&](int i, int id) {
-    if (i >= valid || id < 0) return -1;
-    const unsigned m = msk[id] & rank_bits;
-    return (m & (m - 1)) != 0 && cnt[id] >= 32 ? cnt[id] - 32 : -1;
+  // (id, moved expert or -1) of entry i; only valid rows of a multi-replica expert can be moved
+  auto entry = [&](int i, int& id, unsigned& m) {
+    id = i < last ? known_id(static_cast<long long>(sids[i]), E) : -1;
+    m = id >= 0 ? msk[id] & rank_bits : 0u;
+    return i < valid && (m & (m - 1)) != 0 && cnt[id] >= 32 ? cnt[id] - 32 : -1;
   };
-  if (used > 0) {   // uniform: split_used was read after a barrier
-    if (lane < kSplit) split_count[warp][lane] = 0;
-    __syncwarp();
+  split_count[warp][lane] = 0;
+  __syncwarp();
+  unsigned long long marked = 0;   // bit c: chunk c of the segment holds a moved expert's entry
 #pragma unroll 1
-    for (int i = first + lane; i < last; i += 32) {
-      const int j = split_of(i, known_id(static_cast<long long>(sids[i]), E));
-      if (j >= 0) atomicAdd(&split_count[warp][j], 1);
-    }
-    __syncthreads();
-    if (lane < used) {
-      int before = 0;
-#pragma unroll 1
-      for (int w = 0; w < warp; ++w) before += split_count[w][lane];
-      split_base[warp][lane] = before;
-    }
-    __syncwarp();
+  for (int base = first, c = 0; base < last; base += 32, ++c) {
+    int id;
+    unsigned m;
+    const int i = base + lane, j = entry(i, id, m);
+    if (j >= 0) atomicAdd(&split_count[warp][j], 1);
+    else if (i < last) out[i] = static_cast<Id>(plain_slot(i, id, m, cnt, sslots, p, valid));
+    if (__ballot_sync(kFull, j >= 0) != 0 && c < 64) marked |= 1ull << c;
   }
+  __syncthreads();
+  int before = 0;   // lane j: moved expert j's entries ahead of this point in entry order
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w)
+    if (w < warp) before += split_count[w][lane];
 #pragma unroll 1
-  for (int base = first; base < last; base += 32) {
-    const int i = base + lane;
-    const int id = i < last ? known_id(static_cast<long long>(sids[i]), E) : -1;
-    const unsigned m = id >= 0 ? msk[id] & rank_bits : 0u;
-    const int j = used > 0 && i < last ? split_of(i, id) : -1;
-    int r = -1;
-    if (used > 0) {
-      const unsigned group = __match_any_sync(kFull, j >= 0 ? j : 64 + lane);
-      if (j >= 0) {
-        const int position = split_base[warp][j] + __popc(group & ((1u << lane) - 1u));
-        int end = 0;
-        for (r = 0; r < R - 1; ++r) {
-          end += split_alloc[j][r];
-          if (position < end) break;
-        }
+  for (int base = first, c = 0; base < last; base += 32, ++c) {
+    if (c < 64 && !((marked >> c) & 1ull)) continue;   // uniform over the warp
+    int id;
+    unsigned m;
+    const int i = base + lane, j = entry(i, id, m);
+    unsigned pending = __ballot_sync(kFull, j >= 0);
+    while (pending != 0) {
+      const int jj = __shfl_sync(kFull, j, __ffs(pending) - 1);
+      const unsigned group = __ballot_sync(kFull, j == jj);
+      const int ahead = __shfl_sync(kFull, before, jj);
+      pending &= ~group;
+      if (j == jj) {
+        const int position = ahead + __popc(group & ((1u << lane) - 1u));
+        int r = 0, end = split_alloc[jj][0];
+        while (r < R - 1 && position >= end) end += split_alloc[jj][++r];
+        out[i] = static_cast<Id>(p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r));
       }
-      __syncwarp();
-      if (j >= 0 && lane == __ffs(group) - 1) split_base[warp][j] += __popc(group);
-      __syncwarp();
-    }
-    if (i < last) {
-      int slot = -1;
-      if (m != 0) {
-        if (r < 0) r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
-        slot = p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r);
-      }
-      out[i] = static_cast<Id>(slot);
+      if (lane == jj) before += __popc(group);
     }
   }
 }
@@ -224,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   // rule by cost only (one element each in the balanced instantiation)
   constexpr int kSplit = kCost ? kMaxSplit : 1, kSplitWarps = kCost ? kWarps : 1;
   __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
-  __shared__ int split_count[kSplitWarps][kSplit], split_base[kSplitWarps][kSplit];
+  __shared__ int split_count[kSplitWarps][kSplit];
   __shared__ int rank_cost[kCost ? 32 : 1];
   __shared__ int split_used;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
@@ -380,25 +386,29 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       const int q = p.q;
       const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(tok) : 0u));
 #pragma unroll 1
-      for (int round = 0; pairs >= q && round < p.max_rounds; ++round) {
+      for (int round = 0; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds;
+           ++round) {
         const int cost = lane < R ? q * load + tok : -1;
         const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
         rank_cost[lane] = cost;
+        const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
         __syncwarp();
         unsigned long long best = ~0ull;
         int best_i = 0, best_m = 0;
 #pragma unroll 1
         for (int i = lane; i < listed; i += 32) {
           const unsigned m = list_m[i];
-          const int home = list_r[i], c = list_c[i], e = list_e[i];
+          const int home = list_r[i];
           const int j = home - 32;                    // >= 0: moved before, tokens in split_alloc[j]
-          unsigned sources = j >= 0 ? m : (1u << home);
+          unsigned sources = (j >= 0 ? m : (1u << home)) & at_top;
+          if (sources == 0) continue;
+          const int c = list_c[i], e = list_e[i];
 #pragma unroll 1
           while (sources != 0) {
             const int src = __ffs(sources) - 1;
             sources &= sources - 1;
             const int here = j >= 0 ? split_alloc[j][src] : c;
-            if (rank_cost[src] != top || here <= 0) continue;
+            if (here <= 0) continue;
             unsigned targets = m & ~(1u << src);
 #pragma unroll 1
             while (targets != 0) {
@@ -456,23 +466,18 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   __syncthreads();
   if (stop_here(4, out, entries, static_cast<int>(rank_key[lane]), start)) return;
   if (stop_here(5, out, entries, static_cast<int>(rank_key[lane]), start)) return;
+  if (stop_here(6, out, entries, static_cast<int>(rank_key[lane]), start)) return;
 
   // 6. slots: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1
-  if constexpr (kCost) {
-    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_used, split_alloc,
-                      split_count, split_base);
-  } else {
+  if (!kCost || split_used == 0) {
 #pragma unroll 1
     for (int i = tid; i < entries; i += kThreads) {
       const int id = known_id(static_cast<long long>(sids[i]), E);
       const unsigned m = id >= 0 ? msk[id] & rank_bits : 0u;
-      int slot = -1;
-      if (m != 0) {
-        const int r = (i < valid && (m & (m - 1)) != 0) ? cnt[id] : __ffs(m) - 1;
-        slot = p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r);
-      }
-      out[i] = static_cast<Id>(slot);
+      out[i] = static_cast<Id>(plain_slot(i, id, m, cnt, sslots, p, valid));
     }
+  } else if constexpr (kCost) {
+    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_alloc, split_count);
   }
   if (BD_CLOCK) {
     __syncthreads();

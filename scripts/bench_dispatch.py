@@ -19,10 +19,11 @@ own input and output buffers; µs per call = median replay time / calls. Rows:
   copy (floor)      one copy kernel per call: the cost of any one-kernel step in a graph
 
 With ``--phases``, builds of the CUDA kernel that stop after each of its phases show where the time
-goes, in SM cycles measured inside the kernel and in µs per call; the SM clock (NVML) during the
-replays is printed too. ``--variant LABEL=SPEC`` (repeatable) adds a row for another build of the CUDA
+goes, in SM cycles measured inside the kernel and in µs per call (for the rule by cost too, with
+``cost`` in ``--kernels``); the SM clock (NVML) during the replays is printed too. ``--variant LABEL=SPEC`` (repeatable) adds a row for another build of the CUDA
 kernel: SPEC holds nvcc flags (``-DBD_THREADS=256``) and/or another source of the same C entry point
-(a ``.cu`` path, e.g. an earlier version from git), each checked like the others.
+(a ``.cu`` path, e.g. an earlier version from git), each checked like the others; with ``cost`` in
+``--kernels``, a row of its rule by cost too.
 
 Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (the cost rows with
 ``moeplace.cost_dispatch.cost_rule``, split experts' entries in ``pair_slots``' order; ids that differ: a
@@ -199,7 +200,7 @@ def max_distinct(slots: np.ndarray, ranks: int, physical: int) -> np.ndarray:
 
 PHASES = ((-1, "launch only"), (1, "1 loads (ids, masks, row count)"), (2, "2 tokens per expert"),
           (3, "3 list of the multi-replica experts"), (4, "4 greedy"), (5, "5 augmenting paths"),
-          (0, "6 slots (whole kernel)"))
+          (6, "5b moves (rule by cost)"), (0, "6 slots (whole kernel)"))
 
 
 def parse_variant(text: str) -> tuple[str, str | None, list[str]]:
@@ -319,10 +320,10 @@ def measure(args) -> tuple[list[dict], dict]:
                     cost_dispatch(x, masks, slots, args.cost_q, num_rows, o, backend=backend)
             return run
 
-        def build(library):
+        def build(library, q=None):
             def run():
                 for x, o in zip(ids, outs):
-                    launch_cuda(library, x, masks, slots, num_rows, o, MAX_AUGMENT)
+                    launch_cuda(library, x, masks, slots, num_rows, o, MAX_AUGMENT, q)
             return run
 
         def dynamic():
@@ -337,6 +338,9 @@ def measure(args) -> tuple[list[dict], dict]:
         if "cost" in args.kernels and "cuda" in backends:
             variants.append((f"moeplace cost (q {args.cost_q})", cost("cuda")))
         variants += [(f"moeplace cuda [{key[1]}]", build(lib)) for key, lib in libraries.items() if key[0] == "variant"]
+        if "cost" in args.kernels:
+            variants += [(f"moeplace cost (q {args.cost_q}) [{key[1]}]", build(lib, args.cost_q))
+                         for key, lib in libraries.items() if key[0] == "variant"]
         variants += [(f"sglang {version} dynamic", dynamic)] if sgl is not None else []
         variants += [("copy (floor)", copy)]
         common = dict(tokens=tokens, entries=tokens * args.topk,
@@ -365,14 +369,18 @@ def measure(args) -> tuple[list[dict], dict]:
                                                         else row["error"]), flush=True)
         if "cuda" in backends:
             meta["sm_clock_mhz"][tokens] = sm_clock_mhz(moeplace("cuda"))
-        for stop, label in PHASES if ("phase", 0) in libraries else ():
-            run_phase = build(libraries["phase", stop])
+        rules = [("balanced", None)] + ([("cost", args.cost_q)] if "cost" in args.kernels else [])
+        for (rule, q), (stop, label) in ((r, ph) for r in rules for ph in PHASES if ("phase", 0) in libraries):
+            if q is None and stop == 6:   # the balanced rule has no moves
+                continue
+            run_phase = build(libraries["phase", stop], q)
             run_phase()
             torch.cuda.synchronize()
             cycles = float(np.median([o[0, 0].item() for o in outs]))
             us = graph_time_us(run_phase, reps=args.reps) / args.calls
-            meta["phases"].append(dict(tokens=tokens, phase=label, cycles=cycles, us=us))
-            print(f"{tokens:3d} tokens  until {label:24s} {cycles:8.0f} cycles {us:7.2f} µs/call", flush=True)
+            meta["phases"].append(dict(tokens=tokens, rule=rule, phase=label, cycles=cycles, us=us))
+            print(f"{tokens:3d} tokens  {rule:8s} until {label:24s} {cycles:8.0f} cycles {us:7.2f} µs/call",
+                  flush=True)
     return rows, meta
 
 
@@ -400,8 +408,9 @@ def table(rows: list[dict], meta: dict, args) -> str:
     if meta["phases"]:
         lines += ["", "Where the CUDA kernel's time goes: builds that stop after each phase; SM cycles from the "
                   "kernel's first instruction (median over the calls) and µs per call under graph replay.", "",
-                  "| tokens | until the end of | cycles | µs / call |", "| ---: | --- | ---: | ---: |"]
-        lines += [f"| {p['tokens']} | {p['phase']} | {p['cycles']:.0f} | {p['us']:.2f} |" for p in meta["phases"]]
+                  "| tokens | rule | until the end of | cycles | µs / call |", "| ---: | --- | --- | ---: | ---: |"]
+        lines += [f"| {p['tokens']} | {p['rule']} | {p['phase']} | {p['cycles']:.0f} | {p['us']:.2f} |"
+                  for p in meta["phases"]]
     return "\n".join(lines) + "\n"
 
 
