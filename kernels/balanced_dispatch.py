@@ -73,10 +73,14 @@ def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tens
 
     q: (token, expert) pairs one expert read costs (``moeplace.cost_dispatch.pairs_per_read``), 1 to MAX_Q;
     max_rounds: moves after the balanced rule, 0 to MAX_MOVES. The rest as :func:`balanced_dispatch`.
+    Where no step can reach q pairs (N * K < q: a verify batch of 9 tokens against q = 281) or no move is
+    allowed, the rule is the balanced one, and the balanced kernel runs (the same output, sooner).
     """
     for name, value, low, high in (("q", q, 1, MAX_Q), ("max_rounds", max_rounds, 0, MAX_MOVES)):
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise ValueError(f"{name} must be an int from {low} to {high}, got {value!r}")
+    if max_rounds == 0 or topk_ids.numel() < q:   # a shape known at capture: the same kernel every replay
+        return balanced_dispatch(topk_ids, masks, slots, num_rows, out, max_augment, backend=backend)
     return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, q, max_rounds, backend)
 
 
