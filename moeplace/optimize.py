@@ -26,7 +26,7 @@ SGLANG_RULES = ("dynamic", "static")   # SGLang's own dispatch among replicas; b
 TODAY = "deepseek, no spares, dynamic"   # the reference row when spares are asked for (SGLang without moeplace)
 # The fitted column: E[max distinct] on at most this many of the fitted steps, evenly spaced. It is there
 # to warn when held-out steps differ by a few percent; on Kimi-K2-sized routing 1,000 steps give it within
-# 0.1% of 2,000 (the mean is over every layer), at half the cost (0.5 s of the 10 s a 60-layer run may take).
+# 0.1% of 2,000 (the mean is over every layer) at half the cost.
 FITTED_SAMPLE_STEPS = 1000
 AGGREGATE_SAMPLE_STEPS = 4000
 # Steps optimize uses unless told otherwise, evenly spaced over the trace. On SYNTHETIC Kimi-K2-shaped
