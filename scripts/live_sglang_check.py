@@ -381,11 +381,21 @@ def check_capture(server: Server, captured: Path, cap: subprocess.CompletedProce
     if start is None:
         return Check("capture", False, "the capture's first verify step is not among the tracer's",
                      {"capture_verify_steps": len(c_idx)})
-    equal = sum(start + n < len(traced_keys) and key(cap_steps, i) == traced_keys[start + n]
-                for n, i in enumerate(c_idx))
+    captured_keys = [key(cap_steps, i) for i in c_idx]
+    equal = sum(start + n < len(traced_keys) and k == traced_keys[start + n] for n, k in enumerate(captured_keys))
     figures = {"capture_verify_steps": len(c_idx), "equal_to_tracer_steps": equal,
                "tracer_verify_steps": len(t_idx), "aligned_at_tracer_step": start}
     ok = equal == len(c_idx)
+    if not ok:   # where it went wrong: the first captured step out of place, and an in-order walk
+        figures["first_unequal_capture_step"] = next(n for n, k in enumerate(captured_keys)
+                                                     if start + n >= len(traced_keys) or k != traced_keys[start + n])
+        j, matched = start, 0
+        for k in captured_keys:
+            found = next((t for t in range(j, len(traced_keys)) if traced_keys[t] == k), None)
+            if found is not None:
+                j, matched = found + 1, matched + 1
+        figures["in_order_subsequence"] = matched           # captured steps found in order, tracer steps between
+        figures["tracer_steps_between"] = j - start - matched
     return Check("capture", ok, f"{equal} of {len(c_idx)} captured verify steps equal the tracer's, in order",
                  figures)
 

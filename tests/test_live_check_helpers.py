@@ -85,3 +85,31 @@ def test_the_two_gpu_run_prepares_placements_and_launch_refuses_the_wrong_ones(t
     for what, res in refused.items():
         lines = [x for x in res.stderr.splitlines() if x.strip()]
         assert res.returncode == 2 and len(lines) == 1 and "Traceback" not in res.stderr, (what, res.stderr)
+
+
+@pytest.mark.parametrize("extra_at", [None, 5])
+def test_capture_check_says_where_the_capture_left_the_tracers_order(tmp_path, extra_at):
+    """The capture check passes on an in-order window of the tracer's steps; where the tracer has a step
+    the capture lacks, it fails and says where, and that the rest still follows in order."""
+    import subprocess
+    import types
+
+    import numpy as np
+
+    from moeplace.model import ModelSpec
+    from moeplace.trace.store import write_trace
+    from moeplace.trace.synthetic import synthetic_steps
+
+    header, steps = synthetic_steps(30, 3, ModelSpec("toy", 2, (0, 1), 16, 2), seed=1)
+    window = np.arange(4, 20)
+    traced = steps if extra_at is None else steps.take(np.delete(np.arange(30), 4 + extra_at))
+    write_trace(tmp_path / "srv-merged.mptrace", header, steps)
+    write_trace(tmp_path / "capture.mptrace", header, traced.take(window))
+    server = types.SimpleNamespace(name="srv")
+    check = live.check_capture(server, tmp_path / "capture.mptrace", subprocess.CompletedProcess([], 0, "", ""),
+                               tmp_path)
+    assert check.ok is (extra_at is None)
+    if extra_at is not None:
+        assert check.figures["first_unequal_capture_step"] == extra_at
+        assert check.figures["in_order_subsequence"] == window.size
+        assert check.figures["tracer_steps_between"] == 1
