@@ -62,6 +62,8 @@ from moeplace.expert_shape import ExpertShape
 
 STEP_TOKENS = 9          # tokens of the verify step the files were measured for (1 + 8 drafts)
 DEFAULT_GPU = "NVIDIA H200"
+# Memory of the GPUs the cost models are for, GB (1e9 bytes): 143,771 MiB, as nvidia-smi reports an H200.
+GPU_MEMORY_GB = {"NVIDIA H200": 143_771 * 2**20 / 1e9}
 SMALL_M, LARGE_M, FP8_BLOCK = (16, 32, 64), (64, 64, 32), (64, 128, 128)
 
 

@@ -313,3 +313,33 @@ def test_help_has_examples():
     for command in ("optimize", "compare"):
         result = invoke(command, "--help")
         assert result.exit_code == 0 and "Example:" in result.stdout and f"moeplace {command}" in result.stdout
+
+
+@pytest.mark.parametrize("redundant, warns", [(0, False), (16, False), (48, False), (96, True), (384, True)])
+def test_spare_slots_that_outgrow_the_gpu_are_warned_about(redundant, warns):
+    """Kimi K2's fp8 experts take 126.9 GB of an H200's 150.8 GB at 8 ranks; each spare slot a GPU adds
+    2.64 GB, so 96 spares (12 a GPU, 158.6 GB) cannot load and 48 (142.7 GB) can. The line gives both."""
+    from moeplace.commands.costing import Costing
+    from moeplace.commands.optimize import memory_warning, slot_gb
+    from moeplace.expert_shape import known_expert_shape
+    from moeplace.trace.synthetic import KIMI_K2
+
+    costing = Costing(known_expert_shape(KIMI_K2), KIMI_K2.top_k)
+    line = memory_warning(KIMI_K2, 8, redundant, costing)
+    assert (line is not None) is warns
+    need = (384 + redundant) / 8 * slot_gb(KIMI_K2, costing)
+    assert (need > 150.76) is warns
+    if warns:
+        assert f"{need:.1f} GB per GPU" in line and "126.9 GB without" in line and "--replica-memory" in line
+
+
+def test_no_memory_warning_without_a_known_shape_or_gpu():
+    """A generic expert shape, or a --cost-model file (its GPU unknown), gives no memory line."""
+    from moeplace.commands.costing import Costing
+    from moeplace.commands.optimize import memory_warning
+    from moeplace.costmodel import CostModel
+    from moeplace.expert_shape import GENERIC, known_expert_shape
+    from moeplace.trace.synthetic import KIMI_K2
+
+    assert memory_warning(KIMI_K2, 8, 384, Costing(GENERIC, 8)) is None
+    assert memory_warning(KIMI_K2, 8, 384, Costing(known_expert_shape(KIMI_K2), 8, CostModel())) is None

@@ -10,9 +10,11 @@ from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from moeplace.atomic import all_or_nothing
 from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
 from moeplace.commands.costing import Costing, cost_model_line, resolve_costing, trace_batch
+from moeplace.cost_derive import DEFAULT_GPU, GPU_MEMORY_GB
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
                                        trace_options)
 from moeplace.errors import MoeplaceError
+from moeplace.expert_shape import GENERIC
 from moeplace.layouts import check_split
 from moeplace.model import ModelSpec
 from moeplace.optimize import holdout_cut
@@ -36,6 +38,22 @@ def slot_gb(model: ModelSpec, costing: Costing, moe_tp: int = 1) -> float:
 def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1) -> float:
     """Extra expert weights per GPU that ``redundant`` spare slots over ``ranks`` EP ranks hold, in GB."""
     return redundant / ranks * slot_gb(model, costing, moe_tp)
+
+
+def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1) -> str | None:
+    """A line where the routed experts alone, spare slots included, outgrow the memory of the GPU the
+    cost model is for (so SGLang could not even load them); None where they fit, or where the expert
+    shape or the GPU is not known (a generic shape, a --cost-model file)."""
+    if costing.fixed is not None or costing.shape is GENERIC or not redundant:
+        return None
+    per_slot = slot_gb(model, costing, moe_tp)
+    need, base = (model.num_experts + redundant) / ranks * per_slot, model.num_experts / ranks * per_slot
+    have = GPU_MEMORY_GB[DEFAULT_GPU]
+    if need <= have:
+        return None
+    return (f"the routed experts alone take {need:.1f} GB per GPU with the {redundant} spare slots ({base:.1f} GB "
+            f"without), more than an {DEFAULT_GPU}'s {have:.1f} GB: SGLang could not load them; ask for fewer "
+            f"(--replica-memory GB per GPU) or place over more GPUs")
 
 
 def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_memory: float | None,
@@ -141,6 +159,8 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     fitted_steps = result.fitted_steps
     which = "held-out" if holdout else "fitted"
     warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
+    memory = memory_warning(model, groups, redundant, costing, moe_tp)
+    warnings += [memory] if memory else []
     if ep_size is not None:   # what `moeplace launch` passes to SGLang
         result.placement.metrics["ep_split"] = {"gpus": ranks, "ep_size": groups, "moe_tp": moe_tp}
     split = (f"{ranks} ranks" if ep_size is None else
