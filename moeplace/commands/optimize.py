@@ -10,9 +10,9 @@ from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from moeplace.atomic import all_or_nothing
 from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
 from moeplace.commands.costing import Costing, cost_model_line, resolve_costing, trace_batch
-from moeplace.cost_derive import DEFAULT_GPU, GPU_MEMORY_GB
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
                                        trace_options)
+from moeplace.cost_derive import DEFAULT_GPU, GPU_MEMORY_GB
 from moeplace.errors import MoeplaceError
 from moeplace.expert_shape import GENERIC
 from moeplace.layouts import check_split
