@@ -343,3 +343,18 @@ def test_no_memory_warning_without_a_known_shape_or_gpu():
 
     assert memory_warning(KIMI_K2, 8, 384, Costing(GENERIC, 8)) is None
     assert memory_warning(KIMI_K2, 8, 384, Costing(known_expert_shape(KIMI_K2), 8, CostModel())) is None
+
+
+def test_advise_names_its_own_option_in_the_memory_line():
+    """advise has --redundant, not --replica-memory: the same check says so (every EP x TP split holds the
+    same bytes per GPU, so the line is given once for all layouts with spare slots)."""
+    from moeplace.commands.costing import Costing
+    from moeplace.commands.optimize import memory_warning
+    from moeplace.expert_shape import known_expert_shape
+    from moeplace.trace.synthetic import KIMI_K2
+
+    costing = Costing(known_expert_shape(KIMI_K2), KIMI_K2.top_k)
+    line = memory_warning(KIMI_K2, 8, 96, costing, fewer="fewer (--redundant)")
+    assert "ask for fewer (--redundant)" in line and "--replica-memory" not in line
+    split = memory_warning(KIMI_K2, 4, 96, costing, moe_tp=2)   # EP4 x TP2: 120 half experts a GPU
+    assert split is not None and "158.6 GB per GPU" in split

@@ -9,6 +9,7 @@ from moeplace.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check, r
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, trace_options
+from moeplace.commands.optimize import memory_warning
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
@@ -70,6 +71,10 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     trace_batch = max(1, int(np.median(sample.num_tokens)))
     samples = {batch: resample_batches(held_out, batch, EVAL_STEPS // 4) for batch in BATCH_GRID}
     spares = redundant or model.num_experts // 4 // ranks * ranks
+    # A GPU holds (E + spares) / ranks experts' bytes in every EP x TP split, so one check covers them all.
+    memory = memory_warning(model, ranks, spares, costing, fewer="fewer (--redundant)")
+    if memory:
+        click.echo(f"warning: the layouts with spare slots: {memory}", err=True)
 
     def layout_cost(layout: Layout, batch: int) -> CostModel:
         """A GPU of ``layout`` at steps of ``batch`` tokens: SGLang's kernel config and grid for that batch."""

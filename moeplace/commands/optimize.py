@@ -40,10 +40,11 @@ def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing, m
     return redundant / ranks * slot_gb(model, costing, moe_tp)
 
 
-def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1) -> str | None:
+def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1,
+                   fewer: str = "fewer (--replica-memory GB per GPU)") -> str | None:
     """A line where the routed experts alone, spare slots included, outgrow the memory of the GPU the
     cost model is for (so SGLang could not even load them); None where they fit, or where the expert
-    shape or the GPU is not known (a generic shape, a --cost-model file)."""
+    shape or the GPU is not known (a generic shape, a --cost-model file). fewer: how to ask for fewer."""
     if costing.fixed is not None or costing.shape is GENERIC or not redundant:
         return None
     per_slot = slot_gb(model, costing, moe_tp)
@@ -52,8 +53,8 @@ def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costin
     if need <= have:
         return None
     return (f"the routed experts alone take {need:.1f} GB per GPU with the {redundant} spare slots ({base:.1f} GB "
-            f"without), more than an {DEFAULT_GPU}'s {have:.1f} GB: SGLang could not load them; ask for fewer "
-            f"(--replica-memory GB per GPU) or place over more GPUs")
+            f"without), more than an {DEFAULT_GPU}'s {have:.1f} GB: SGLang could not load them; ask for {fewer} "
+            f"or place over more GPUs")
 
 
 def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_memory: float | None,
