@@ -342,8 +342,7 @@ class TraceReader:
             self._note_unfinished(path)
             for payload, _ in self._payloads(path):
                 try:
-                    z = np.load(io.BytesIO(zlib.decompress(payload)), allow_pickle=False)
-                    yield path, {k: z[k] for k in z.files}
+                    yield path, _chunk_arrays(payload)
                 except (ValueError, zlib.error, OSError) as e:
                     raise FormatError(path, f"unreadable chunk: {e}") from None
 
@@ -405,11 +404,7 @@ class TraceReader:
     @staticmethod
     def _decode(path: Path, header: TraceHeader, payload: bytes, p2l: np.ndarray | None) -> RoutingSteps:
         try:
-            raw = zlib.decompress(payload)
-            a = _npz_arrays(raw)
-            if a is None:
-                z = np.load(io.BytesIO(raw), allow_pickle=False)
-                a = {k: z[k] for k in z.files}
+            a = _chunk_arrays(payload)
             ids = a["topk_ids"]
             counts = a["counts"]
             if p2l is not None:
@@ -450,6 +445,17 @@ def _leading_arrays(payload: bytes, num_steps: int, names: tuple[str, ...]) -> t
     out = [a.copy() for a in arrays.values()]   # not views of the decompressed bytes, most of them unused
     out[0] = out[0].astype(np.uint8, copy=False) if names[0] == "modes" else out[0]
     return tuple(out)
+
+
+def _chunk_arrays(payload: bytes) -> dict[str, np.ndarray]:
+    """A chunk's arrays from its compressed payload: views of the decompressed bytes where our writers laid
+    them out (``_npz_arrays``), else as ``np.load`` reads them."""
+    raw = zlib.decompress(payload)
+    arrays = _npz_arrays(raw)
+    if arrays is None:
+        z = np.load(io.BytesIO(raw), allow_pickle=False)
+        arrays = {k: z[k] for k in z.files}
+    return arrays
 
 
 def _npz_arrays(buf: bytes, count: int | None = None) -> dict[str, np.ndarray] | None:
