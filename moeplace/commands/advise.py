@@ -7,9 +7,8 @@ import numpy as np
 
 from moeplace.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check, resample_batches
 from moeplace.commands.common import echo_json, open_source
-from moeplace.commands.costing import resolve_costing
+from moeplace.commands.costing import memory_warning, resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, trace_options
-from moeplace.commands.optimize import memory_warning
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,

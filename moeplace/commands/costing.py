@@ -2,7 +2,8 @@
 
 The experts' shape comes from ``--model`` (a model folder, its config.json, or a Hugging Face id in
 the local cache), else from the trace's model name when it is a known model, else a generic default
-with a one-line warning.
+with a one-line warning. The same shape says what the experts weigh on a GPU (``slot_gb``) and when
+they, spare slots included, outgrow it (``memory_warning``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 import numpy as np
 
-from moeplace.cost_derive import STEP_TOKENS, derive_cost_model
+from moeplace.cost_derive import DEFAULT_GPU, GPU_MEMORY_GB, STEP_TOKENS, derive_cost_model
 from moeplace.costmodel import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.expert_shape import GENERIC, ExpertShape, known_expert_shape
@@ -83,6 +84,29 @@ def expert_shape_from_model_ref(model_ref: str, model: ModelSpec) -> ExpertShape
         raise MoeplaceError(f"--model {model_ref}: its config has {spec.num_experts} routed experts, the trace "
                             f"{model.num_experts}")
     return expert_shape_from_hf_config(config, f"--model {model_ref}", path)
+
+
+def slot_gb(model: ModelSpec, costing: Costing, moe_tp: int = 1) -> float:
+    """GB (1e9 bytes) of expert weights one slot per EP rank puts on each of its GPUs: one expert in every
+    MoE layer, split over the ``moe_tp`` GPUs of the rank's group."""
+    return model.num_moe_layers * costing.shape.bytes / moe_tp / 1e9
+
+
+def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1,
+                   fewer: str = "fewer (--replica-memory GB per GPU)") -> str | None:
+    """A line where the routed experts alone, spare slots included, outgrow the memory of the GPU the
+    cost model is for (so SGLang could not even load them); None where they fit, or where the expert
+    shape or the GPU is not known (a generic shape, a --cost-model file). fewer: how to ask for fewer."""
+    if costing.fixed is not None or costing.shape is GENERIC or not redundant:
+        return None
+    per_slot = slot_gb(model, costing, moe_tp)
+    need, base = (model.num_experts + redundant) / ranks * per_slot, model.num_experts / ranks * per_slot
+    have = GPU_MEMORY_GB[DEFAULT_GPU]
+    if need <= have:
+        return None
+    return (f"the routed experts alone take {need:.1f} GB per GPU with the {redundant} spare slots ({base:.1f} GB "
+            f"without), more than an {DEFAULT_GPU}'s {have:.1f} GB: SGLang could not load them; ask for {fewer} "
+            f"or place over more GPUs")
 
 
 def resolve_costing(model: ModelSpec, cost_model_path: str | None, model_ref: str | None,

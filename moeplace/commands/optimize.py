@@ -9,12 +9,11 @@ import click
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from moeplace.atomic import all_or_nothing
 from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
-from moeplace.commands.costing import Costing, cost_model_line, resolve_costing, trace_batch
+from moeplace.commands.costing import (Costing, cost_model_line, memory_warning, resolve_costing, slot_gb,
+                                      trace_batch)
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
                                        trace_options)
-from moeplace.cost_derive import DEFAULT_GPU, GPU_MEMORY_GB
 from moeplace.errors import MoeplaceError
-from moeplace.expert_shape import GENERIC
 from moeplace.layouts import check_split
 from moeplace.model import ModelSpec
 from moeplace.optimize import holdout_cut
@@ -29,32 +28,9 @@ from moeplace.report import comparison_rows, evaluate, format_table, plot_contex
 FIT_GAP = 0.05
 
 
-def slot_gb(model: ModelSpec, costing: Costing, moe_tp: int = 1) -> float:
-    """GB (1e9 bytes) of expert weights one slot per EP rank puts on each of its GPUs: one expert in every
-    MoE layer, split over the ``moe_tp`` GPUs of the rank's group."""
-    return model.num_moe_layers * costing.shape.bytes / moe_tp / 1e9
-
-
 def replica_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1) -> float:
     """Extra expert weights per GPU that ``redundant`` spare slots over ``ranks`` EP ranks hold, in GB."""
     return redundant / ranks * slot_gb(model, costing, moe_tp)
-
-
-def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1,
-                   fewer: str = "fewer (--replica-memory GB per GPU)") -> str | None:
-    """A line where the routed experts alone, spare slots included, outgrow the memory of the GPU the
-    cost model is for (so SGLang could not even load them); None where they fit, or where the expert
-    shape or the GPU is not known (a generic shape, a --cost-model file). fewer: how to ask for fewer."""
-    if costing.fixed is not None or costing.shape is GENERIC or not redundant:
-        return None
-    per_slot = slot_gb(model, costing, moe_tp)
-    need, base = (model.num_experts + redundant) / ranks * per_slot, model.num_experts / ranks * per_slot
-    have = GPU_MEMORY_GB[DEFAULT_GPU]
-    if need <= have:
-        return None
-    return (f"the routed experts alone take {need:.1f} GB per GPU with the {redundant} spare slots ({base:.1f} GB "
-            f"without), more than an {DEFAULT_GPU}'s {have:.1f} GB: SGLang could not load them; ask for {fewer} "
-            f"or place over more GPUs")
 
 
 def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_memory: float | None,
