@@ -371,9 +371,9 @@ class StaticStep:
 
 def graph_time_us(fn, reps: int) -> float:
     """Median µs of one replay of ``fn`` captured in a CUDA graph, divided by COPIES."""
-    from cuda_timing import graph_time_us as replay_us  # scripts/ is on sys.path
+    import cuda_timing  # scripts/ is on sys.path
 
-    return replay_us(fn, reps, warmup_replays=2) / COPIES
+    return cuda_timing.graph_time_us(fn, reps, warmup_replays=2) / COPIES
 
 
 def even_counts(distinct: int, tokens: int) -> list[int]:

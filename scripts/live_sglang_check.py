@@ -376,19 +376,18 @@ def check_capture(server: Server, captured: Path, cap: subprocess.CompletedProce
         return Check("capture", False, "the capture holds no verify step", {"capture_steps": cap_steps.num_steps})
     key = lambda s, i: s.topk_ids[s.token_offsets[i]:s.token_offsets[i + 1]].tobytes()  # noqa: E731
     traced_keys = [key(traced, i) for i in t_idx]
-    first = key(cap_steps, c_idx[0])
-    start = next((j for j, k in enumerate(traced_keys) if k == first), None)
+    captured_keys = [key(cap_steps, i) for i in c_idx]
+    start = next((j for j, k in enumerate(traced_keys) if k == captured_keys[0]), None)
     if start is None:
         return Check("capture", False, "the capture's first verify step is not among the tracer's",
                      {"capture_verify_steps": len(c_idx)})
-    captured_keys = [key(cap_steps, i) for i in c_idx]
-    equal = sum(start + n < len(traced_keys) and k == traced_keys[start + n] for n, k in enumerate(captured_keys))
+    in_place = [start + n < len(traced_keys) and k == traced_keys[start + n] for n, k in enumerate(captured_keys)]
+    equal = sum(in_place)
     figures = {"capture_verify_steps": len(c_idx), "equal_to_tracer_steps": equal,
                "tracer_verify_steps": len(t_idx), "aligned_at_tracer_step": start}
     ok = equal == len(c_idx)
     if not ok:   # where it went wrong: the first captured step out of place, and an in-order walk
-        figures["first_unequal_capture_step"] = next(n for n, k in enumerate(captured_keys)
-                                                     if start + n >= len(traced_keys) or k != traced_keys[start + n])
+        figures["first_unequal_capture_step"] = in_place.index(False)
         j, matched = start, 0
         for k in captured_keys:
             found = next((t for t in range(j, len(traced_keys)) if traced_keys[t] == k), None)

@@ -4,7 +4,6 @@ kernel-config rule, known models, and expert shapes read from config.json."""
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import json
 import sys
