@@ -67,30 +67,24 @@ def _tight(f: np.ndarray, sizes: np.ndarray, ranks: int) -> tuple[np.ndarray, np
     X is tight when f[X] > (M - 1)|X|; fragile: no tight set is more than one expert over (M - 1)|X|
     (then one fewer expert in each lowers the optimum). M comes from the largest f of each set size.
     """
-    return _tight_by_size(f[:, by_size(ranks)[0] + 1], ranks)
+    return _tight_by_size(f.take(by_size(ranks)[0] + 1, axis=1), ranks)
 
 
 def _tight_by_size(g: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``_tight`` of ``g [S, X-1]``: f without the empty set, its columns in ``hall.by_size`` order."""
     order, starts = by_size(ranks)
-    size = _sizes_by_size(ranks)
     top = np.maximum.reduceat(g, starts, axis=1)                           # [S, R] largest f per set size
     k = np.arange(1, ranks + 1, dtype=np.float32)
     opt = np.ceil(top / k).max(axis=1)          # exact: a quotient of small integers is whole only if exact
-    tight = g >= (opt[:, None] - 1) * size + 1
-    fragile = ((top - (opt[:, None] - 1) * k).max(axis=1) <= 1) & (opt > 0)   # no set 2 over (M - 1)|X|
+    floor = (opt[:, None] - 1) * k                                         # [S, R] (M - 1)|X| per set size
+    tight = g > np.repeat(floor, np.diff(starts, append=g.shape[1]), axis=1)   # whole numbers: >= floor + 1
+    fragile = ((top - floor).max(axis=1) <= 1) & (opt > 0)                 # no set 2 over (M - 1)|X|
     # per rank, how many tight sets hold it: in all of them (inter), in one at least (union)
     holding = tight.astype(np.float32) @ _holds(ranks)                     # [S, R + 1]; last: tight sets
     bit = np.int16(1) << np.arange(ranks, dtype=np.int16)
     inter = ((holding[:, :-1] == holding[:, -1:]) * bit).sum(axis=1, dtype=np.int16)
     union = ((holding[:, :-1] > 0) * bit).sum(axis=1, dtype=np.int16)
     return fragile, inter, union
-
-
-@lru_cache(maxsize=None)
-def _sizes_by_size(ranks: int) -> np.ndarray:
-    """[X-1] each non-empty rank set's size, in ``hall.by_size`` order."""
-    return subset_sizes(ranks)[1:][by_size(ranks)[0]]
 
 
 @lru_cache(maxsize=None)
@@ -113,12 +107,14 @@ def _pair_scores(steps: np.ndarray, experts: np.ndarray, masks: np.ndarray, frag
     per step). A pair whose expert has every replica inside all tight sets of its step gains the step's
     weight for each rank outside them all when the step is fragile, and ``progress`` of it (one step
     nearer to a later gain) when it is not."""
-    keep = (masks[experts] & ~inter[steps]) == 0
+    keep = np.flatnonzero((masks[experts] & ~inter[steps]) == 0)
     s, e = steps[keep], experts[keep]
-    w = _outside(ranks)[union[s]] * (np.where(fragile[s], 1.0, progress) * weight[s])[:, None]
-    index = (e[:, None] * ranks + np.arange(ranks)).ravel()
-    scores = np.bincount(index, weights=w.ravel(), minlength=num_experts * ranks)
-    return scores.astype(np.float64, copy=False).reshape(num_experts, ranks)   # bincount of no pairs is int
+    w = np.where(fragile[s], 1.0, progress) * weight[s]
+    outside = _outside(ranks).T[:, union[s]]                              # [R, pairs kept]
+    scores = np.empty((num_experts, ranks))
+    for r in range(ranks):   # one sum per rank, each in pair order
+        scores[:, r] = np.bincount(e, weights=np.where(outside[r], w, 0.0), minlength=num_experts)
+    return scores
 
 
 def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
@@ -153,7 +149,8 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     # f without the empty set, its columns grouped by set size (``_tight_by_size``); ids: each column's set
     ids = np.arange(1, 1 << ranks, dtype=np.int16)[by_size(ranks)[0]]
     rank_bits = (np.int16(1) << np.arange(ranks, dtype=np.int16)).astype(np.int16)
-    f = subset_counts(active, masks, ranks)[:, ids].astype(np.float32)   # float: updated by products, exact
+    # take, not [:, ids]: a C-ordered result, whose rows the rounds below gather and reduce (2-3x faster)
+    f = subset_counts(active, masks, ranks).take(ids, axis=1).astype(np.float32)   # float: updated by products, exact
     fragile, inter, union = _tight_by_size(f, ranks)
     # The score only involves active (step, expert) pairs: keep them as lists, grouped by step.
     pair_step, pair_expert = np.nonzero(active)

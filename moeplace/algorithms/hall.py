@@ -40,7 +40,7 @@ def step_optimum(f: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     ``subset_sizes``): the largest f of each set size k, then the largest ceil(that / k)."""
     ranks = int(sizes[-1])
     order, starts = by_size(ranks)
-    top = np.maximum.reduceat(f[:, order + 1], starts, axis=1)                 # [S, R]
+    top = np.maximum.reduceat(f.take(order + 1, axis=1), starts, axis=1)        # [S, R]; take: C order
     k = np.arange(1, ranks + 1)
     return ((top + k - 1) // k).max(axis=1)
 
