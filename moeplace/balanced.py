@@ -282,24 +282,31 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         if not live.size:
             return
         levels = np.stack(levels)[:, ok]                                  # [T, n, R]
-        b = target.copy()
+        # the paths back from their targets: each rank's parent is the lowest rank of the level before
+        # that reaches it (the rank it was found from)
+        b, moves = target.copy(), []
         while (walking := depth > 0).any():
             w = np.flatnonzero(walking)
-            s, bb = live[w], b[w]
-            # the parent: the lowest rank of the level before that reaches bb (the rank bb was found from)
+            bb = b[w]
             a = (levels[depth[w] - 1, w] & (adj[w, :, bb] > 0)).argmax(axis=1)
-            movable = (pick_m[s] == a[:, None]) & mbits[:, bb].T
-            j = movable.argmax(axis=1)                                    # lowest expert id
-            e = multi[j]
-            pick[s, e] = bb
-            pick_m[s, j] = bb
-            c = counts[s, e]
-            tokens[s, a] -= c
-            tokens[s, bb] += c
-            reach[s, a] -= bits[e]
-            reach[s, bb] += bits[e]
+            moves.append((w, a, bb))
             b[w] = a
             depth[w] -= 1
+        # every move of a path at once: a move a -> b takes the lowest-id expert on a with a replica on b,
+        # and the other moves of its path take experts off other ranks (a path visits a rank once), so
+        # none changes another's choice; and a rank is a path's source once and its target once, so
+        # each update below touches a (step, rank) at most once.
+        w, a, bb = (np.concatenate(x) for x in zip(*moves))
+        s = live[w]
+        j = ((pick_m[s] == a[:, None]) & mbits[:, bb].T).argmax(axis=1)   # lowest expert id
+        e = multi[j]
+        pick[s, e] = bb
+        pick_m[s, j] = bb
+        c = counts[s, e]
+        tokens[s, a] -= c
+        tokens[s, bb] += c
+        reach[s, a] -= bits[e]
+        reach[s, bb] += bits[e]
         distinct[live, b] -= 1
         distinct[live, target] += 1
         augments[live] += 1
