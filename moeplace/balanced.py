@@ -42,6 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeplace.errors import MoeplaceError
+from moeplace.trace.steps import _ranges
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
@@ -179,13 +180,19 @@ class ActivePairs:
     step: np.ndarray     # [N]
     expert: np.ndarray   # [N]
     tokens: np.ndarray   # [N]
+    by_expert: np.ndarray      # [N] the pairs by expert, then step
+    expert_start: np.ndarray   # [E + 1] where each expert's pairs start in by_expert
 
 
 def active_pairs(counts: np.ndarray) -> ActivePairs:
     """``ActivePairs`` of ``counts [S, E]``."""
+    E = counts.shape[1]
     flat = np.flatnonzero(counts > 0)
-    step, expert = np.divmod(flat, counts.shape[1])
-    return ActivePairs(flat, step, expert, np.asarray(counts).ravel()[flat].astype(np.int64, copy=False))
+    step, expert = np.divmod(flat, E)
+    by_expert = np.argsort(expert.astype(np.int16 if E < 2**15 else np.int64), kind="stable")
+    start = np.concatenate([[0], np.cumsum(np.bincount(expert, minlength=E))])
+    return ActivePairs(flat, step, expert, np.asarray(counts).ravel()[flat].astype(np.int64, copy=False),
+                       by_expert, start)
 
 
 def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
@@ -212,14 +219,14 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
                                          minlength=S * R).astype(np.int64).reshape(S, R)
     # Step 2, one multi-replica expert at a time in increasing id, in every step that activates it
     # (within a step that is the rule's order; different steps never interact).
-    multi_pair = np.flatnonzero(~single)
-    by_expert = multi_pair[np.argsort(expert_of[multi_pair].astype(np.int16 if E < 2**15 else np.int64),
-                                      kind="stable")]
-    bounds = np.flatnonzero(np.diff(expert_of[by_expert], prepend=-1, append=E + 1))
+    multi = np.flatnonzero(nrep > 1)
+    lengths = pairs.expert_start[multi + 1] - pairs.expert_start[multi]
+    by_expert = pairs.by_expert[_ranges(pairs.expert_start[multi], lengths)]
+    bounds = np.concatenate([[0], np.cumsum(lengths)])
     step_sorted, add = step_of[by_expert], (span + tok[by_expert]) * R
     chosen = np.empty(by_expert.size, np.int64)
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        ranks_e = np.flatnonzero(bits[expert_of[by_expert[lo]]])
+    for e, lo, hi in zip(multi, bounds[:-1], bounds[1:]):
+        ranks_e = np.flatnonzero(bits[e])
         rows = step_sorted[lo:hi]
         r = ranks_e[key[rows[:, None], ranks_e].argmin(axis=1)]
         chosen[lo:hi] = r
@@ -229,7 +236,6 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     distinct, tokens = load // span, load % span
     pick = pick.reshape(S, E)
     augments = np.zeros(S, np.int64)
-    multi = np.flatnonzero(nrep > 1)
     if multi.size:
         _augment(counts, bits, multi, pick, distinct, tokens, augments, max_augment)
     return Dispatch(pick, distinct, tokens, augments)
@@ -239,24 +245,29 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
              tokens: np.ndarray, augments: np.ndarray, max_augment: int | None) -> None:
     """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). bits: [E, R] replica
     ranks; multi: the experts with several, ascending."""
-    S, R = distinct.shape
-    live = np.arange(S)
-    pick_m = pick[:, multi]                                               # [S, M] kept in step with pick
+    R = distinct.shape[1]
+    top = distinct.max(axis=1)
+    live = np.flatnonzero(distinct.min(axis=1) <= top - 2)                # the steps a path may help
+    # state by row: row i is step live[i] as it stood here, and ``rows`` follows ``live`` as it shrinks
+    rows = np.arange(live.size)
+    pick_m = pick[live[:, None], multi]                                   # [n, M] kept in step with pick
     mbits = bits[multi]                                                   # [M, R]
     mbits_f = mbits.astype(np.float32)
-    # reach[s, a, b]: how many experts on rank a of step s have a replica on rank b (kept up to date)
+    # reach[i, a, b]: how many experts on rank a of row i have a replica on rank b (kept up to date)
     reach = np.stack([(pick_m == a).astype(np.float32) @ mbits_f for a in range(R)], axis=1).astype(np.int64)
+    bit = np.uint64(1) << np.arange(R, dtype=np.uint64)
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
         rounds += 1
         d = distinct[live]
         top = d.max(axis=1)
         keep = d.min(axis=1) <= top - 2
-        live, d, top = live[keep], d[keep], top[keep]
+        live, rows, d, top = live[keep], rows[keep], d[keep], top[keep]
         if not live.size:
             return
         n = live.size
-        adj = reach[live].astype(np.float32)                              # [n, a, b], as it was at the search
+        edge = reach[rows] > 0                                            # [n, a, b], as it was at the search
+        into = (edge * bit[:, None]).sum(axis=1)                          # [n, b] bit set of the ranks a -> b
         roots = d == top[:, None]                                         # [n, R]
         # breadth first from the ranks at the maximum; levels[t]: the ranks first reached in t moves
         seen, levels = roots.copy(), [roots]
@@ -265,7 +276,8 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         searching = np.ones(n, bool)
         low = d <= top[:, None] - 2
         while True:
-            nxt = (np.einsum("na,nab->nb", levels[-1].astype(np.float32), adj) > 0) & ~seen & searching[:, None]
+            frontier = (levels[-1] * bit).sum(axis=1)                     # [n] bit set of the last level
+            nxt = ((into & frontier[:, None]) != 0) & ~seen & searching[:, None]
             seen |= nxt
             hit = nxt & low
             found = hit.any(axis=1)
@@ -278,7 +290,7 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
             if not searching.any():
                 break
         ok = target >= 0
-        live, target, depth, adj = live[ok], target[ok], depth[ok], adj[ok]
+        live, rows, target, depth, edge = live[ok], rows[ok], target[ok], depth[ok], edge[ok]
         if not live.size:
             return
         levels = np.stack(levels)[:, ok]                                  # [T, n, R]
@@ -288,7 +300,7 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         while (walking := depth > 0).any():
             w = np.flatnonzero(walking)
             bb = b[w]
-            a = (levels[depth[w] - 1, w] & (adj[w, :, bb] > 0)).argmax(axis=1)
+            a = (levels[depth[w] - 1, w] & edge[w, :, bb]).argmax(axis=1)
             moves.append((w, a, bb))
             b[w] = a
             depth[w] -= 1
@@ -297,16 +309,16 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         # none changes another's choice; and a rank is a path's source once and its target once, so
         # each update below touches a (step, rank) at most once.
         w, a, bb = (np.concatenate(x) for x in zip(*moves))
-        s = live[w]
-        j = ((pick_m[s] == a[:, None]) & mbits[:, bb].T).argmax(axis=1)   # lowest expert id
+        s, i = live[w], rows[w]
+        j = ((pick_m[i] == a[:, None]) & mbits[:, bb].T).argmax(axis=1)   # lowest expert id
         e = multi[j]
         pick[s, e] = bb
-        pick_m[s, j] = bb
+        pick_m[i, j] = bb
         c = counts[s, e]
         tokens[s, a] -= c
         tokens[s, bb] += c
-        reach[s, a] -= bits[e]
-        reach[s, bb] += bits[e]
+        reach[i, a] -= bits[e]
+        reach[i, bb] += bits[e]
         distinct[live, b] -= 1
         distinct[live, target] += 1
         augments[live] += 1
