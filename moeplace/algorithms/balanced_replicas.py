@@ -51,9 +51,9 @@ if TYPE_CHECKING:
 
 MAX_SEARCH_RANKS = 12
 SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
-MODEL_SEARCH_CELLS = 29_000_000   # and over all layers at most this many, so optimize stays seconds on a
-                                  # deep model: a 24-layer model at 8 ranks and up to 32 experts (GPT-OSS-20B) keeps
-                                  # its whole per-layer sample, a 60-layer one of 384 experts (Kimi K2) 755 steps a layer
+MODEL_SEARCH_CELLS = 29_000_000   # and over all layers at most this many, so optimize stays seconds on a deep
+                                  # model: 24 layers of up to 32 experts at 8 ranks (GPT-OSS-20B) keep their whole
+                                  # sample, 60 of 384 experts (Kimi K2) see 755 steps a layer
 MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of at most BATCH_MAX
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
