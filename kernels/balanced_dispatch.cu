@@ -23,19 +23,24 @@
 //
 // The rule by cost (moeplace_cost_dispatch; the kernel's kCost instantiation) adds, when the step has at
 // least q valid (token, expert) pairs:
-//   5b. moves (warp 0), up to max_rounds <= kMaxSplit: a rank costs q * distinct + tokens; each lane scans
-//      its share of the list (an expert with no tokens on a rank at the maximum, one ballot, is skipped at
-//      once) for the moves of cost_rule_step (all of an expert's tokens on a rank at the maximum to
-//      another replica, or the share that levels the two), each as one 64-bit key whose order
-//      is the rule's (the two ranks' higher cost, a whole move first, expert, source, target); a warp
-//      minimum picks the move. A moved expert gets a row of a small table of its tokens per rank (its
-//      list rank becomes 32 + row), so memory stays fixed whatever the layout;
+//   5b. moves (warp 0), up to max_rounds <= kMaxSplit: a rank costs q * distinct + tokens; a round is a
+//      search and at most one move. Each lane scans its share of the list (an expert with no tokens on a
+//      rank at the maximum, one ballot, is skipped at once) for the moves of cost_rule_step (all of an
+//      expert's tokens on a rank at the maximum to another replica, or the share that levels the two), each
+//      as one 64-bit key whose order is the rule's (the two ranks' higher cost, a whole move first, list
+//      position = expert id order, source, target); a warp minimum picks the move. Lane r keeps rank r's
+//      cost in a register: an unmoved two-replica expert's one target cost comes by a shuffle issued with
+//      the list loads, before the maximum is known (other targets read a shared copy), and the move itself
+//      reaches every lane by shuffles from the lane that found it (tokens moved and before), so no lane
+//      reads it back from shared memory. A moved expert gets a row of a small table of its tokens per rank
+//      (its list rank becomes 32 + row), so memory stays fixed whatever the layout; a bit mask per row
+//      keeps its ranks with tokens;
 //   6b. output, only when a move was made (otherwise 6 as in the balanced rule): a moved expert's valid
 //      entries go to its ranks in increasing rank order, in entry order (moeplace.cost_dispatch.pair_slots).
 //      Each warp takes a contiguous segment of the entries and writes every other entry at once, counting
 //      the moved experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
 //      it numbers those entries from the counts of the warps before it (a ballot per moved expert in such
-//      a chunk; the other chunks are not read again).
+//      a chunk; the other chunks are not read again) and walks the row's ranks with tokens to its rank.
 //
 // Loops are rolled: the kernel runs once per SM and pays an instruction fetch for each new line of
 // code, which made the earlier one-warp, 16-way unrolled kernel (~2,100 instructions) slow.
@@ -170,7 +175,8 @@ __device__ __forceinline__ int plain_slot(int i, int id, unsigned m, const int* 
 template <typename Id, int kSplit>
 __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const unsigned* msk, const int* cnt,
                                                   const int* sslots, const Params& p, int valid, int entries,
-                                                  int (*split_alloc)[32], int (*split_count)[kSplit]) {
+                                                  int (*split_alloc)[32], const unsigned* split_nz,
+                                                  int (*split_count)[kSplit]) {
   const int E = p.experts, R = p.ranks, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned rank_bits = R >= 32 ? kFull : (1u << R) - 1u;
   const int segment = (entries + 32 * kWarps - 1) / (32 * kWarps) * 32;   // whole chunks of 32 per warp
@@ -212,8 +218,13 @@ __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const
       pending &= ~group;
       if (j == jj) {
         const int position = ahead + __popc(group & ((1u << lane) - 1u));
-        int r = 0, end = split_alloc[jj][0];
-        while (r < R - 1 && position >= end) end += split_alloc[jj][++r];
+        unsigned ranks = split_nz[jj];                // its ranks with tokens, in increasing order
+        int r = __ffs(ranks) - 1, end = split_alloc[jj][r];
+        while (position >= end) {
+          ranks &= ranks - 1;
+          r = __ffs(ranks) - 1;
+          end += split_alloc[jj][r];
+        }
         out[i] = static_cast<Id>(p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r));
       }
       if (lane == jj) before += __popc(group);
@@ -230,6 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   // rule by cost only (one element each in the balanced instantiation)
   constexpr int kSplit = kCost ? kMaxSplit : 1, kSplitWarps = kCost ? kWarps : 1;
   __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
+  __shared__ unsigned split_nz[kSplit];          // its ranks with tokens
   __shared__ int split_count[kSplitWarps][kSplit];
   __shared__ int rank_cost[kCost ? 32 : 1];
   __shared__ int split_used;
@@ -394,15 +406,21 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
         const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
         __syncwarp();
         unsigned long long best = ~0ull;
-        int best_i = 0, best_m = 0;
+        int best_i = 0, best_home = 0, best_moved = 0, best_here = 0, best_there = 0;
 #pragma unroll 1
-        for (int i = lane; i < listed; i += 32) {
-          const unsigned m = list_m[i];
-          const int home = list_r[i];
+        for (int base = 0; base < listed; base += 32) {
+          const int i = base + lane;
+          const unsigned m = i < listed ? list_m[i] : 0u;
+          const int home = i < listed ? list_r[i] : 0;
           const int j = home - 32;                    // >= 0: moved before, tokens in split_alloc[j]
-          unsigned sources = (j >= 0 ? m : (1u << home)) & at_top;
+          // An expert not moved yet with two replicas (the common case) has one target: its cost comes by a
+          // shuffle (lane r holds rank r's), off the chain that waits for the maximum; others read rank_cost.
+          const unsigned others = m & ~(1u << (home & 31));
+          const int shuffled = __shfl_sync(kFull, cost, (__ffs(others) - 1) & 31);
+          const bool two = j < 0 && (others & (others - 1)) == 0;
+          unsigned sources = m == 0 ? 0u : (j >= 0 ? m : (1u << home)) & at_top;
           if (sources == 0) continue;
-          const int c = list_c[i], e = list_e[i];
+          const int c = list_c[i];
 #pragma unroll 1
           while (sources != 0) {
             const int src = __ffs(sources) - 1;
@@ -415,18 +433,24 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
               const int r = __ffs(targets) - 1;
               targets &= targets - 1;
               const int there = j >= 0 ? split_alloc[j][r] : 0;
-              const int dest = rank_cost[r] + (there == 0 ? q : 0);
+              int dest;
+              if (two) dest = shuffled;
+              else dest = rank_cost[r];
+              dest += there == 0 ? q : 0;
               int value = max(top - q - here, dest + here), partial = 0, moved = here;
               if (here >= 2) {
                 const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
                 const int level = max(top - share, dest + share);
                 if (level < value) value = level, partial = 1, moved = share;
               }
+              // the rule's order: the two ranks' higher cost, a whole move first, expert (the list is in id
+              // order), source, target
               const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
                                              (static_cast<unsigned long long>(partial) << 22) |
-                                             (static_cast<unsigned long long>(e) << 10) |
+                                             (static_cast<unsigned long long>(i) << 10) |
                                              static_cast<unsigned long long>(src << 5 | r);
-              if (key < best) best = key, best_i = i, best_m = moved;
+              if (key < best) best = key, best_i = i, best_home = home, best_moved = moved, best_here = here,
+                              best_there = there;
             }
           }
         }
@@ -435,28 +459,30 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
         const unsigned min_lo = __reduce_min_sync(kFull, hi == min_hi ? lo : kFull);
         const unsigned long long chosen = (static_cast<unsigned long long>(min_hi) << 32) | min_lo;
         if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
+        // the move, from the lane that found it: every lane applies it to its rank, no shared round trip
         const int winner = __ffs(__ballot_sync(kFull, best == chosen)) - 1;
-        const int i = __shfl_sync(kFull, best_i, winner), moved = __shfl_sync(kFull, best_m, winner);
+        const int i = __shfl_sync(kFull, best_i, winner), home = __shfl_sync(kFull, best_home, winner);
+        const int moved = __shfl_sync(kFull, best_moved, winner), here = __shfl_sync(kFull, best_here, winner);
+        const int there = __shfl_sync(kFull, best_there, winner);
         const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
-        const int home = list_r[i];
-        int j = home - 32;
-        if (j < 0) {                                  // first move of this expert: a row of the table
-          j = used++;
-          split_alloc[j][lane] = lane == home ? static_cast<int>(list_c[i]) : 0;
+        if (home < 32) {                              // first move of this expert: a row of the table
+          split_alloc[used][lane] = lane == src ? here - moved : (lane == r ? moved : 0);
+          if (lane == 0) list_r[i] = static_cast<unsigned char>(32 + used);
+          ++used;
+        } else if (lane == 0) {
+          split_alloc[home - 32][src] = here - moved;
+          split_alloc[home - 32][r] = there + moved;
         }
-        __syncwarp();
-        const int had_src = split_alloc[j][src], had_r = split_alloc[j][r];
-        __syncwarp();
-        if (lane == 0) {
-          list_r[i] = static_cast<unsigned char>(32 + j);
-          split_alloc[j][src] = had_src - moved;
-          split_alloc[j][r] = had_r + moved;
-        }
-        if (lane == src) tok -= moved, load -= had_src == moved;
-        if (lane == r) tok += moved, load += had_r == 0;
+        if (lane == src) tok -= moved, load -= here == moved;
+        if (lane == r) tok += moved, load += there == 0;
         __syncwarp();
       }
       if (lane == 0) split_used = used;
+#pragma unroll 1
+      for (int j = 0; j < used; ++j) {                // each row's ranks with tokens, for the output
+        const unsigned ranks = __ballot_sync(kFull, lane < R && split_alloc[j][lane] > 0);
+        if (lane == 0) split_nz[j] = ranks;
+      }
     }
     rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
 #pragma unroll 1
@@ -477,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       out[i] = static_cast<Id>(plain_slot(i, id, m, cnt, sslots, p, valid));
     }
   } else if constexpr (kCost) {
-    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_alloc, split_count);
+    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_alloc, split_nz, split_count);
   }
   if (BD_CLOCK) {
     __syncthreads();
