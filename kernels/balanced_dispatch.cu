@@ -28,18 +28,19 @@
 //      rank at the maximum, one ballot, is skipped at once) for the moves of cost_rule_step (all of an
 //      expert's tokens on a rank at the maximum to another replica, or the share that levels the two), each
 //      as one 64-bit key whose order is the rule's (the two ranks' higher cost, a whole move first, list
-//      position = expert id order, source, target); a warp minimum picks the move. Lane r keeps rank r's
-//      cost in a register: an unmoved two-replica expert's one target cost comes by a shuffle issued with
-//      the list loads, before the maximum is known (other targets read a shared copy), and the move itself
-//      reaches every lane by shuffles from the lane that found it (tokens moved and before), so no lane
-//      reads it back from shared memory. A moved expert gets a row of a small table of its tokens per rank
-//      (its list rank becomes 32 + row), so memory stays fixed whatever the layout; a bit mask per row
-//      keeps its ranks with tokens;
-//   6b. output, only when a move was made (otherwise 6 as in the balanced rule): a moved expert's valid
+//      position = expert id order, source, target); a warp minimum picks the move. Lane r keeps rank r's cost in a register:
+//      an unmoved two-replica expert's one target cost comes by a shuffle issued with the list loads,
+//      before the maximum is known (other targets read a shared copy), and the move reaches every lane by
+//      shuffles from the lane that found it (tokens moved and before), so no lane reads it back from shared
+//      memory. A moved expert gets a row of a small table of its tokens per rank (its list rank becomes
+//      32 + row), so memory stays fixed whatever the layout, and a bit mask of its ranks with tokens. One
+//      whose tokens all end on a single rank (nearly every moved expert on the benchmark's steps: the
+//      whole move that sheds a read) is then written as an unmoved expert on that rank;
+//   6b. output, only when an expert's tokens are split (otherwise 6 as in the balanced rule): its valid
 //      entries go to its ranks in increasing rank order, in entry order (moeplace.cost_dispatch.pair_slots).
 //      Each warp takes a contiguous segment of the entries and writes every other entry at once, counting
-//      the moved experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
-//      it numbers those entries from the counts of the warps before it (a ballot per moved expert in such
+//      the split experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
+//      it numbers those entries from the counts of the warps before it (a ballot per split expert in such
 //      a chunk; the other chunks are not read again) and walks the row's ranks with tokens to its rank.
 //
 // Loops are rolled: the kernel runs once per SM and pays an instruction fetch for each new line of
@@ -167,11 +168,12 @@ __device__ __forceinline__ int plain_slot(int i, int id, unsigned m, const int* 
   return p.stage_slots ? sslots[id * p.ranks + r] : __ldg(p.slots + id * p.ranks + r);
 }
 
-// Phase 6b, only when a move split or moved an expert: the valid entries of moved expert j (cnt[id] = 32 + j)
-// go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in entry order. Each warp
-// takes a contiguous segment of the entries. Pass 1 writes every other entry at once and counts the moved
-// experts' entries (few: shared atomics), noting which chunks of 32 hold one; after one barrier, pass 2
-// numbers those entries from the counts of the warps before it, one ballot per moved expert in a chunk.
+// Phase 6b, only when a move left an expert's tokens on two ranks or more: the valid entries of split expert
+// j (cnt[id] = 32 + j) go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in
+// entry order. Each warp takes a contiguous segment of the entries. Pass 1 writes every other entry at once
+// and counts the split experts' entries (few: shared atomics), noting which chunks of 32 hold one; after one
+// barrier, pass 2 numbers those entries from the counts of the warps before it, one ballot per split expert
+// in a chunk, and walks the expert's ranks with tokens (split_nz[j]) to the entry's.
 template <typename Id, int kSplit>
 __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const unsigned* msk, const int* cnt,
                                                   const int* sslots, const Params& p, int valid, int entries,
@@ -477,16 +479,25 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
         if (lane == r) tok += moved, load += there == 0;
         __syncwarp();
       }
-      if (lane == 0) split_used = used;
+      int split = 0;                                  // experts whose tokens stay on two ranks or more
 #pragma unroll 1
       for (int j = 0; j < used; ++j) {                // each row's ranks with tokens, for the output
         const unsigned ranks = __ballot_sync(kFull, lane < R && split_alloc[j][lane] > 0);
         if (lane == 0) split_nz[j] = ranks;
+        split += (ranks & (ranks - 1)) != 0;
       }
+      if (lane == 0) split_used = split;
+      __syncwarp();
     }
     rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
 #pragma unroll 1
-    for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
+    for (int i = lane; i < listed; i += 32) {
+      int r = list_r[i];
+      if constexpr (kCost) {   // a moved expert with all of its tokens on one rank is written as an unmoved one
+        if (r >= 32 && (split_nz[r - 32] & (split_nz[r - 32] - 1)) == 0) r = __ffs(split_nz[r - 32]) - 1;
+      }
+      cnt[list_e[i]] = r;
+    }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
