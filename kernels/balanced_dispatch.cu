@@ -28,7 +28,8 @@
 //      rank at the maximum, one ballot, is skipped at once) for the moves of cost_rule_step (all of an
 //      expert's tokens on a rank at the maximum to another replica, or the share that levels the two), each
 //      as one 64-bit key whose order is the rule's (the two ranks' higher cost, a whole move first, list
-//      position = expert id order, source, target); a warp minimum picks the move. Lane r keeps rank r's cost in a register:
+//      position = expert id order, source, target); a warp minimum picks the move (one reduction over the
+//      value and kind, a second only where lanes tie on them). Lane r keeps rank r's cost in a register:
 //      an unmoved two-replica expert's one target cost comes by a shuffle issued with the list loads,
 //      before the maximum is known (other targets read a shared copy), and the move reaches every lane by
 //      shuffles from the lane that found it (tokens moved and before), so no lane reads it back from shared
@@ -456,17 +457,22 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
             }
           }
         }
-        const unsigned hi = static_cast<unsigned>(best >> 32), lo = static_cast<unsigned>(best);
-        const unsigned min_hi = __reduce_min_sync(kFull, hi);
-        const unsigned min_lo = __reduce_min_sync(kFull, hi == min_hi ? lo : kFull);
-        const unsigned long long chosen = (static_cast<unsigned long long>(min_hi) << 32) | min_lo;
-        if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
+        // The least key: (value, whole first) in one reduction (30 bits; all ones where a lane has none), the
+        // rest (expert, source, target) in a second only when lanes tie on it.
+        const unsigned kind = static_cast<unsigned>(best >> 22), min_kind = __reduce_min_sync(kFull, kind);
+        if (min_kind == kFull || static_cast<int>(min_kind >> 1) >= top) break;
+        unsigned tied = __ballot_sync(kFull, kind == min_kind);
+        if ((tied & (tied - 1)) != 0) {
+          const unsigned rest = kind == min_kind ? static_cast<unsigned>(best) & 0x3fffffu : kFull;
+          tied = __ballot_sync(kFull, rest == __reduce_min_sync(kFull, rest));
+        }
         // the move, from the lane that found it: every lane applies it to its rank, no shared round trip
-        const int winner = __ffs(__ballot_sync(kFull, best == chosen)) - 1;
+        const int winner = __ffs(tied) - 1;
         const int i = __shfl_sync(kFull, best_i, winner), home = __shfl_sync(kFull, best_home, winner);
         const int moved = __shfl_sync(kFull, best_moved, winner), here = __shfl_sync(kFull, best_here, winner);
         const int there = __shfl_sync(kFull, best_there, winner);
-        const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
+        const int ends = __shfl_sync(kFull, static_cast<int>(best) & 1023, winner);
+        const int src = ends >> 5, r = ends & 31;
         if (home < 32) {                              // first move of this expert: a row of the table
           split_alloc[used][lane] = lane == src ? here - moved : (lane == r ? moved : 0);
           if (lane == 0) list_r[i] = static_cast<unsigned char>(32 + used);
