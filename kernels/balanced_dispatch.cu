@@ -23,20 +23,20 @@
 //
 // The rule by cost (moeplace_cost_dispatch; the kernel's kCost instantiation) adds, when the step has at
 // least q valid (token, expert) pairs:
-//   5b. moves (warp 0), up to max_rounds <= kMaxSplit: a rank costs q * distinct + tokens; a round is a
-//      search and at most one move. Each lane scans its share of the list (an expert with no tokens on a
-//      rank at the maximum, one ballot, is skipped at once) for the moves of cost_rule_step (all of an
-//      expert's tokens on a rank at the maximum to another replica, or the share that levels the two), each
-//      as one 64-bit key whose order is the rule's (the two ranks' higher cost, a whole move first, list
-//      position = expert id order, source, target); a warp minimum picks the move (one reduction over the
-//      value and kind, a second only where lanes tie on them). Lane r keeps rank r's cost in a register:
-//      an unmoved two-replica expert's one target cost comes by a shuffle issued with the list loads,
-//      before the maximum is known (other targets read a shared copy), and the move reaches every lane by
-//      shuffles from the lane that found it (tokens moved and before), so no lane reads it back from shared
-//      memory. A moved expert gets a row of a small table of its tokens per rank (its list rank becomes
-//      32 + row), so memory stays fixed whatever the layout, and a bit mask of its ranks with tokens. One
-//      whose tokens all end on a single rank (nearly every moved expert on the benchmark's steps: the
-//      whole move that sheds a read) is then written as an unmoved expert on that rank;
+//   5b. moves, up to max_rounds <= kMaxSplit, on all threads: warp 0 leaves each rank's (load, tok) in shared
+//      memory; a rank costs q * load + tok. A round is one search and at most one move: each warp finds the
+//      maximum cost and the ranks at it (a ballot), each thread takes one list expert (an expert with no tokens
+//      on a rank at the maximum is skipped at once) and scores its moves of cost_rule_step (all of its tokens
+//      on a rank at the maximum to another replica, or the share that levels the two) as 64-bit keys whose
+//      order is the rule's (the two ranks' higher cost, a whole move first, list position = expert id order,
+//      source, target). Warp minima go to shared memory; after a barrier every warp reduces them itself, so
+//      all threads know the move without another broadcast, and the one thread that found it makes it (rank
+//      state, the expert's row, its list rank); a second barrier ends the round. A moved expert gets a row of
+//      a small table of its tokens per rank (its list rank becomes 32 + row; the row is the round of its first
+//      move, so no counter is shared), so memory stays fixed whatever the layout. Warp 0 then keeps each row's
+//      ranks with tokens as a bit mask; a moved expert whose tokens all end on one rank (nearly every moved
+//      expert on the benchmark's steps: the whole move that sheds a read) is written as an unmoved expert on
+//      that rank;
 //   6b. output, only when an expert's tokens are split (otherwise 6 as in the balanced rule): its valid
 //      entries go to its ranks in increasing rank order, in entry order (moeplace.cost_dispatch.pair_slots).
 //      Each warp takes a contiguous segment of the entries and writes every other entry at once, counting
@@ -235,6 +235,88 @@ __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const
   }
 }
 
+__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
+  const unsigned hi = __reduce_min_sync(kFull, static_cast<unsigned>(v >> 32));
+  const unsigned lo = __reduce_min_sync(kFull, static_cast<unsigned>(v >> 32) == hi ? static_cast<unsigned>(v) : kFull);
+  return (static_cast<unsigned long long>(hi) << 32) | lo;
+}
+
+// Phase 5b, every thread: the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step), each a round of
+// the search and one winner; returns the moves made. Rank r's state is (rank_load[r], rank_tok[r]); list
+// expert i's home is list_r[i], or 32 + its row of split_alloc (its tokens per rank) once moved.
+__device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m, const short* list_c,
+                            unsigned char* list_r, int* rank_load, int* rank_tok, int (*split_alloc)[32],
+                            unsigned long long* warp_best) {
+  const int R = p.ranks, q = p.q, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_tok[lane]) : 0u));
+  int round = 0;
+#pragma unroll 1
+  for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds; ++round) {
+    const int cost = lane < R ? q * rank_load[lane] + rank_tok[lane] : -1;
+    const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
+    const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
+    unsigned long long best = ~0ull;
+    int best_i = 0, best_home = 0, best_moved = 0, best_here = 0, best_there = 0;
+#pragma unroll 1
+    for (int i = tid; i < listed; i += kThreads) {   // one list expert per thread (up to kThreads of them)
+      const unsigned m = list_m[i];
+      const int home = list_r[i];
+      const int j = home - 32;                       // >= 0: moved before, tokens in split_alloc[j]
+      unsigned sources = (j >= 0 ? m : (1u << home)) & at_top;
+      if (sources == 0) continue;
+      const int c = list_c[i];
+#pragma unroll 1
+      while (sources != 0) {
+        const int src = __ffs(sources) - 1;
+        sources &= sources - 1;
+        const int here = j >= 0 ? split_alloc[j][src] : c;
+        if (here <= 0) continue;
+        unsigned targets = m & ~(1u << src);
+#pragma unroll 1
+        while (targets != 0) {
+          const int r = __ffs(targets) - 1;
+          targets &= targets - 1;
+          const int there = j >= 0 ? split_alloc[j][r] : 0;
+          const int dest = q * rank_load[r] + rank_tok[r] + (there == 0 ? q : 0);
+          int value = max(top - q - here, dest + here), partial = 0, moved = here;
+          if (here >= 2) {
+            const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
+            const int level = max(top - share, dest + share);
+            if (level < value) value = level, partial = 1, moved = share;
+          }
+          // the rule's order: the two ranks' higher cost, a whole move first, expert (list order is id
+          // order), source, target
+          const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
+                                         (static_cast<unsigned long long>(partial) << 22) |
+                                         (static_cast<unsigned long long>(i) << 10) |
+                                         static_cast<unsigned long long>(src << 5 | r);
+          if (key < best) best = key, best_i = i, best_home = home, best_moved = moved, best_here = here,
+                          best_there = there;
+        }
+      }
+    }
+    // the block's minimum: each warp's, then every warp reduces the warps' minima itself (no broadcast)
+    unsigned long long chosen = warp_min(best);
+    if (lane == 0) warp_best[warp] = chosen;
+    __syncthreads();
+    chosen = warp_min(lane < kWarps ? warp_best[lane] : ~0ull);
+    if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
+    if (best == chosen) {   // the one thread that found the move makes it
+      const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
+      const int j = best_home >= 32 ? best_home - 32 : round;   // a first move: row `round`, still zeros
+      split_alloc[j][src] = best_here - best_moved;
+      split_alloc[j][r] = best_there + best_moved;
+      list_r[best_i] = static_cast<unsigned char>(32 + j);
+      rank_tok[src] -= best_moved;
+      rank_load[src] -= best_here == best_moved;
+      rank_tok[r] += best_moved;
+      rank_load[r] += best_there == 0;
+    }
+    __syncthreads();
+  }
+  return round;
+}
+
 template <typename Id, bool kCost>
 __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -246,7 +328,8 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
   __shared__ unsigned split_nz[kSplit];          // its ranks with tokens
   __shared__ int split_count[kSplitWarps][kSplit];
-  __shared__ int rank_cost[kCost ? 32 : 1];
+  __shared__ int rank_load[kCost ? 32 : 1], rank_tok[kCost ? 32 : 1];
+  __shared__ unsigned long long warp_best[kSplitWarps];
   __shared__ int split_used;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
   const SmemLayout at = smem_layout(E, R, entries, sizeof(Id), p.stage_slots != 0);
@@ -279,6 +362,10 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   if (tid < 32) {
     single_load[tid] = 0;
     single_tok[tid] = 0;
+  }
+  if constexpr (kCost) {   // a move's row starts at zero
+#pragma unroll 1
+    for (int o = tid; o < kSplit * 32; o += kThreads) split_alloc[o >> 5][o & 31] = 0;
   }
   if (tid == 0)
     valid_entries = static_cast<int>(num_rows < 0 ? 0 : (num_rows > p.rows ? p.rows : num_rows)) * p.k;
@@ -395,114 +482,37 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       if (lane == b) load -= 1;
       if (lane == target) load += 1;
     }
-    int used = 0;
-    if constexpr (kCost) {
-      // 5b. the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step)
-      const int q = p.q;
-      const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(tok) : 0u));
+    if constexpr (kCost) {   // the moves' start
+      rank_load[lane] = load;
+      rank_tok[lane] = tok;
+    }
+    rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
+    if constexpr (!kCost) {
 #pragma unroll 1
-      for (int round = 0; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds;
-           ++round) {
-        const int cost = lane < R ? q * load + tok : -1;
-        const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
-        rank_cost[lane] = cost;
-        const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
-        __syncwarp();
-        unsigned long long best = ~0ull;
-        int best_i = 0, best_home = 0, best_moved = 0, best_here = 0, best_there = 0;
-#pragma unroll 1
-        for (int base = 0; base < listed; base += 32) {
-          const int i = base + lane;
-          const unsigned m = i < listed ? list_m[i] : 0u;
-          const int home = i < listed ? list_r[i] : 0;
-          const int j = home - 32;                    // >= 0: moved before, tokens in split_alloc[j]
-          // An expert not moved yet with two replicas (the common case) has one target: its cost comes by a
-          // shuffle (lane r holds rank r's), off the chain that waits for the maximum; others read rank_cost.
-          const unsigned others = m & ~(1u << (home & 31));
-          const int shuffled = __shfl_sync(kFull, cost, (__ffs(others) - 1) & 31);
-          const bool two = j < 0 && (others & (others - 1)) == 0;
-          unsigned sources = m == 0 ? 0u : (j >= 0 ? m : (1u << home)) & at_top;
-          if (sources == 0) continue;
-          const int c = list_c[i];
-#pragma unroll 1
-          while (sources != 0) {
-            const int src = __ffs(sources) - 1;
-            sources &= sources - 1;
-            const int here = j >= 0 ? split_alloc[j][src] : c;
-            if (here <= 0) continue;
-            unsigned targets = m & ~(1u << src);
-#pragma unroll 1
-            while (targets != 0) {
-              const int r = __ffs(targets) - 1;
-              targets &= targets - 1;
-              const int there = j >= 0 ? split_alloc[j][r] : 0;
-              int dest;
-              if (two) dest = shuffled;
-              else dest = rank_cost[r];
-              dest += there == 0 ? q : 0;
-              int value = max(top - q - here, dest + here), partial = 0, moved = here;
-              if (here >= 2) {
-                const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
-                const int level = max(top - share, dest + share);
-                if (level < value) value = level, partial = 1, moved = share;
-              }
-              // the rule's order: the two ranks' higher cost, a whole move first, expert (the list is in id
-              // order), source, target
-              const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
-                                             (static_cast<unsigned long long>(partial) << 22) |
-                                             (static_cast<unsigned long long>(i) << 10) |
-                                             static_cast<unsigned long long>(src << 5 | r);
-              if (key < best) best = key, best_i = i, best_home = home, best_moved = moved, best_here = here,
-                              best_there = there;
-            }
-          }
-        }
-        // The least key: (value, whole first) in one reduction (30 bits; all ones where a lane has none), the
-        // rest (expert, source, target) in a second only when lanes tie on it.
-        const unsigned kind = static_cast<unsigned>(best >> 22), min_kind = __reduce_min_sync(kFull, kind);
-        if (min_kind == kFull || static_cast<int>(min_kind >> 1) >= top) break;
-        unsigned tied = __ballot_sync(kFull, kind == min_kind);
-        if ((tied & (tied - 1)) != 0) {
-          const unsigned rest = kind == min_kind ? static_cast<unsigned>(best) & 0x3fffffu : kFull;
-          tied = __ballot_sync(kFull, rest == __reduce_min_sync(kFull, rest));
-        }
-        // the move, from the lane that found it: every lane applies it to its rank, no shared round trip
-        const int winner = __ffs(tied) - 1;
-        const int i = __shfl_sync(kFull, best_i, winner), home = __shfl_sync(kFull, best_home, winner);
-        const int moved = __shfl_sync(kFull, best_moved, winner), here = __shfl_sync(kFull, best_here, winner);
-        const int there = __shfl_sync(kFull, best_there, winner);
-        const int ends = __shfl_sync(kFull, static_cast<int>(best) & 1023, winner);
-        const int src = ends >> 5, r = ends & 31;
-        if (home < 32) {                              // first move of this expert: a row of the table
-          split_alloc[used][lane] = lane == src ? here - moved : (lane == r ? moved : 0);
-          if (lane == 0) list_r[i] = static_cast<unsigned char>(32 + used);
-          ++used;
-        } else if (lane == 0) {
-          split_alloc[home - 32][src] = here - moved;
-          split_alloc[home - 32][r] = there + moved;
-        }
-        if (lane == src) tok -= moved, load -= here == moved;
-        if (lane == r) tok += moved, load += there == 0;
-        __syncwarp();
-      }
+      for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
+    }
+  }
+  if constexpr (kCost) {
+    __syncthreads();
+    const int moves = move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
+    if (warp == 0) {
       int split = 0;                                  // experts whose tokens stay on two ranks or more
 #pragma unroll 1
-      for (int j = 0; j < used; ++j) {                // each row's ranks with tokens, for the output
+      for (int j = 0; j < moves; ++j) {               // each row's ranks with tokens (rows no move opened: 0)
         const unsigned ranks = __ballot_sync(kFull, lane < R && split_alloc[j][lane] > 0);
         if (lane == 0) split_nz[j] = ranks;
         split += (ranks & (ranks - 1)) != 0;
       }
       if (lane == 0) split_used = split;
       __syncwarp();
-    }
-    rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
 #pragma unroll 1
-    for (int i = lane; i < listed; i += 32) {
-      int r = list_r[i];
-      if constexpr (kCost) {   // a moved expert with all of its tokens on one rank is written as an unmoved one
+      for (int i = lane; i < listed; i += 32) {   // a moved expert all on one rank is written as an unmoved one
+        int r = list_r[i];
         if (r >= 32 && (split_nz[r - 32] & (split_nz[r - 32] - 1)) == 0) r = __ffs(split_nz[r - 32]) - 1;
+        cnt[list_e[i]] = r;
       }
-      cnt[list_e[i]] = r;
+      rank_key[lane] = (static_cast<unsigned>(rank_load[lane]) << kLoadShift) |
+                       (static_cast<unsigned>(rank_tok[lane]) << 5) | lane;
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
