@@ -55,8 +55,14 @@
 //
 // Cost on an H200 (BENCHMARKS.md, "Balanced dispatch kernel"): 2.9 us per call at 72 ids under graph replay,
 // 0.95 us of it the launch; after the loads (one round trip), each phase costs 600-800 cycles and the greedy
-// pass ~90 cycles per multi-replica expert. The rule by cost ("Rule-by-cost kernel, faster"): 5.2 / 7.6 / 13.9 us
-// at 36 / 72 / 576 tokens, the extra time in the move rounds (1,000-2,500 cycles each) and the split output.
+// pass ~90 cycles per multi-replica expert. The rule by cost (bench_dispatch, 384 experts, 8 ranks, 96 spare
+// slots, q = 281): 5.35 / 7.30 / 8.09 / 9.50 / 11.50 us at 36 / 72 / 144 / 288 / 576 tokens against 5.13 / 7.58 /
+// 8.72 / 10.89 / 13.78 for the search in warp 0 before it, same process; the balanced kernel 4.11 / 5.31 / 5.98 /
+// 7.01 / 8.38. The moves (5b, phase builds) cost ~800 cycles even with no round (the barrier that starts
+// them, warp 0's pass over the list after them) and ~1,100 (36 tokens) to ~1,800 (576) a round, two
+// barriers and two block minima each: the warp-0 search (~1,000 a round at 36 tokens, ~2,500 at 576) had
+// less fixed cost, so it stays ahead at 36 tokens. Most of the output's extra time is gone: almost every
+// move is whole, and such an expert is written by the balanced loop.
 //
 // Benchmark builds only (scripts/bench_dispatch.py --phases, --variant): BD_STOP_AFTER=n ends the
 // kernel after phase n above (-1: at once; 6: after 5b, the moves; 4 and 5 skip them), writing a value
@@ -235,10 +241,11 @@ __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const
   }
 }
 
+// The least of the warp's 64-bit values (two reductions: the high words, then the low words beside the least).
 __device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
-  const unsigned hi = __reduce_min_sync(kFull, static_cast<unsigned>(v >> 32));
-  const unsigned lo = __reduce_min_sync(kFull, static_cast<unsigned>(v >> 32) == hi ? static_cast<unsigned>(v) : kFull);
-  return (static_cast<unsigned long long>(hi) << 32) | lo;
+  const unsigned high = static_cast<unsigned>(v >> 32), least = __reduce_min_sync(kFull, high);
+  const unsigned low = __reduce_min_sync(kFull, high == least ? static_cast<unsigned>(v) : kFull);
+  return (static_cast<unsigned long long>(least) << 32) | low;
 }
 
 // Phase 5b, every thread: the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step), each a round of
@@ -248,7 +255,8 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
                             unsigned char* list_r, int* rank_load, int* rank_tok, int (*split_alloc)[32],
                             unsigned long long* warp_best) {
   const int R = p.ranks, q = p.q, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_tok[lane]) : 0u));
+  const int pairs =
+      static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_tok[lane]) : 0u));
   int round = 0;
 #pragma unroll 1
   for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds; ++round) {
@@ -258,7 +266,7 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
     unsigned long long best = ~0ull;
     int best_i = 0, best_home = 0, best_moved = 0, best_here = 0, best_there = 0;
 #pragma unroll 1
-    for (int i = tid; i < listed; i += kThreads) {   // one list expert per thread (up to kThreads of them)
+    for (int i = tid; i < listed; i += kThreads) {   // one list expert per thread, more past kThreads
       const unsigned m = list_m[i];
       const int home = list_r[i];
       const int j = home - 32;                       // >= 0: moved before, tokens in split_alloc[j]
@@ -494,7 +502,8 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   }
   if constexpr (kCost) {
     __syncthreads();
-    const int moves = move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
+    const int moves =
+        move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
     if (warp == 0) {
       int split = 0;                                  // experts whose tokens stay on two ranks or more
 #pragma unroll 1
