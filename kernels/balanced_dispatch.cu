@@ -325,77 +325,6 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
   return round;
 }
 
-// Phase 5b in warp 0 alone, for a list of at most 32 experts (no barrier): lane i holds list expert i
-// (mask, count, home in registers) and lane r rank r's (load, tok); the rest as move_by_cost, the same keys,
-// so the same moves. Returns the moves made; rank_cost is the warp's copy of the ranks' costs.
-__device__ int move_by_cost_in_warp(const Params& p, int listed, const unsigned* list_m, const short* list_c,
-                                    unsigned char* list_r, int& load, int& tok, int (*split_alloc)[32],
-                                    int* rank_cost) {
-  const int R = p.ranks, q = p.q, lane = threadIdx.x & 31;
-  const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(tok) : 0u));
-  const bool mine = lane < listed;
-  const unsigned m = mine ? list_m[lane] : 0u;
-  const int c = mine ? list_c[lane] : 0;
-  int home = mine ? list_r[lane] : 0;
-  int round = 0;
-#pragma unroll 1
-  for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds; ++round) {
-    const int cost = lane < R ? q * load + tok : -1;
-    const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
-    const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
-    rank_cost[lane] = cost;
-    __syncwarp();
-    const int j = home - 32;                         // >= 0: moved before, tokens in split_alloc[j]
-    unsigned long long best = ~0ull;
-    int best_moved = 0, best_here = 0, best_there = 0;
-    unsigned sources = mine ? (j >= 0 ? m : (1u << home)) & at_top : 0u;
-#pragma unroll 1
-    while (sources != 0) {
-      const int src = __ffs(sources) - 1;
-      sources &= sources - 1;
-      const int here = j >= 0 ? split_alloc[j][src] : c;
-      if (here <= 0) continue;
-      unsigned targets = m & ~(1u << src);
-#pragma unroll 1
-      while (targets != 0) {
-        const int r = __ffs(targets) - 1;
-        targets &= targets - 1;
-        const int there = j >= 0 ? split_alloc[j][r] : 0;
-        const int dest = rank_cost[r] + (there == 0 ? q : 0);
-        int value = max(top - q - here, dest + here), partial = 0, moved = here;
-        if (here >= 2) {
-          const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
-          const int level = max(top - share, dest + share);
-          if (level < value) value = level, partial = 1, moved = share;
-        }
-        const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
-                                       (static_cast<unsigned long long>(partial) << 22) |
-                                       (static_cast<unsigned long long>(lane) << 10) |
-                                       static_cast<unsigned long long>(src << 5 | r);
-        if (key < best) best = key, best_moved = moved, best_here = here, best_there = there;
-      }
-    }
-    const unsigned long long chosen = warp_min(best);
-    if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
-    const int winner = static_cast<int>(chosen >> 10) & 31;   // the key's list position is the lane
-    const int moved = __shfl_sync(kFull, best_moved, winner), here = __shfl_sync(kFull, best_here, winner);
-    const int there = __shfl_sync(kFull, best_there, winner);
-    const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
-    __syncwarp();
-    if (lane == winner) {
-      const int row = j >= 0 ? j : round;            // a first move: row `round`, still zeros
-      split_alloc[row][src] = here - moved;
-      split_alloc[row][r] = there + moved;
-      home = 32 + row;
-      list_r[lane] = static_cast<unsigned char>(home);
-    }
-    if (lane == src) tok -= moved, load -= here == moved;
-    if (lane == r) tok += moved, load += there == 0;
-    __syncwarp();
-  }
-  return round;
-}
-
 template <typename Id, bool kCost>
 __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -407,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
   __shared__ unsigned split_nz[kSplit];          // its ranks with tokens
   __shared__ int split_count[kSplitWarps][kSplit];
-  __shared__ int rank_load[kCost ? 32 : 1], rank_tok[kCost ? 32 : 1], rank_cost[kCost ? 32 : 1];
+  __shared__ int rank_load[kCost ? 32 : 1], rank_tok[kCost ? 32 : 1];
   __shared__ unsigned long long warp_best[kSplitWarps];
   __shared__ int split_used;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
@@ -496,7 +425,6 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   }
   if (stop_here(3, out, entries, listed + single_tok[lane], start)) return;
 
-  int moves = 0;   // rule by cost: moves made (5b)
   if (warp == 0) {
     // 4. greedy, in expert id order: the candidate rank with the smallest (load, tok, rank)
     unsigned state = (static_cast<unsigned>(single_load[lane]) << kLoadShift) |
@@ -562,9 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       if (lane == b) load -= 1;
       if (lane == target) load += 1;
     }
-    if constexpr (kCost) {   // the moves' start: a short list here, a long one on all threads below
-      if (listed <= 32)
-        moves = move_by_cost_in_warp(p, listed, list_m, list_c, list_r, load, tok, split_alloc, rank_cost);
+    if constexpr (kCost) {   // the moves' start
       rank_load[lane] = load;
       rank_tok[lane] = tok;
     }
@@ -575,10 +501,9 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
     }
   }
   if constexpr (kCost) {
-    if (listed > 32) {
-      __syncthreads();
-      moves = move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
-    }
+    __syncthreads();
+    const int moves =
+        move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
     if (warp == 0) {
       int split = 0;                                  // experts whose tokens stay on two ranks or more
 #pragma unroll 1
