@@ -23,19 +23,26 @@
 //
 // The rule by cost (moeplace_cost_dispatch; the kernel's kCost instantiation) adds, when the step has at
 // least q valid (token, expert) pairs:
-//   5b. moves (warp 0), up to max_rounds <= kMaxSplit: a rank costs q * distinct + tokens; each lane scans
-//      its share of the list (an expert with no tokens on a rank at the maximum, one ballot, is skipped at
-//      once) for the moves of cost_rule_step (all of an expert's tokens on a rank at the maximum to
-//      another replica, or the share that levels the two), each as one 64-bit key whose order
-//      is the rule's (the two ranks' higher cost, a whole move first, expert, source, target); a warp
-//      minimum picks the move. A moved expert gets a row of a small table of its tokens per rank (its
-//      list rank becomes 32 + row), so memory stays fixed whatever the layout;
-//   6b. output, only when a move was made (otherwise 6 as in the balanced rule): a moved expert's valid
+//   5b. moves, up to max_rounds <= kMaxSplit, on all threads: warp 0 leaves each rank's (load, tok) in shared
+//      memory; a rank costs q * load + tok. A round is one search and at most one move: each warp finds the
+//      maximum cost and the ranks at it (a ballot), each thread takes one list expert (an expert with no tokens
+//      on a rank at the maximum is skipped at once) and scores its moves of cost_rule_step (all of its tokens
+//      on a rank at the maximum to another replica, or the share that levels the two) as 64-bit keys whose
+//      order is the rule's (the two ranks' higher cost, a whole move first, list position = expert id order,
+//      source, target). Warp minima go to shared memory; after a barrier every warp reduces them itself, so
+//      all threads know the move without another broadcast, and the one thread that found it makes it (rank
+//      state, the expert's row, its list rank); a second barrier ends the round. A moved expert gets a row of
+//      a small table of its tokens per rank (its list rank becomes 32 + row; the row is the round of its first
+//      move, so no counter is shared), so memory stays fixed whatever the layout. Warp 0 then keeps each row's
+//      ranks with tokens as a bit mask; a moved expert whose tokens all end on one rank (nearly every moved
+//      expert on the benchmark's steps: the whole move that sheds a read) is written as an unmoved expert on
+//      that rank;
+//   6b. output, only when an expert's tokens are split (otherwise 6 as in the balanced rule): its valid
 //      entries go to its ranks in increasing rank order, in entry order (moeplace.cost_dispatch.pair_slots).
 //      Each warp takes a contiguous segment of the entries and writes every other entry at once, counting
-//      the moved experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
-//      it numbers those entries from the counts of the warps before it (a ballot per moved expert in such
-//      a chunk; the other chunks are not read again).
+//      the split experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
+//      it numbers those entries from the counts of the warps before it (a ballot per split expert in such
+//      a chunk; the other chunks are not read again) and walks the row's ranks with tokens to its rank.
 //
 // Loops are rolled: the kernel runs once per SM and pays an instruction fetch for each new line of
 // code, which made the earlier one-warp, 16-way unrolled kernel (~2,100 instructions) slow.
@@ -48,8 +55,14 @@
 //
 // Cost on an H200 (BENCHMARKS.md, "Balanced dispatch kernel"): 2.9 us per call at 72 ids under graph replay,
 // 0.95 us of it the launch; after the loads (one round trip), each phase costs 600-800 cycles and the greedy
-// pass ~90 cycles per multi-replica expert. The rule by cost ("Rule-by-cost kernel, faster"): 5.2 / 7.6 / 13.9 us
-// at 36 / 72 / 576 tokens, the extra time in the move rounds (1,000-2,500 cycles each) and the split output.
+// pass ~90 cycles per multi-replica expert. The rule by cost (bench_dispatch, 384 experts, 8 ranks, 96 spare
+// slots, q = 281): 5.35 / 7.30 / 8.09 / 9.50 / 11.50 us at 36 / 72 / 144 / 288 / 576 tokens against 5.13 / 7.58 /
+// 8.72 / 10.89 / 13.78 for the search in warp 0 before it, same process; the balanced kernel 4.11 / 5.31 / 5.98 /
+// 7.01 / 8.38. The moves (5b, phase builds) cost ~800 cycles even with no round (the barrier that starts
+// them, warp 0's pass over the list after them) and ~1,100 (36 tokens) to ~1,800 (576) a round, two
+// barriers and two block minima each: the warp-0 search (~1,000 a round at 36 tokens, ~2,500 at 576) had
+// less fixed cost, so it stays ahead at 36 tokens. Most of the output's extra time is gone: almost every
+// move is whole, and such an expert is written by the balanced loop.
 //
 // Benchmark builds only (scripts/bench_dispatch.py --phases, --variant): BD_STOP_AFTER=n ends the
 // kernel after phase n above (-1: at once; 6: after 5b, the moves; 4 and 5 skip them), writing a value
@@ -162,15 +175,17 @@ __device__ __forceinline__ int plain_slot(int i, int id, unsigned m, const int* 
   return p.stage_slots ? sslots[id * p.ranks + r] : __ldg(p.slots + id * p.ranks + r);
 }
 
-// Phase 6b, only when a move split or moved an expert: the valid entries of moved expert j (cnt[id] = 32 + j)
-// go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in entry order. Each warp
-// takes a contiguous segment of the entries. Pass 1 writes every other entry at once and counts the moved
-// experts' entries (few: shared atomics), noting which chunks of 32 hold one; after one barrier, pass 2
-// numbers those entries from the counts of the warps before it, one ballot per moved expert in a chunk.
+// Phase 6b, only when a move left an expert's tokens on two ranks or more: the valid entries of split expert
+// j (cnt[id] = 32 + j) go to its ranks in increasing rank order, split_alloc[j][r] of them to rank r, in
+// entry order. Each warp takes a contiguous segment of the entries. Pass 1 writes every other entry at once
+// and counts the split experts' entries (few: shared atomics), noting which chunks of 32 hold one; after one
+// barrier, pass 2 numbers those entries from the counts of the warps before it, one ballot per split expert
+// in a chunk, and walks the expert's ranks with tokens (split_nz[j]) to the entry's.
 template <typename Id, int kSplit>
 __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const unsigned* msk, const int* cnt,
                                                   const int* sslots, const Params& p, int valid, int entries,
-                                                  int (*split_alloc)[32], int (*split_count)[kSplit]) {
+                                                  int (*split_alloc)[32], const unsigned* split_nz,
+                                                  int (*split_count)[kSplit]) {
   const int E = p.experts, R = p.ranks, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const unsigned rank_bits = R >= 32 ? kFull : (1u << R) - 1u;
   const int segment = (entries + 32 * kWarps - 1) / (32 * kWarps) * 32;   // whole chunks of 32 per warp
@@ -212,13 +227,102 @@ __device__ __forceinline__ void write_with_splits(const Id* sids, Id* out, const
       pending &= ~group;
       if (j == jj) {
         const int position = ahead + __popc(group & ((1u << lane) - 1u));
-        int r = 0, end = split_alloc[jj][0];
-        while (r < R - 1 && position >= end) end += split_alloc[jj][++r];
+        unsigned ranks = split_nz[jj];                // its ranks with tokens, in increasing order
+        int r = __ffs(ranks) - 1, end = split_alloc[jj][r];
+        while (position >= end) {
+          ranks &= ranks - 1;
+          r = __ffs(ranks) - 1;
+          end += split_alloc[jj][r];
+        }
         out[i] = static_cast<Id>(p.stage_slots ? sslots[id * R + r] : __ldg(p.slots + id * R + r));
       }
       if (lane == jj) before += __popc(group);
     }
   }
+}
+
+// The least of the warp's 64-bit values (two reductions: the high words, then the low words beside the least).
+__device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
+  const unsigned high = static_cast<unsigned>(v >> 32), least = __reduce_min_sync(kFull, high);
+  const unsigned low = __reduce_min_sync(kFull, high == least ? static_cast<unsigned>(v) : kFull);
+  return (static_cast<unsigned long long>(least) << 32) | low;
+}
+
+// Phase 5b, every thread: the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step), each a round of
+// the search and one winner; returns the moves made. Rank r's state is (rank_load[r], rank_tok[r]); list
+// expert i's home is list_r[i], or 32 + its row of split_alloc (its tokens per rank) once moved.
+__device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m, const short* list_c,
+                            unsigned char* list_r, int* rank_load, int* rank_tok, int (*split_alloc)[32],
+                            unsigned long long* warp_best) {
+  const int R = p.ranks, q = p.q, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int pairs =
+      static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_tok[lane]) : 0u));
+  int round = 0;
+#pragma unroll 1
+  for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds; ++round) {
+    const int cost = lane < R ? q * rank_load[lane] + rank_tok[lane] : -1;
+    const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
+    const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
+    unsigned long long best = ~0ull;
+    int best_i = 0, best_home = 0, best_moved = 0, best_here = 0, best_there = 0;
+#pragma unroll 1
+    for (int i = tid; i < listed; i += kThreads) {   // one list expert per thread, more past kThreads
+      const unsigned m = list_m[i];
+      const int home = list_r[i];
+      const int j = home - 32;                       // >= 0: moved before, tokens in split_alloc[j]
+      unsigned sources = (j >= 0 ? m : (1u << home)) & at_top;
+      if (sources == 0) continue;
+      const int c = list_c[i];
+#pragma unroll 1
+      while (sources != 0) {
+        const int src = __ffs(sources) - 1;
+        sources &= sources - 1;
+        const int here = j >= 0 ? split_alloc[j][src] : c;
+        if (here <= 0) continue;
+        unsigned targets = m & ~(1u << src);
+#pragma unroll 1
+        while (targets != 0) {
+          const int r = __ffs(targets) - 1;
+          targets &= targets - 1;
+          const int there = j >= 0 ? split_alloc[j][r] : 0;
+          const int dest = q * rank_load[r] + rank_tok[r] + (there == 0 ? q : 0);
+          int value = max(top - q - here, dest + here), partial = 0, moved = here;
+          if (here >= 2) {
+            const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
+            const int level = max(top - share, dest + share);
+            if (level < value) value = level, partial = 1, moved = share;
+          }
+          // the rule's order: the two ranks' higher cost, a whole move first, expert (list order is id
+          // order), source, target
+          const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
+                                         (static_cast<unsigned long long>(partial) << 22) |
+                                         (static_cast<unsigned long long>(i) << 10) |
+                                         static_cast<unsigned long long>(src << 5 | r);
+          if (key < best) best = key, best_i = i, best_home = home, best_moved = moved, best_here = here,
+                          best_there = there;
+        }
+      }
+    }
+    // the block's minimum: each warp's, then every warp reduces the warps' minima itself (no broadcast)
+    unsigned long long chosen = warp_min(best);
+    if (lane == 0) warp_best[warp] = chosen;
+    __syncthreads();
+    chosen = warp_min(lane < kWarps ? warp_best[lane] : ~0ull);
+    if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
+    if (best == chosen) {   // the one thread that found the move makes it
+      const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
+      const int j = best_home >= 32 ? best_home - 32 : round;   // a first move: row `round`, still zeros
+      split_alloc[j][src] = best_here - best_moved;
+      split_alloc[j][r] = best_there + best_moved;
+      list_r[best_i] = static_cast<unsigned char>(32 + j);
+      rank_tok[src] -= best_moved;
+      rank_load[src] -= best_here == best_moved;
+      rank_tok[r] += best_moved;
+      rank_load[r] += best_there == 0;
+    }
+    __syncthreads();
+  }
+  return round;
 }
 
 template <typename Id, bool kCost>
@@ -230,8 +334,10 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   // rule by cost only (one element each in the balanced instantiation)
   constexpr int kSplit = kCost ? kMaxSplit : 1, kSplitWarps = kCost ? kWarps : 1;
   __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
+  __shared__ unsigned split_nz[kSplit];          // its ranks with tokens
   __shared__ int split_count[kSplitWarps][kSplit];
-  __shared__ int rank_cost[kCost ? 32 : 1];
+  __shared__ int rank_load[kCost ? 32 : 1], rank_tok[kCost ? 32 : 1];
+  __shared__ unsigned long long warp_best[kSplitWarps];
   __shared__ int split_used;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
   const SmemLayout at = smem_layout(E, R, entries, sizeof(Id), p.stage_slots != 0);
@@ -264,6 +370,10 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   if (tid < 32) {
     single_load[tid] = 0;
     single_tok[tid] = 0;
+  }
+  if constexpr (kCost) {   // a move's row starts at zero
+#pragma unroll 1
+    for (int o = tid; o < kSplit * 32; o += kThreads) split_alloc[o >> 5][o & 31] = 0;
   }
   if (tid == 0)
     valid_entries = static_cast<int>(num_rows < 0 ? 0 : (num_rows > p.rows ? p.rows : num_rows)) * p.k;
@@ -380,87 +490,39 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       if (lane == b) load -= 1;
       if (lane == target) load += 1;
     }
-    int used = 0;
-    if constexpr (kCost) {
-      // 5b. the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step)
-      const int q = p.q;
-      const int pairs = static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(tok) : 0u));
-#pragma unroll 1
-      for (int round = 0; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds;
-           ++round) {
-        const int cost = lane < R ? q * load + tok : -1;
-        const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
-        rank_cost[lane] = cost;
-        const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
-        __syncwarp();
-        unsigned long long best = ~0ull;
-        int best_i = 0, best_m = 0;
-#pragma unroll 1
-        for (int i = lane; i < listed; i += 32) {
-          const unsigned m = list_m[i];
-          const int home = list_r[i];
-          const int j = home - 32;                    // >= 0: moved before, tokens in split_alloc[j]
-          unsigned sources = (j >= 0 ? m : (1u << home)) & at_top;
-          if (sources == 0) continue;
-          const int c = list_c[i], e = list_e[i];
-#pragma unroll 1
-          while (sources != 0) {
-            const int src = __ffs(sources) - 1;
-            sources &= sources - 1;
-            const int here = j >= 0 ? split_alloc[j][src] : c;
-            if (here <= 0) continue;
-            unsigned targets = m & ~(1u << src);
-#pragma unroll 1
-            while (targets != 0) {
-              const int r = __ffs(targets) - 1;
-              targets &= targets - 1;
-              const int there = j >= 0 ? split_alloc[j][r] : 0;
-              const int dest = rank_cost[r] + (there == 0 ? q : 0);
-              int value = max(top - q - here, dest + here), partial = 0, moved = here;
-              if (here >= 2) {
-                const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
-                const int level = max(top - share, dest + share);
-                if (level < value) value = level, partial = 1, moved = share;
-              }
-              const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
-                                             (static_cast<unsigned long long>(partial) << 22) |
-                                             (static_cast<unsigned long long>(e) << 10) |
-                                             static_cast<unsigned long long>(src << 5 | r);
-              if (key < best) best = key, best_i = i, best_m = moved;
-            }
-          }
-        }
-        const unsigned hi = static_cast<unsigned>(best >> 32), lo = static_cast<unsigned>(best);
-        const unsigned min_hi = __reduce_min_sync(kFull, hi);
-        const unsigned min_lo = __reduce_min_sync(kFull, hi == min_hi ? lo : kFull);
-        const unsigned long long chosen = (static_cast<unsigned long long>(min_hi) << 32) | min_lo;
-        if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
-        const int winner = __ffs(__ballot_sync(kFull, best == chosen)) - 1;
-        const int i = __shfl_sync(kFull, best_i, winner), moved = __shfl_sync(kFull, best_m, winner);
-        const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
-        const int home = list_r[i];
-        int j = home - 32;
-        if (j < 0) {                                  // first move of this expert: a row of the table
-          j = used++;
-          split_alloc[j][lane] = lane == home ? static_cast<int>(list_c[i]) : 0;
-        }
-        __syncwarp();
-        const int had_src = split_alloc[j][src], had_r = split_alloc[j][r];
-        __syncwarp();
-        if (lane == 0) {
-          list_r[i] = static_cast<unsigned char>(32 + j);
-          split_alloc[j][src] = had_src - moved;
-          split_alloc[j][r] = had_r + moved;
-        }
-        if (lane == src) tok -= moved, load -= had_src == moved;
-        if (lane == r) tok += moved, load += had_r == 0;
-        __syncwarp();
-      }
-      if (lane == 0) split_used = used;
+    if constexpr (kCost) {   // the moves' start
+      rank_load[lane] = load;
+      rank_tok[lane] = tok;
     }
     rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
+    if constexpr (!kCost) {
 #pragma unroll 1
-    for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
+      for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
+    }
+  }
+  if constexpr (kCost) {
+    __syncthreads();
+    const int moves =
+        move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
+    if (warp == 0) {
+      int split = 0;                                  // experts whose tokens stay on two ranks or more
+#pragma unroll 1
+      for (int j = 0; j < moves; ++j) {               // each row's ranks with tokens (rows no move opened: 0)
+        const unsigned ranks = __ballot_sync(kFull, lane < R && split_alloc[j][lane] > 0);
+        if (lane == 0) split_nz[j] = ranks;
+        split += (ranks & (ranks - 1)) != 0;
+      }
+      if (lane == 0) split_used = split;
+      __syncwarp();
+#pragma unroll 1
+      for (int i = lane; i < listed; i += 32) {   // a moved expert all on one rank is written as an unmoved one
+        int r = list_r[i];
+        if (r >= 32 && (split_nz[r - 32] & (split_nz[r - 32] - 1)) == 0) r = __ffs(split_nz[r - 32]) - 1;
+        cnt[list_e[i]] = r;
+      }
+      rank_key[lane] = (static_cast<unsigned>(rank_load[lane]) << kLoadShift) |
+                       (static_cast<unsigned>(rank_tok[lane]) << 5) | lane;
+    }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
@@ -477,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       out[i] = static_cast<Id>(plain_slot(i, id, m, cnt, sslots, p, valid));
     }
   } else if constexpr (kCost) {
-    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_alloc, split_count);
+    write_with_splits(sids, out, msk, cnt, sslots, p, valid, entries, split_alloc, split_nz, split_count);
   }
   if (BD_CLOCK) {
     __syncthreads();
