@@ -66,8 +66,9 @@
 //
 // Benchmark builds only (scripts/bench_dispatch.py --phases, --variant): BD_STOP_AFTER=n ends the
 // kernel after phase n above (-1: at once; 6: after 5b, the moves; 4 and 5 skip them), writing a value
-// that depends on it so that nothing is optimised away; BD_CLOCK=1 makes that value (or, for the whole kernel, out[0]) the SM cycles since the
-// kernel began. BD_THREADS sets kThreads, BD_STAGE_SLOTS=0 turns the slot staging off.
+// that depends on it so that nothing is optimised away; BD_CLOCK=1 makes that value (or, for the whole
+// kernel, out[0]) the SM cycles since the kernel began. BD_THREADS sets kThreads, BD_STAGE_SLOTS=0 turns the
+// slot staging off.
 
 #include <cuda_runtime.h>
 #include <climits>
