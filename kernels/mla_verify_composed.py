@@ -76,6 +76,35 @@ def _block_table_kernel(kv_indptr, kv_indices, Table, Seqlens, stride_table,
 
 
 @triton.jit
+def _chunk_span(n, CHUNKS: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Tokens per chunk of an n-token prefix: cdiv(cdiv(n, 64), CHUNKS) whole pages, >= 1."""
+    return tl.maximum(tl.cdiv(tl.cdiv(n, PAGE_SIZE), CHUNKS), 1) * PAGE_SIZE
+
+
+@triton.jit
+def _chunk_table_kernel(kv_indptr, kv_indices, Table, Seqlens, stride_table,
+                        CHUNKS: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """One request's prefix as CHUNKS consecutive runs of whole pages, one FlashMLA request each.
+
+    Grid (CHUNKS,). Chunk c holds pages [c pc, (c + 1) pc) of the request, pc = cdiv(pages,
+    CHUNKS) (``_chunk_span``): Table[c, p] is that page's id, Seqlens[c] its token count (0 past
+    the prefix, where Table[c, 0] = page 0, since FlashMLA gives every request a block).
+    """
+    c = tl.program_id(0)
+    start = tl.load(kv_indptr)
+    n = tl.load(kv_indptr + 1) - start
+    span = _chunk_span(n, CHUNKS, PAGE_SIZE)
+    first = c * span
+    tl.store(Seqlens + c, tl.minimum(tl.maximum(n - first, 0), span).to(tl.int32))
+    for p0 in range(0, span // PAGE_SIZE, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        tok = first + offs.to(tl.int64) * PAGE_SIZE
+        slot = tl.load(kv_indices + start + tok, mask=tok < n, other=0)
+        tl.store(Table + c * stride_table + offs, (slot // PAGE_SIZE).to(tl.int32),
+                 mask=offs < span // PAGE_SIZE)
+
+
+@triton.jit
 def _pad_queries_kernel(Q, Q_pad, qo_indptr, H, stride_qt, stride_qh,
                         D_MAX: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr):
     """Q_pad[b, i] = Q[qo_indptr[b] + i] for i < D_b (grid B x D_max); Q_pad [B, D_max, H, C]."""
@@ -102,6 +131,64 @@ def _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb, stride_ps
     lse_p = tl.where(has_p, lse_p, float("-inf"))
     o_p = tl.load(O_pre + b * stride_pb + offs_i[:, None] * stride_ps + h * stride_ph
                   + offs_v[None, :], mask=has_p[:, None], other=0.0).to(tl.float32)
+    return lse_p, o_p
+
+
+@triton.jit
+def _load_prefix_chunks(O_pre, L_pre, h, offs_i, offs_v, rows_ok, n, stride_pb, stride_ps,
+                        stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS: tl.constexpr,
+                        CHUNKS_P2: tl.constexpr, CB: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """``_load_prefix`` where FlashMLA ran one request's prefix as CHUNKS requests: their
+    (lse, out) merged by log-sum-exp. All lse first (the rows' maxima and sums), then the values
+    CB chunks per step, with nothing to rescale; chunks past the prefix are never read."""
+    span = _chunk_span(n, CHUNKS, PAGE_SIZE)
+    offs_c = tl.arange(0, CHUNKS_P2)
+    ok = ((offs_c < CHUNKS) & (offs_c * span < n))[:, None] & rows_ok[None, :]
+    lse_c = tl.load(L_pre + offs_c[:, None] * stride_lb + h * stride_lh
+                    + offs_i[None, :] * stride_ls, mask=ok, other=float("-inf"))
+    lse_c = tl.where(ok, lse_c * 1.4426950408889634, float("-inf"))
+    m = tl.max(lse_c, 0)
+    base = tl.where(m > float("-inf"), m, 0.0)
+    l = tl.sum(tl.math.exp2(lse_c - base[None, :]), 0)
+    acc = tl.zeros((offs_i.shape[0], offs_v.shape[0]), tl.float32)
+    for c0 in tl.static_range(0, CHUNKS, CB):  # unrolled: every step's loads issued at once
+        acc += _chunk_values(O_pre, L_pre, c0, h, offs_i, offs_v, rows_ok, n, span, base,
+                             stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
+                             CHUNKS, CB)
+    seen = l > 0
+    lse_p = tl.where(seen, base + tl.math.log2(tl.where(seen, l, 1.0)), float("-inf"))
+    return lse_p, acc / tl.where(seen, l, 1.0)[:, None]
+
+
+@triton.jit
+def _chunk_values(O_pre, L_pre, c0, h, offs_i, offs_v, rows_ok, n, span, base, stride_pb,
+                  stride_ps, stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS: tl.constexpr,
+                  CB: tl.constexpr):
+    """sum over chunks c0 .. c0 + CB of exp2(lse_c - base) out_c: [BLOCK_D, DVB] fp32."""
+    offs_c = c0 + tl.arange(0, CB)
+    ok = ((offs_c < CHUNKS) & (offs_c * span < n))[:, None] & rows_ok[None, :]
+    lse_c = tl.load(L_pre + offs_c[:, None] * stride_lb + h * stride_lh
+                    + offs_i[None, :] * stride_ls, mask=ok, other=float("-inf"))
+    w = tl.math.exp2(tl.where(ok, lse_c * 1.4426950408889634, float("-inf")) - base[None, :])
+    o_c = tl.load(O_pre + offs_c[:, None, None] * stride_pb + offs_i[None, :, None] * stride_ps
+                  + h * stride_ph + offs_v[None, None, :], mask=ok[:, :, None],
+                  other=0.0).to(tl.float32)
+    return tl.sum(w[:, :, None] * o_c, 0)
+
+
+@triton.jit
+def _prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok, n, stride_pb, stride_ps, stride_ph,
+            stride_lb, stride_lh, stride_ls, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
+            CB: tl.constexpr):
+    """The prefix part's (lse in log2 units, out) of the rows: FlashMLA's row, or its chunks'
+    merge; -inf and 0 where the request has no prefix (FlashMLA: lse +inf, out 0 there)."""
+    if CHUNKS > 0:
+        lse_p, o_p = _load_prefix_chunks(O_pre, L_pre, h, offs_i, offs_v, rows_ok, n, stride_pb,
+                                         stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
+                                         CHUNKS, CHUNKS_P2, CB, 64)
+    else:
+        lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok & (n > 0),
+                                  stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
     return lse_p, o_p
 
 
@@ -149,6 +236,7 @@ def _tree_merge_kernel(
     D_MAX: tl.constexpr, BLOCK_D: tl.constexpr, DVB: tl.constexpr, MASK_MODE: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr, HAS_LSE: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, UNIFORM: tl.constexpr, PHASE: tl.constexpr,
+    CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, CB: tl.constexpr,
 ):
     """Tree part of (request b, head h, value slice) merged with the prefix part.
 
@@ -164,6 +252,8 @@ def _tree_merge_kernel(
     PHASE 0: tree part and merge. PHASE 1: the tree part alone, normalised, into O_tree
     [T, H, DN] fp32 and L_tree [T, H] (log2 units, -inf for a row that sees no draft), while
     FlashMLA runs on another stream; PHASE 2: only the merge, reading those instead.
+    CHUNKS > 0 (one request): O_pre / L_pre hold FlashMLA's CHUNKS chunk requests of its prefix
+    (``_chunk_table_kernel``), merged here CB at a time, in place of FlashMLA's own combine.
     """
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -180,11 +270,10 @@ def _tree_merge_kernel(
     tok = (q0 + offs_i).to(tl.int64)
     offs_v = col0 + tl.arange(0, DVB)
     tree_row = tok * H + h
-    # Prefix part: FlashMLA's row, unless the request has no prefix (lse +inf, out 0 there).
-    has_p = rows_ok & (n > 0)
     if PHASE != 1 and not PDL:
-        lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
-                                  stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
+        lse_p, o_p = _prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok, n, stride_pb,
+                             stride_ps, stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS,
+                             CHUNKS_P2, CB)
     if PHASE == 2:
         lse_t = tl.load(L_tree + tree_row, mask=rows_ok, other=float("-inf"))
         acc = tl.load(O_tree + tree_row[:, None] * DN + offs_v[None, :], mask=rows_ok[:, None],
@@ -207,8 +296,9 @@ def _tree_merge_kernel(
     else:
         if PDL:
             tl.extra.cuda.gdc_wait()
-            lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb,
-                                      stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
+            lse_p, o_p = _prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok, n, stride_pb,
+                                 stride_ps, stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS,
+                                 CHUNKS_P2, CB)
         big = tl.maximum(lse_p, m_t)
         w_p = tl.math.exp2(lse_p - big)
         w_t = tl.math.exp2(m_t - big)
@@ -230,7 +320,7 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
                out: Optional[torch.Tensor], lse: Optional[torch.Tensor], sm_scale: float,
                max_draft: int, config: Optional["MergeConfig"] = None, upcast: bool = False,
                uniform: bool = False, phase: int = 0, o_tree: Optional[torch.Tensor] = None,
-               l_tree: Optional[torch.Tensor] = None) -> None:
+               l_tree: Optional[torch.Tensor] = None, chunks: int = 0) -> None:
     """Launch ``_tree_merge_kernel``: out (and lse) from FlashMLA's prefix (o_pre, lse_pre).
 
     o_pre [B, >= D_max, H, 512], lse_pre [B, H, >= D_max] natural log (any strides, last dim of
@@ -239,11 +329,14 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
     need not read qo_indptr; taken only where ``config.uniform`` allows it. phase 1: only the
     tree part, into o_tree [>= T, H, 512] fp32 and l_tree [>= T, H] fp32 (contiguous; o_pre,
     lse_pre, out, lse unused); phase 2: only the merge of those with FlashMLA's result.
+    chunks > 0: one request, whose prefix FlashMLA ran as that many chunk requests (o_pre
+    [chunks, ...]).
     """
     cfg = config or MergeConfig()
     bs = qo_indptr.shape[0] - 1
     heads = q.shape[1]
-    dvb = V_DIM // cfg.dv_split
+    dv_split = cfg.chunk_dv_split if chunks else cfg.dv_split
+    dvb = V_DIM // dv_split
     pdl = cfg.pdl and phase != 1
     launch = dict(launch_pdl=True) if pdl else {}
     mask_arg = mask.view(torch.uint8) if mask is not None else kv_indptr
@@ -254,7 +347,7 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
     if phase == 1:
         o_pre, lse_pre, out = o_tree, l_tree, o_tree  # never read or written
     lse_arg = lse if lse is not None else lse_pre
-    _tree_merge_kernel[(bs, heads, cfg.dv_split)](
+    _tree_merge_kernel[(bs, heads, dv_split)](
         q, k_ext, v_ext, mask_arg, mip_arg, qo_indptr, kv_indptr, o_pre, lse_pre, out, lse_arg,
         o_tree, l_tree, sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_ext.stride(0), v_ext.stride(0), *pre_strides,
@@ -263,8 +356,9 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
         D_MAX=max_draft, BLOCK_D=max(16, triton.next_power_of_2(max_draft)), DVB=dvb,
         MASK_MODE=mask_mode, HAS_MASK_INDPTR=mask_indptr is not None,
         HAS_LSE=lse is not None and phase != 1, DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast,
-        PDL=pdl, UNIFORM=uniform and cfg.uniform, PHASE=phase, num_warps=cfg.num_warps,
-        **launch)
+        PDL=pdl, UNIFORM=uniform and cfg.uniform, PHASE=phase, CHUNKS=chunks,
+        CHUNKS_P2=triton.next_power_of_2(max(chunks, 1)), CB=cfg.chunk_block,
+        num_warps=cfg.chunk_num_warps if chunks else cfg.num_warps, **launch)
 
 
 @dataclass(frozen=True)
@@ -277,6 +371,11 @@ class MergeConfig:
     max_draft drafts (SGLang's verify batches), compute row offsets instead of loading them.
     side_stream: the tree part on a second stream, forked before FlashMLA and joined after it
     (a fork and join in a CUDA graph), so that only the merge runs after FlashMLA.
+    chunks: for a batch of one request, FlashMLA runs its prefix as this many chunk requests
+    (None: as many as FlashMLA has SM parts, so that it splits none; 0: as one request), merged
+    by our kernel with chunk_dv_split programs per head of chunk_num_warps warps, chunk_block
+    chunks per step: FlashMLA's own combine of one request's 66 splits walks them one dependent
+    load at a time.
     """
 
     dv_split: int = 4
@@ -284,14 +383,29 @@ class MergeConfig:
     pdl: bool = False
     uniform: bool = True
     side_stream: bool = False
+    chunks: Optional[int] = None
+    chunk_dv_split: int = 16
+    chunk_block: int = 8
+    chunk_num_warps: int = 8
 
     def __post_init__(self) -> None:
         if self.pdl and self.side_stream:
             raise ValueError("MergeConfig: pdl and side_stream do not go together (the merge "
                              "after a join has two prerequisites)")
+        if self.chunks is not None and self.chunks < 0:
+            raise ValueError(f"MergeConfig: chunks must be >= 0 or None, got {self.chunks}")
 
 
 _flash: dict[str, Any] = {}
+
+
+def flash_sm_parts(device: torch.device, rows: int) -> int:
+    """FlashMLA's SM parts for ``rows`` query rows per request (its dense decode's rule: SMs
+    over 64-row blocks); 0 off CUDA, where the chunked layout is not used."""
+    if device.type != "cuda":
+        return 0
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(sms // triton.cdiv(rows, 64), 1)
 
 
 def load_flash_mla() -> Optional[Any]:
@@ -315,8 +429,9 @@ class ComposedPlan:
     """Per-batch state of the composed path (made by :meth:`ComposedVerify.plan`).
 
     kv_indptr / kv_indices: the tensors it was made from (by identity: a forward over other
-    tensors plans anew). block_table [B, P] and seqlens [B] are views of the op's buffers;
-    meta is FlashMLA's scheduler metadata for this batch.
+    tensors plans anew). block_table [B, P] and seqlens [B] are views of the op's buffers
+    ([chunks, P / chunks] and [chunks] where chunks > 0); meta is FlashMLA's scheduler metadata
+    for this batch.
     """
 
     bs: int
@@ -325,6 +440,7 @@ class ComposedPlan:
     block_table: torch.Tensor
     seqlens: torch.Tensor
     meta: Any
+    chunks: int = 0  # > 0: one request, FlashMLA's prefix as this many chunk requests
 
 
 class ComposedVerify:
@@ -334,7 +450,9 @@ class ComposedVerify:
     for the longest kv_indices buffer before any graph capture, ``plan`` grows it otherwise),
     seqlens [max_bs] int32, and for ragged draft counts a padded query buffer
     [max_bs, D_max, H, 576] bf16, made on first need (SGLang's verify batches are never ragged).
-    Grown with ``torch.empty``: every entry FlashMLA reads is written by each plan.
+    A batch of one request takes the chunked layout where ``self.chunks`` > 0: its own table
+    [chunks, P / chunks] and lengths [chunks]. Grown with ``torch.empty``: every entry FlashMLA
+    reads is written by each plan.
     """
 
     def __init__(self, flash: Any, num_heads: int, max_draft: int, max_bs: int,
@@ -345,6 +463,11 @@ class ComposedVerify:
         self.device = device
         self.seqlens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(max_bs, 1, dtype=torch.int32, device=device)
+        self.chunks = self.config.chunks
+        if self.chunks is None:
+            self.chunks = flash_sm_parts(device, num_heads * max_draft)
+        self.chunk_seqlens = torch.zeros(max(self.chunks, 1), dtype=torch.int32, device=device)
+        self.chunk_table = torch.zeros(max(self.chunks, 1), 1, dtype=torch.int32, device=device)
         self.q_pad: Optional[torch.Tensor] = None
         self.hoisted_meta = True  # False once get_mla_decoding_metadata failed: lazy fill
         self.side: Optional[torch.cuda.Stream] = None
@@ -362,15 +485,27 @@ class ComposedVerify:
                                            dtype=torch.int32, device=self.device)
         if bs > self.seqlens.shape[0]:
             self.seqlens = torch.empty(bs, dtype=torch.int32, device=self.device)
+        width = triton.cdiv(pages, self.chunks) if self.chunks else 0
+        if width > self.chunk_table.shape[1]:
+            self.chunk_table = torch.empty(self.chunk_table.shape[0],
+                                           max(width, 2 * self.chunk_table.shape[1]),
+                                           dtype=torch.int32, device=self.device)
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
              kv_indices: torch.Tensor) -> ComposedPlan:
         """Block table, lengths and FlashMLA's scheduler metadata for this batch (no host sync)."""
         bs = qo_indptr.shape[0] - 1
         self.reserve(bs, kv_indices.numel())
-        table, seqlens = self.block_table[:bs], self.seqlens[:bs]
-        _block_table_kernel[(bs, 4)](kv_indptr, kv_indices, table, seqlens, table.stride(0),
-                                     PAGE_SIZE=PAGE, BLOCK=256, NPROG=4, num_warps=1)
+        chunks = self.chunks if bs == 1 else 0
+        if chunks:
+            table, seqlens = self.chunk_table, self.chunk_seqlens
+            _chunk_table_kernel[(chunks,)](kv_indptr, kv_indices, table, seqlens,
+                                           table.stride(0), CHUNKS=chunks, PAGE_SIZE=PAGE,
+                                           BLOCK=64, num_warps=1)
+        else:
+            table, seqlens = self.block_table[:bs], self.seqlens[:bs]
+            _block_table_kernel[(bs, 4)](kv_indptr, kv_indices, table, seqlens, table.stride(0),
+                                         PAGE_SIZE=PAGE, BLOCK=256, NPROG=4, num_warps=1)
         meta, _ = self.flash.get_mla_metadata()
         if self.hoisted_meta:
             try:
@@ -383,7 +518,7 @@ class ComposedVerify:
                 meta, _ = self.flash.get_mla_metadata()
                 log.warning("moeplace: FlashMLA metadata not hoisted (%s); its first call per "
                             "batch builds it", str(exc).splitlines()[0][:200])
-        return ComposedPlan(bs, kv_indptr, kv_indices, table, seqlens, meta)
+        return ComposedPlan(bs, kv_indptr, kv_indices, table, seqlens, meta, chunks)
 
     def forward(self, plan: ComposedPlan, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr,
                 mask, mask_mode, mask_indptr, out, lse, sm_scale) -> None:
@@ -400,10 +535,13 @@ class ComposedVerify:
             _pad_queries_kernel[(bs, self.max_draft)](
                 q, q4, qo_indptr, H, q.stride(0), q.stride(1), D_MAX=self.max_draft, C=KV_DIM,
                 BLOCK_C=1024, num_warps=4)
+        if plan.chunks:  # every chunk request reads the one request's queries (stride 0)
+            q4 = q4.expand(plan.chunks, *q4.shape[1:])
         pages = kv_pool.shape[0] // PAGE
         k_cache = kv_pool[:pages * PAGE].unflatten(0, (pages, PAGE))  # [pages, 64, 1, 576]
         tree_args = (q, k_ext, v_ext, mask, mask_mode, mask_indptr, qo_indptr, kv_indptr)
         uniform = T == bs * self.max_draft
+        merge = dict(uniform=uniform, chunks=plan.chunks)
         if self.side is not None:
             main = torch.cuda.current_stream(q.device)
             self.side.wait_stream(main)
@@ -417,8 +555,7 @@ class ComposedVerify:
         if self.side is not None:
             main.wait_stream(self.side)
             tree_merge(*tree_args, o_pre, lse_pre, out, lse, sm_scale, self.max_draft,
-                       self.config, uniform=uniform, phase=2, o_tree=self.o_tree,
-                       l_tree=self.l_tree)
+                       self.config, phase=2, o_tree=self.o_tree, l_tree=self.l_tree, **merge)
             return
         tree_merge(*tree_args, o_pre, lse_pre, out, lse, sm_scale, self.max_draft, self.config,
-                   uniform=uniform)
+                   **merge)

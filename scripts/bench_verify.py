@@ -383,15 +383,17 @@ SM90_SWEEP = [Sm90Config(min_tiles=2, pdl=True), Sm90Config(min_tiles=1, pdl=Tru
               Sm90Config(evict_first=False)]
 
 
-COMPOSED_SWEEP = [MergeConfig(uniform=False), MergeConfig(pdl=True),
-                  MergeConfig(pdl=True, uniform=False), MergeConfig(dv_split=2),
-                  MergeConfig(side_stream=True), MergeConfig(dv_split=2), MergeConfig(dv_split=8),
-                  MergeConfig(num_warps=2), MergeConfig(num_warps=8)]
+COMPOSED_SWEEP = [MergeConfig(chunks=0), MergeConfig(chunk_num_warps=4),
+                  MergeConfig(chunk_dv_split=32, chunk_block=4, chunk_num_warps=4),
+                  MergeConfig(chunk_block=4), MergeConfig(chunk_dv_split=32),
+                  MergeConfig(pdl=True), MergeConfig(side_stream=True)]
 
 
 def merge_tag(cfg: MergeConfig) -> str:
+    chunks = "auto" if cfg.chunks is None else cfg.chunks
     return (f"dv{cfg.dv_split} w{cfg.num_warps} pdl{int(cfg.pdl)} u{int(cfg.uniform)}"
-            + (" side" if cfg.side_stream else ""))
+            + (" side" if cfg.side_stream else "")
+            + f" ch{chunks} cdv{cfg.chunk_dv_split} cb{cfg.chunk_block} cw{cfg.chunk_num_warps}")
 
 
 def sm90_tag(cfg: Sm90Config) -> str:
@@ -447,11 +449,14 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
 
 def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
     """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
-    from moeplace_kernels.mla_verify_composed import PAGE, _block_table_kernel, tree_merge
+    from moeplace_kernels.mla_verify_composed import (PAGE, _block_table_kernel,
+                                                      _chunk_table_kernel, tree_merge)
 
     cv = op.composed
     bs, D, H = p["bs"], p["D"], p["H"]
     q4 = p["q"].view(bs, D, H, 576)
+    if plan.chunks:
+        q4 = q4.expand(plan.chunks, D, H, 576)
     pages = p["pool"].shape[0] // PAGE
     k_cache = p["pool"][:pages * PAGE].unflatten(0, (pages, PAGE))
 
@@ -465,9 +470,15 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
     def merge():
         tree_merge(p["q"], p["k_ext"], p["v_ext"], p["mask_qlen"], 1, None, p["qo_indptr"],
                    p["kv_indptr"], o_pre, lse_pre, out, None, op.sm_scale, D, cv.config,
-                   uniform=True)
+                   uniform=True, chunks=plan.chunks)
 
     def table():
+        if plan.chunks:
+            _chunk_table_kernel[(plan.chunks,)](
+                p["kv_indptr"], p["kv_indices"], plan.block_table, plan.seqlens,
+                plan.block_table.stride(0), CHUNKS=plan.chunks, PAGE_SIZE=PAGE, BLOCK=64,
+                num_warps=1)
+            return
         _block_table_kernel[(bs, 4)](p["kv_indptr"], p["kv_indices"], plan.block_table,
                                      plan.seqlens, plan.block_table.stride(0), PAGE_SIZE=PAGE,
                                      BLOCK=256, NPROG=4, num_warps=1)

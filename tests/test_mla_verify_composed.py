@@ -44,11 +44,12 @@ INTERP_CASES = {
 _SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {tests!r})
-    from test_mla_verify_composed import INTERP_CASES, fake_flash_prefix, paged_ids
+    from test_mla_verify_composed import (INTERP_CASES, CHUNK_CASES, fake_flash_chunks,
+                                          fake_flash_prefix, paged_ids)
     from test_mla_verify import make_case
     from moeplace_kernels.mla_verify_api import _MASK_MODES
     from moeplace_kernels.mla_verify_composed import (
-        tree_merge, _block_table_kernel, _pad_queries_kernel)
+        tree_merge, _block_table_kernel, _chunk_table_kernel, _pad_queries_kernel)
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
     res = {{}}
     scale = 576 ** -0.5
@@ -85,6 +86,50 @@ _SCRIPT = textwrap.dedent("""
                 nan=bool(out.isnan().any() or lse.isnan().any()),
                 err=((out.float() - ref).norm() / ref.norm()).item(),
                 lse_err=(lse - ref_lse).abs().max().item())
+    # One request's prefix as FlashMLA chunk requests, merged by the kernel (with the tree).
+    for i, (cid, (d, ctx, chunks)) in enumerate(CHUNK_CASES.items()):
+        case = make_case(1, [d], 2, [ctx], tree="random", layout="qlen_only", device="cpu",
+                         seed=50 + i)
+        o_pre, l_pre = fake_flash_chunks(case, d, scale, chunks)
+        ref, ref_lse = mla_verify_ref(**case, sm_scale=scale, d_max=d)
+        args = (case["q"], case["k_ext"], case["v_ext"], case["mask"], _MASK_MODES["qlen_only"],
+                case["mask_indptr"], case["qo_indptr"], case["kv_indptr"])
+        for suffix, split in (("", False), ("-split", True)):
+            out = torch.full((d, 2, 512), float("nan"), dtype=torch.bfloat16)
+            lse = torch.full((d, 2), float("nan"))
+            if split:
+                o_tree = torch.full((d, 2, 512), float("nan"))
+                l_tree = torch.full((d, 2), float("nan"))
+                tree_merge(*args, None, None, None, None, scale, d, upcast=True, uniform=True,
+                           phase=1, o_tree=o_tree, l_tree=l_tree)
+                tree_merge(*args, o_pre, l_pre, out, lse, scale, d, upcast=True, uniform=True,
+                           phase=2, o_tree=o_tree, l_tree=l_tree, chunks=chunks)
+            else:
+                tree_merge(*args, o_pre, l_pre, out, lse, scale, d, upcast=True, uniform=True,
+                           chunks=chunks)
+            res["chunks-" + cid + suffix] = dict(
+                nan=bool(out.isnan().any() or lse.isnan().any()),
+                err=((out.float() - ref).norm() / ref.norm()).item(),
+                lse_err=(lse - ref_lse).abs().max().item())
+    # Chunk table: each chunk a run of whole pages, together the request's pages in order.
+    g = torch.Generator().manual_seed(1)
+    for ctx, chunks in ((0, 4), (1, 4), (64, 4), (65, 4), (300, 4), (300, 66), (4000, 7)):
+        ids, (pages,) = paged_ids([ctx], 80, g)
+        kvp = torch.tensor([0, ctx], dtype=torch.int32)
+        width = max(1, -(-len(pages) // chunks))
+        table = torch.full((chunks, width + 2), -1, dtype=torch.int32)
+        seqlens = torch.full((chunks,), -1, dtype=torch.int32)
+        _chunk_table_kernel[(chunks,)](kvp, ids, table, seqlens, table.stride(0), CHUNKS=chunks,
+                                       PAGE_SIZE=64, BLOCK=4)
+        got, ok = [], int(seqlens.sum()) == ctx
+        for c in range(chunks):
+            n_c = int(seqlens[c])
+            ok &= 0 <= n_c <= width * 64 and bool((table[c, width:] == -1).all())
+            ok &= int(table[c, 0]) >= 0  # FlashMLA reads a first block even of an empty chunk
+            got += table[c, :(n_c + 63) // 64].tolist()
+            if n_c and c + 1 < chunks and int(seqlens[c + 1]):
+                ok &= n_c % 64 == 0  # only the last live chunk ends inside a page
+        res[f"chunk_table-{{ctx}}-{{chunks}}"] = dict(ok=bool(ok and got == pages))
     # Block table: shuffled pages, lengths 0, 1, 64, 65, 300; wider table than needed.
     g = torch.Generator().manual_seed(0)
     ctx = [0, 1, 64, 65, 300]
@@ -135,6 +180,29 @@ def fake_flash_prefix(case, d_max: int, scale: float):
     return out.to(torch.bfloat16), lse.permute(0, 2, 1)
 
 
+# id: (drafts, prefix tokens, chunks): one request, its prefix as FlashMLA chunk requests
+CHUNK_CASES = {"empty": (9, 0, 4), "one-token": (9, 1, 4), "one-page-66": (9, 64, 66),
+               "ragged-end": (5, 700, 3), "more-chunks-than-pages": (16, 130, 8),
+               "many": (9, 2000, 10), "many-steps": (9, 4000, 30)}
+
+
+def fake_flash_chunks(case, d: int, scale: float, chunks: int):
+    """``fake_flash_prefix`` of one request whose prefix FlashMLA ran as ``chunks`` requests of
+    ``_chunk_span`` tokens each: out [chunks, d, H, 512], lse [chunks, H, d] (+inf for an empty
+    chunk, FlashMLA's value; NaN in its out, which the merge must not read)."""
+    n = int(case["kv_indptr"][1])
+    span = max(-(-(-(-n // 64)) // chunks), 1) * 64
+    outs, lses = [], []
+    for c in range(chunks):
+        lo, hi = min(c * span, n), min((c + 1) * span, n)
+        sub = dict(case, kv_indices=case["kv_indices"][lo:hi],
+                   kv_indptr=torch.tensor([0, hi - lo], dtype=torch.int32))
+        o, l = fake_flash_prefix(sub, d, scale)
+        outs.append(o)
+        lses.append(l.permute(0, 2, 1))
+    return torch.cat(outs), torch.cat(lses).permute(0, 2, 1)
+
+
 def paged_ids(ctx: list[int], total_pages: int, gen: torch.Generator):
     """Slot ids of requests laid out in shuffled 64-token pages: (ids int64, pages per request)."""
     perm = torch.randperm(total_pages, generator=gen).tolist()
@@ -168,6 +236,21 @@ def test_tree_merge_kernel_in_interpreter(interp_results, cid):
     assert not r["nan"], "NaN in output: a row FlashMLA left unwritten or empty was read"
     assert r["err"] < 1e-2, r
     assert r["lse_err"] < 2e-2, r
+
+
+@pytest.mark.parametrize("cid", [f"chunks-{c}{s}" for c in CHUNK_CASES for s in ("", "-split")])
+def test_chunked_prefix_merge_in_interpreter(interp_results, cid):
+    """One request's prefix as FlashMLA chunk requests, merged with the tree in one launch and
+    after a separate tree part; empty chunks (lse +inf, out NaN) are never read."""
+    r = interp_results[cid]
+    assert not r["nan"], "NaN in output: an empty chunk's row was read"
+    assert r["err"] < 1e-2, r
+    assert r["lse_err"] < 2e-2, r
+
+
+@pytest.mark.parametrize("key", ["0-4", "1-4", "64-4", "65-4", "300-4", "300-66", "4000-7"])
+def test_chunk_table_kernel_in_interpreter(interp_results, key):
+    assert interp_results["chunk_table-" + key]["ok"]
 
 
 def test_block_table_kernel_in_interpreter(interp_results):
@@ -400,14 +483,39 @@ def test_composed_merge_configs(cfg, d_list):
                    op=op)
 
 
+ONE_REQUEST_CONFIGS = [dict(), dict(chunks=0), dict(chunks=7), dict(pdl=True),
+                       dict(side_stream=True), dict(chunk_dv_split=4, chunk_block=16),
+                       dict(chunk_dv_split=32, chunk_block=4, chunk_num_warps=4),
+                       dict(chunk_block=4), dict(chunk_dv_split=32)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [dict(), dict(pdl=True), dict(side_stream=True)], ids=str)
-def test_composed_cuda_graph_replay_with_new_lengths(merge):
-    """Plan and forward captured once; replays with other lengths in the same buffers."""
+@pytest.mark.parametrize("cfg", ONE_REQUEST_CONFIGS, ids=str)
+@pytest.mark.parametrize("ctx", [0, 1, 65, 9000, 185000])
+def test_composed_one_request_chunked_or_not(cfg, ctx):
+    """A batch of one request: its prefix as FlashMLA chunk requests (the default: one per SM
+    part), as 7, or as one; every merge setting the benchmark sweeps for it."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
 
-    bs, D, H, cap = 4, 9, 8, 70016
+    op = MlaVerify(8, 9, 1, backend="composed", page_size=64,
+                   merge_config=mla_verify_composed.MergeConfig(**cfg))
+    want = op.composed.chunks if cfg.get("chunks") is None else cfg["chunks"]
+    assert op.plan(*(torch.zeros(2, dtype=torch.int32, device="cuda"),) * 2,
+                   torch.zeros(64, dtype=torch.long, device="cuda")).chunks == want
+    check_composed(paged_case([9], 8, [ctx], seed=ctx + 5), 9, op=op)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("merge", [dict(), dict(pdl=True), dict(side_stream=True)], ids=str)
+@pytest.mark.parametrize("bs", [1, 4])
+def test_composed_cuda_graph_replay_with_new_lengths(merge, bs):
+    """Plan and forward captured once; replays with other lengths in the same buffers (one
+    request: the chunked layout)."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    D, H, cap = 9, 8, 70016
     op = MlaVerify(H, D, bs, backend="composed", page_size=64,
                    merge_config=mla_verify_composed.MergeConfig(**merge))
 
@@ -419,7 +527,9 @@ def test_composed_cuda_graph_replay_with_new_lengths(merge):
                        mask=static["mask"], mask_layout="qlen_only",
                        mask_indptr=static["mask_indptr"], out=out, plan=plan)
 
+    lengths = [[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 0, 65536, 64], [0], [130]]
+    lengths = [ctx[:bs] for ctx in lengths if len(ctx) >= bs]
     cases = ((ctx, paged_case([D] * bs, H, ctx, seed=seed + 10))
-             for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 0, 65536, 64]]))
-    check_graph_replay(forward, paged_case([D] * bs, H, [64, 4096, 1, 300], seed=1), cases,
+             for seed, ctx in enumerate(lengths))
+    check_graph_replay(forward, paged_case([D] * bs, H, [64, 4096, 1, 300][:bs], seed=1), cases,
                        pool_rows=(bs * cap // 64 + 8) * 64, index_rows=bs * cap, sm_scale=op.sm_scale)
