@@ -103,6 +103,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.answers: list[dict] = []
         self.greedy: list[dict] = []   # the answers to the requests every server gets
+        self.solo: list[dict] = []     # the chain pair's answers to requests sent one at a time
         self.overlap = "--disable-overlap-schedule" not in argv
         self.page_size = int(argv[argv.index("--page-size") + 1]) if "--page-size" in argv else 1
         self.exit_s: float | None = None
@@ -420,6 +421,17 @@ def check_verify(pairs: list[tuple[str, Server, Server]], timings: dict, agree: 
                             "not the composed path")
         if share < 0.99:
             problems.append(f"{label}: {share:.1%} of greedy tokens equal (under 99%)")
+        if base.solo:   # batches of one request: the composed path runs FlashMLA over chunk requests
+            solo_share, solo_first = equal_token_share(base.solo, ours.solo)
+            chunks = re.search(r"one-request batches as (\d+) FlashMLA chunk requests", ours.log())
+            fig["one_request"] = {"equal_token_share": round(solo_share, 4),
+                                  "first_difference_per_request": solo_first,
+                                  "chunk_requests": int(chunks.group(1)) if chunks else None}
+            if ours.page_size % 64 == 0 and not chunks:
+                problems.append(f"{label}: the server never said one-request batches run as chunk requests")
+            if solo_share < 0.99:
+                problems.append(f"{label}: one request at a time, {solo_share:.1%} of greedy tokens equal "
+                                "(under 99%)")
         if "speedup_vs_triton" not in fig:
             problems.append(f"{label}: no in-server attention time ({t_base.get('error') or t_ours.get('error')})")
     close = max(agree["moeplace_vs_fp32"], agree["composed_vs_fp32"]) <= 1.5 * agree["sglang_triton_vs_fp32"] + 1e-3
@@ -611,6 +623,9 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
         with ThreadPoolExecutor(4) as pool:   # the same 8 requests at once on each server
             for s, answers in zip(serving, pool.map(lambda s: s.generate_all(greedy_prompts, [128] * 8), serving)):
                 s.greedy = answers
+        solo_prompts = prompts(rng, 2, 64, 256)
+        for s in (s_chain, s_chain_k):   # one request at a time: verify batches of one request
+            s.solo = [s.generate(p, 128) for p in solo_prompts]
         print("greedy requests done", flush=True)
 
         # capture: SGLang's recorder over a window of traffic on the launched server

@@ -137,8 +137,11 @@ class VerifyState:
             op.reserve_kv(graph_kv.numel())
         if not VerifyState.announced:   # one line per process: the kernel is on, and which build serves
             VerifyState.announced = True
+            chunks = op.composed.chunks if op.composed is not None else 0
             print(f"moeplace verify kernel on: {op.backend} backend, {op.num_heads} heads x {self.max_draft} "
-                  f"drafts, batches up to {self.max_bs}", file=sys.stderr, flush=True)
+                  f"drafts, batches up to {self.max_bs}"
+                  + (f"; one-request batches as {chunks} FlashMLA chunk requests" if chunks else ""),
+                  file=sys.stderr, flush=True)
 
     def _op(self, num_heads: int) -> Any:
         op = self.ops.get(num_heads)
