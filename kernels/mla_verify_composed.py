@@ -32,6 +32,12 @@ a request's token t then sits in slot page(t) * 64 + t % 64, so the block table 
 Per batch: the block-table kernel and FlashMLA's metadata kernel. Per layer: FlashMLA's decode
 (its split kernel and its combine kernel) and ``_tree_merge_kernel``; ragged draft counts add a
 query gather (``_pad_queries_kernel``), since FlashMLA wants the same s_q for every request.
+
+A batch of one request instead gives FlashMLA its prefix as C chunk requests (C = FlashMLA's SM
+parts; ``_chunk_table_kernel`` per batch, the queries expanded over them with stride 0): FlashMLA
+then splits none and its combine returns at once, and ``_tree_merge_kernel`` merges the chunks'
+(out, lse) with the tree part, every chunk's loads in flight, where FlashMLA's combine would walk
+its 66 splits of one request one dependent load after another.
 """
 
 from __future__ import annotations
