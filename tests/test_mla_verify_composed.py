@@ -507,6 +507,20 @@ def test_composed_one_request_chunked_or_not(cfg, ctx):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("heads,drafts", [(16, 9), (16, 16), (8, 1), (8, 16)])
+@pytest.mark.parametrize("ctx", [5000, 70000])
+def test_composed_one_request_other_shapes(heads, drafts, ctx):
+    """The chunked layout where FlashMLA has fewer SM parts (16 heads x 16 drafts: 4 row blocks,
+    33 parts) or one draft, and a request with fewer drafts than the op's maximum (query gather)."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    op = MlaVerify(heads, 16, 1, backend="composed", page_size=64)
+    assert op.composed.chunks == mla_verify_composed.flash_sm_parts(op.device, heads * 16)
+    check_composed(paged_case([drafts], heads, [ctx], seed=heads + drafts), 16, op=op)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("merge", [dict(), dict(pdl=True), dict(side_stream=True)], ids=str)
 @pytest.mark.parametrize("bs", [1, 4])
 def test_composed_cuda_graph_replay_with_new_lengths(merge, bs):
