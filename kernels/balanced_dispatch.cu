@@ -134,6 +134,11 @@ __host__ __device__ inline SmemLayout smem_layout(int experts, int ranks, int en
   return s;
 }
 
+// A rank's greedy key: (load, tok, rank) compared as one unsigned.
+__device__ __forceinline__ unsigned rank_key_of(int load, int tok, int rank) {
+  return (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | static_cast<unsigned>(rank);
+}
+
 __device__ __forceinline__ int known_id(long long id, int experts) {
   return id >= 0 && id < experts ? static_cast<int>(id) : -1;
 }
@@ -428,8 +433,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
 
   if (warp == 0) {
     // 4. greedy, in expert id order: the candidate rank with the smallest (load, tok, rank)
-    unsigned state = (static_cast<unsigned>(single_load[lane]) << kLoadShift) |
-                     (static_cast<unsigned>(single_tok[lane]) << 5) | lane;
+    unsigned state = rank_key_of(single_load[lane], single_tok[lane], lane);
     // The next expert's mask and count are read while this one's reduction runs (one entry past the
     // list is still inside the shared memory: the next array follows).
     unsigned m = list_m[0], c = static_cast<unsigned>(list_c[0]);
@@ -495,8 +499,8 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       rank_load[lane] = load;
       rank_tok[lane] = tok;
     }
-    rank_key[lane] = (static_cast<unsigned>(load) << kLoadShift) | (static_cast<unsigned>(tok) << 5) | lane;
     if constexpr (!kCost) {
+      rank_key[lane] = rank_key_of(load, tok, lane);
 #pragma unroll 1
       for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
     }
@@ -521,8 +525,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
         if (r >= 32 && (split_nz[r - 32] & (split_nz[r - 32] - 1)) == 0) r = __ffs(split_nz[r - 32]) - 1;
         cnt[list_e[i]] = r;
       }
-      rank_key[lane] = (static_cast<unsigned>(rank_load[lane]) << kLoadShift) |
-                       (static_cast<unsigned>(rank_tok[lane]) << 5) | lane;
+      rank_key[lane] = rank_key_of(rank_load[lane], rank_tok[lane], lane);
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");

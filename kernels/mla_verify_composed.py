@@ -185,13 +185,13 @@ def _chunk_values(O_pre, L_pre, c0, h, offs_i, offs_v, rows_ok, n, span, base, s
 @triton.jit
 def _prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok, n, stride_pb, stride_ps, stride_ph,
             stride_lb, stride_lh, stride_ls, CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr,
-            CB: tl.constexpr):
+            CB: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """The prefix part's (lse in log2 units, out) of the rows: FlashMLA's row, or its chunks'
     merge; -inf and 0 where the request has no prefix (FlashMLA: lse +inf, out 0 there)."""
     if CHUNKS > 0:
         lse_p, o_p = _load_prefix_chunks(O_pre, L_pre, h, offs_i, offs_v, rows_ok, n, stride_pb,
                                          stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
-                                         CHUNKS, CHUNKS_P2, CB, 64)
+                                         CHUNKS, CHUNKS_P2, CB, PAGE_SIZE)
     else:
         lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok & (n > 0),
                                   stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
@@ -242,7 +242,7 @@ def _tree_merge_kernel(
     D_MAX: tl.constexpr, BLOCK_D: tl.constexpr, DVB: tl.constexpr, MASK_MODE: tl.constexpr,
     HAS_MASK_INDPTR: tl.constexpr, HAS_LSE: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, UNIFORM: tl.constexpr, PHASE: tl.constexpr,
-    CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, CB: tl.constexpr,
+    CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, CB: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     """Tree part of (request b, head h, value slice) merged with the prefix part.
 
@@ -279,7 +279,7 @@ def _tree_merge_kernel(
     if PHASE != 1 and not PDL:
         lse_p, o_p = _prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok, n, stride_pb,
                              stride_ps, stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS,
-                             CHUNKS_P2, CB)
+                             CHUNKS_P2, CB, PAGE_SIZE)
     if PHASE == 2:
         lse_t = tl.load(L_tree + tree_row, mask=rows_ok, other=float("-inf"))
         acc = tl.load(O_tree + tree_row[:, None] * DN + offs_v[None, :], mask=rows_ok[:, None],
@@ -304,7 +304,7 @@ def _tree_merge_kernel(
             tl.extra.cuda.gdc_wait()
             lse_p, o_p = _prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok, n, stride_pb,
                                  stride_ps, stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS,
-                                 CHUNKS_P2, CB)
+                                 CHUNKS_P2, CB, PAGE_SIZE)
         big = tl.maximum(lse_p, m_t)
         w_p = tl.math.exp2(lse_p - big)
         w_t = tl.math.exp2(m_t - big)
@@ -363,7 +363,7 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
         MASK_MODE=mask_mode, HAS_MASK_INDPTR=mask_indptr is not None,
         HAS_LSE=lse is not None and phase != 1, DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast,
         PDL=pdl, UNIFORM=uniform and cfg.uniform, PHASE=phase, CHUNKS=chunks,
-        CHUNKS_P2=triton.next_power_of_2(max(chunks, 1)), CB=cfg.chunk_block,
+        CHUNKS_P2=triton.next_power_of_2(max(chunks, 1)), CB=cfg.chunk_block, PAGE_SIZE=PAGE,
         num_warps=cfg.chunk_num_warps if chunks else cfg.num_warps, **launch)
 
 
@@ -497,12 +497,10 @@ class ComposedVerify:
                                            max(width, 2 * self.chunk_table.shape[1]),
                                            dtype=torch.int32, device=self.device)
 
-    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-             kv_indices: torch.Tensor) -> ComposedPlan:
-        """Block table, lengths and FlashMLA's scheduler metadata for this batch (no host sync)."""
-        bs = qo_indptr.shape[0] - 1
-        self.reserve(bs, kv_indices.numel())
-        chunks = self.chunks if bs == 1 else 0
+    def write_table(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, bs: int,
+                    chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the batch's block table and lengths as FlashMLA reads them (the chunk requests'
+        where ``chunks`` > 0) and return them; ``reserve`` must have sized the buffers."""
         if chunks:
             table, seqlens = self.chunk_table, self.chunk_seqlens
             _chunk_table_kernel[(chunks,)](kv_indptr, kv_indices, table, seqlens,
@@ -512,6 +510,15 @@ class ComposedVerify:
             table, seqlens = self.block_table[:bs], self.seqlens[:bs]
             _block_table_kernel[(bs, 4)](kv_indptr, kv_indices, table, seqlens, table.stride(0),
                                          PAGE_SIZE=PAGE, BLOCK=256, NPROG=4, num_warps=1)
+        return table, seqlens
+
+    def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+             kv_indices: torch.Tensor) -> ComposedPlan:
+        """Block table, lengths and FlashMLA's scheduler metadata for this batch (no host sync)."""
+        bs = qo_indptr.shape[0] - 1
+        self.reserve(bs, kv_indices.numel())
+        chunks = self.chunks if bs == 1 else 0
+        table, seqlens = self.write_table(kv_indptr, kv_indices, bs, chunks)
         meta, _ = self.flash.get_mla_metadata()
         if self.hoisted_meta:
             try:

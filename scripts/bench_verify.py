@@ -449,8 +449,7 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
 
 def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
     """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
-    from moeplace_kernels.mla_verify_composed import (PAGE, _block_table_kernel,
-                                                      _chunk_table_kernel, tree_merge)
+    from moeplace_kernels.mla_verify_composed import PAGE, tree_merge
 
     cv = op.composed
     bs, D, H = p["bs"], p["D"], p["H"]
@@ -473,15 +472,7 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
                    uniform=True, chunks=plan.chunks)
 
     def table():
-        if plan.chunks:
-            _chunk_table_kernel[(plan.chunks,)](
-                p["kv_indptr"], p["kv_indices"], plan.block_table, plan.seqlens,
-                plan.block_table.stride(0), CHUNKS=plan.chunks, PAGE_SIZE=PAGE, BLOCK=64,
-                num_warps=1)
-            return
-        _block_table_kernel[(bs, 4)](p["kv_indptr"], p["kv_indices"], plan.block_table,
-                                     plan.seqlens, plan.block_table.stride(0), PAGE_SIZE=PAGE,
-                                     BLOCK=256, NPROG=4, num_warps=1)
+        cv.write_table(p["kv_indptr"], p["kv_indices"], bs, plan.chunks)
 
     def metadata():
         cv.flash.get_mla_decoding_metadata(plan.seqlens, D * H, 1, H, False, None,
