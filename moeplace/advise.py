@@ -20,7 +20,8 @@ import numpy as np
 
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
-from moeplace.metrics import layer_distinct_total, layer_rank_loads, token_slots
+from moeplace.balanced import step_expert_counts
+from moeplace.metrics import layer_distinct_total, layer_rank_loads, max_step_tokens, token_slots
 from moeplace.model import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
@@ -56,7 +57,11 @@ def work_key(counts: np.ndarray) -> tuple[int, ...]:
 
 def ep_layer_cost(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel,
                   dispatch: str = "dynamic") -> np.ndarray:
-    """[S] µs of one layer under EP: the slowest rank's predicted cost."""
+    """[S] µs of one layer under EP: the slowest rank's predicted cost (with the row blocks of experts
+    that get more pairs than a block holds, where the model has that term and the steps are that large)."""
+    if cost.needs_blocks(max_step_tokens(steps)):
+        work = rank_work(slot_token_counts(steps, layer, phy2log, ranks, dispatch, cost), ranks)
+        return cost.cost((work > 0).sum(axis=2), work.sum(axis=2), cost.extra_blocks(work)).max(axis=1)
     distinct, tokens = layer_rank_loads(steps, layer, phy2log, ranks, dispatch, cost_model=cost)
     return cost.cost(distinct, tokens).max(axis=1)
 
@@ -66,7 +71,8 @@ def tp_layer_cost(steps: RoutingSteps, layer: int, tp_cost: CostModel) -> np.nda
     distinct = layer_distinct_total(steps, layer)
     step_of_row, _, ids = steps.layer(layer)
     pairs = np.bincount(step_of_row, weights=(ids >= 0).sum(axis=1), minlength=steps.num_steps)
-    return tp_cost.cost(distinct, pairs)
+    extra = tp_cost.extra_blocks(step_expert_counts(steps, layer)) if tp_cost.needs_blocks(max_step_tokens(steps)) else 0
+    return tp_cost.cost(distinct, pairs, extra)
 
 
 def step_costs(steps: RoutingSteps, placements: dict[str, np.ndarray], ranks: int, ep_cost: CostModel,

@@ -42,7 +42,12 @@ for each expert slice of issue 22's layouts at each config it runs, measured at 
 smallest batch (``Measured.step_tokens``) with SGLang's layout; they feed the large-block terms but
 not the others (those stay the verify-step files'). A rank shape with a measured line for its
 (hidden, intermediate, weight format, config) uses it, the file of the nearest slot count, moved to
-the step's and the rank's grid (``measured_line``): spare slots change only the grid. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
+the step's and the rank's grid (``measured_line``): spare slots change only the grid. A config sweep also
+measured its c at the config's largest batch (576 tokens for 64-row blocks, as many tokens as slots for
+16-row ones) and ``r``, what each row block past an expert's first costs (``moeplace.costmodel``): c goes
+linearly in the step between its two measured steps, since at 64-row blocks it grows faster than the grid
+(SGLang's kernel writes zeros to the buffer rows of other ranks' pairs), and a line or derived model
+without its own r takes the measured files' median r / a for its block size. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
 the cost model") compares both with GPU replays. Not counted: the output rows SGLang zeroes for
 other ranks' pairs (a few µs a layer at verify batch).
 """
@@ -126,6 +131,7 @@ class Measured:
     sglang_layout: bool = False
     step_tokens: int = STEP_TOKENS      # the step its c was measured at (a config sweep: its config's smallest batch)
     fits_terms: bool = True             # whether the GPU's terms are fitted on it (not the config sweeps)
+    c_at_steps: tuple[tuple[int, float], ...] = ()   # (step tokens, c) where c was measured at several steps
 
     def __post_init__(self) -> None:
         if self.sglang_layout and self.top_k is None:
@@ -159,6 +165,14 @@ class Calibration:
     us_per_k_step: float                # large-block config: fixed pipeline time per K step
     b_us_per_token: float               # per pair, the grid's row blocks taken out
     files: tuple[Measured, ...]
+    row_block_share: dict[int, float] = None   # BLOCK_SIZE_M -> r / a of the files that measured r
+
+    def row_block_us(self, m_or_a: "Measured | float", block_m: int) -> float:
+        """r of a line: its file's own where it measured one, else ``row_block_share[block_m]`` of its a."""
+        if isinstance(m_or_a, Measured) and m_or_a.cost.r_us_per_block > 0:
+            return m_or_a.cost.r_us_per_block
+        a = m_or_a.cost.a_us_per_expert if isinstance(m_or_a, Measured) else m_or_a
+        return (self.row_block_share or {}).get(block_m, 0.0) * a
 
     def grid_us(self, shape: ExpertShape, config: tuple[int, int, int], row_blocks: float) -> float:
         """µs of ``row_blocks`` row blocks of both GEMMs' grids (launches only)."""
@@ -184,8 +198,9 @@ def packaged_measurements() -> list[Measured]:
         tokens = int(prov.get("step_tokens", STEP_TOKENS))
         config = (tuple(int(x) for x in prov["kernel_config"]) if "kernel_config" in prov
                   else sglang_default_config(tokens, slots, shape.weights))
+        at_steps = tuple(sorted((int(t), float(c)) for t, c in prov.get("c_us_at_step_tokens", {}).items()))
         out.append(Measured(path.name, cost, shape, slots, config, top_k, prov.get("align_layout") == "sglang",
-                            tokens, fits_terms="kernel_config" not in prov))
+                            tokens, fits_terms="kernel_config" not in prov, c_at_steps=at_steps))
     return out
 
 
@@ -224,8 +239,18 @@ def calibrate(files: list[Measured]) -> Calibration:
         gpu=files[0].cost.provenance["gpu"], us_per_byte=us_per_byte, launch_us=float(launch_us),
         us_per_program=float(us_per_program), extra_us={k: float(np.mean(v)) for k, v in extra.items()},
         us_per_weight={k: float(np.mean(v)) for k, v in per_weight.items()}, read_share=read_share,
-        us_per_k_step=per_k, b_us_per_token=0.0, files=tuple(every))
+        us_per_k_step=per_k, b_us_per_token=0.0, files=tuple(every), row_block_share=row_block_share(every))
     return replace(cal, b_us_per_token=float(median(cal.net_b(m) for m in files)))
+
+
+def row_block_share(files: list[Measured]) -> dict[int, float]:
+    """BLOCK_SIZE_M -> the median r / a of the files that measured a row-block term with that block size
+    (the config sweeps): the r of a line measured without one, or derived from bytes."""
+    shares: dict[int, list[float]] = {}
+    for m in files:
+        if m.cost.r_us_per_block > 0 and m.cost.a_us_per_expert > 0:
+            shares.setdefault(m.config[0], []).append(m.cost.r_us_per_block / m.cost.a_us_per_expert)
+    return {bm: float(median(v)) for bm, v in shares.items()}
 
 
 @lru_cache(maxsize=None)
@@ -262,17 +287,31 @@ def measured_line(cal: Calibration, m: Measured, top_k: int, step_tokens: int = 
     b: without the row blocks the file's layout added per pair). Slots change only the grid: a rank reads
     and computes only the experts a step activates."""
     rows = sglang_row_blocks(step_tokens * top_k, local_slots or m.local_slots, m.config[0])
+    if len(m.c_at_steps) >= 2:
+        # c measured at two step sizes or more (the config sweeps): linear in the step between them (and past
+        # them), which holds what the grid alone misses (SGLang's kernel writes zeros to every row of the
+        # buffer that is not the rank's: ~1 TB/s of row bytes, BENCHMARKS.md); slots still move the grid.
+        (t0, c0), (t1, c1) = m.c_at_steps[0], m.c_at_steps[-1]
+        own = c0 + (c1 - c0) * (step_tokens - t0) / (t1 - t0)
+        here = sglang_row_blocks(step_tokens * top_k, m.local_slots, m.config[0])
+        return m.cost.a_us_per_expert, cal.net_b(m), max(own + cal.grid_us(m.shape, m.config, rows - here), 0.0)
     c = m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks)
     return m.cost.a_us_per_expert, cal.net_b(m), c
 
 
-def measured_for(cal: Calibration, shape: ExpertShape, local_slots: int,
-                 config: tuple[int, int, int]) -> Measured | None:
-    """The measured file of this expert shape and kernel config, the one of the nearest slot count (the same
-    slots first); None where that shape never ran that config."""
+def measured_for(cal: Calibration, shape: ExpertShape, local_slots: int, config: tuple[int, int, int],
+                 step_tokens: int = STEP_TOKENS) -> Measured | None:
+    """The measured file of this expert shape and kernel config: one whose measured steps reach nearest to
+    ``step_tokens`` (a file measured at a 9-token step knows the latency-bound few experts of a verify step, a
+    config sweep's larger steps the rest), then the nearest slot count (the same slots first); None where that
+    shape never ran that config."""
     same = [m for m in cal.files if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.config) ==
             (shape.hidden, shape.intermediate, shape.weights, config)]
-    return min(same, key=lambda m: (abs(m.local_slots - local_slots), m.local_slots), default=None)
+
+    def step_gap(m: Measured) -> int:
+        steps = [t for t, _ in m.c_at_steps] or [m.step_tokens]
+        return max(min(steps) - step_tokens, step_tokens - max(steps), 0)
+    return min(same, key=lambda m: (step_gap(m), abs(m.local_slots - local_slots), m.local_slots), default=None)
 
 
 def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str = DEFAULT_GPU,
@@ -294,15 +333,18 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
     grid = f"SGLang's launch grid for {step_tokens} tokens x top-{top_k}"
     if config_tokens and config_tokens != step_tokens:
         grid += f", kernel config for {config_tokens}"
-    m = measured_for(cal, shape, local_slots, config)
+    m = measured_for(cal, shape, local_slots, config, step_tokens)
     if m is not None:
         a, b, c = measured_line(cal, m, top_k, step_tokens, local_slots)
         moved = "" if m.local_slots == local_slots else f", its grid moved from {m.local_slots} slots"
+        r = cal.row_block_us(m, config[0])
         return CostModel(round(a, 4), round(b, 4), round(c, 3),
                          {**m.cost.provenance, "derived_from": m.name, "top_k": top_k, "step_tokens": step_tokens,
                           "config_tokens": config_tokens or step_tokens, "kernel_config": list(config),
-                          "local_slots": local_slots},
-                         f"{where}: measured ({m.name}{moved}; {grid}, BLOCK_SIZE_M {config[0]})")
+                          "local_slots": local_slots, "row_block_term": "measured" if m.cost.r_us_per_block > 0
+                          else "the measured files' share of a"},
+                         f"{where}: measured ({m.name}{moved}; {grid}, BLOCK_SIZE_M {config[0]})",
+                         round(r, 4), config[0])
     a, b, c = formula_cost(cal, shape, local_slots, top_k, step_tokens, config_tokens)
     prov = {"derived_from": [m.name for m in cal.files], "gpu": gpu, "weights": shape.weights,
             "shape": {"hidden": shape.hidden, "expert_intermediate": shape.intermediate,
@@ -312,6 +354,7 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
                             "us_per_program": cal.us_per_program, "extra_us": cal.extra_us,
                             "us_per_weight": cal.us_per_weight, "read_share": cal.read_share,
                             "us_per_k_step": cal.us_per_k_step}}
+    prov["calibration"]["row_block_share"] = cal.row_block_share
     return CostModel(round(a, 4), round(b, 4), round(c, 3), prov,
                      f"{where}: derived from expert bytes ({len(cal.files)} measured files; {grid}, "
-                     f"BLOCK_SIZE_M {config[0]})")
+                     f"BLOCK_SIZE_M {config[0]})", round(cal.row_block_us(a, config[0]), 4), config[0])

@@ -1,7 +1,12 @@
-"""The MoE cost of one rank in one step: ``a * distinct_experts + b * tokens + c`` (microseconds).
+"""The MoE cost of one rank in one step: ``a * distinct_experts + r * extra_row_blocks + b * tokens + c``
+(microseconds).
 
 At low batch a rank's grouped-GEMM time is set by how many distinct experts' weights it reads,
-not by how many tokens it runs, so ``a`` dominates. The commands derive a, b, c for the model's
+not by how many tokens it runs, so ``a`` dominates. SGLang's fused MoE kernel runs an expert's pairs in
+row blocks of ``block_m`` (its kernel config's BLOCK_SIZE_M); an expert with more pairs than that runs
+one more block per ``block_m``, each a pass over its weights' tiles again: ``r`` per block beyond an
+expert's first (0.35-0.8 of ``a`` on the H200, BENCHMARKS.md). A step of at most ``block_m`` tokens has
+none (an expert gets at most one pair per token). The commands derive a, b, c for the model's
 experts (``moeplace.cost_derive``) or read them from a file (``--cost-model``). The defaults here
 are an early rough fit (H200, bf16 Kimi-K2-shaped experts: 41, 142, 274, 406, 539 µs for 1, 4, 8,
 12, 16 distinct experts; ``b`` assumed), kept for library callers that give no model.
@@ -32,10 +37,25 @@ class CostModel:
     provenance: dict[str, Any] = field(default_factory=lambda: {
         "source": "early rough fit (H200, bf16 Kimi-K2-shaped experts, 1-16 per rank; b assumed)"})
     source: str = field(default="", compare=False)   # what the user is told: a file, or how it was derived
+    r_us_per_block: float = 0.0     # each row block beyond an expert's first on the rank
+    block_m: int = 0                # the rows of a block (0: the model has no row-block term)
 
-    def cost(self, distinct: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """Cost in µs of each rank-step; distinct, tokens: same shape, e.g. [S, R]."""
-        return self.a_us_per_expert * distinct + self.b_us_per_token * tokens + self.c_us
+    def cost(self, distinct: np.ndarray, tokens: np.ndarray, extra_blocks: np.ndarray | int = 0) -> np.ndarray:
+        """Cost in µs of each rank-step; distinct, tokens, extra_blocks (``extra_row_blocks`` of the rank's
+        per-slot pairs; 0, exact for steps of at most ``block_m`` tokens): same shape, e.g. [S, R]."""
+        return (self.a_us_per_expert * distinct + self.r_us_per_block * extra_blocks
+                + self.b_us_per_token * tokens + self.c_us)
+
+    def needs_blocks(self, step_tokens: int) -> bool:
+        """Whether steps of ``step_tokens`` tokens can run experts of several row blocks under this model."""
+        return self.r_us_per_block > 0 and step_tokens > self.block_m
+
+    def extra_blocks(self, slot_pairs: np.ndarray) -> np.ndarray:
+        """[...] row blocks beyond each expert's first, summed over the last axis of ``slot_pairs [..., slots]``
+        (pairs per slot, or expected pairs); 0 for a model without the term."""
+        if self.r_us_per_block <= 0:
+            return np.zeros(np.shape(slot_pairs)[:-1])
+        return extra_row_blocks(slot_pairs, self.block_m)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -43,8 +63,17 @@ class CostModel:
     def describe(self) -> str:
         """One line for the user: where the model comes from and its coefficients."""
         what = self.source or self.provenance.get("source") or "given coefficients"
-        return (f"{what}; per rank and layer {self.a_us_per_expert:.2f} µs/expert + "
+        blocks = (f"{self.r_us_per_block:.2f} µs per row block of {self.block_m} beyond an expert's first + "
+                  if self.r_us_per_block > 0 else "")
+        return (f"{what}; per rank and layer {self.a_us_per_expert:.2f} µs/expert + {blocks}"
                 f"{self.b_us_per_token:.3f} µs/token + {self.c_us:.1f} µs")
+
+
+def extra_row_blocks(slot_pairs: np.ndarray, block_m: int) -> np.ndarray:
+    """[...] sum over the last axis of ``max(ceil(pairs / block_m) - 1, 0)``: the row blocks SGLang's fused
+    MoE kernel runs beyond each active expert's first."""
+    blocks = np.ceil(np.asarray(slot_pairs, np.float64) / block_m) - 1
+    return np.maximum(blocks, 0).sum(axis=-1)
 
 
 def load_cost_model(path: str | os.PathLike) -> CostModel:
@@ -60,8 +89,17 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
         values = {k: float(d[k]) for k in ("a_us_per_expert", "b_us_per_token", "c_us")}
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(path, f"cost model needs numeric a_us_per_expert, b_us_per_token, c_us ({e})") from None
+    try:
+        values["r_us_per_block"] = float(d.get("r_us_per_block", 0.0))
+        block_m = d.get("block_m", 0)
+        if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 0:
+            raise ValueError(f"block_m {block_m!r} is not a whole number of rows")
+    except (TypeError, ValueError) as e:
+        raise FormatError(path, f"cost model's row-block term needs numeric r_us_per_block and block_m ({e})") from None
     if not all(np.isfinite(v) and 0 <= v <= MAX_COEFFICIENT_US for v in values.values()):
         raise FormatError(path, f"cost model coefficients must be finite and non-negative, at most "
                                 f"{MAX_COEFFICIENT_US:g} µs (got {', '.join(f'{k} {v:g}' for k, v in values.items())})")
+    if values["r_us_per_block"] > 0 and block_m == 0:
+        raise FormatError(path, "cost model has r_us_per_block but no block_m (the rows of a block)")
     provenance = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
-    return CostModel(**values, provenance=provenance, source=f"file {os.fspath(path)}")
+    return CostModel(**values, block_m=block_m, provenance=provenance, source=f"file {os.fspath(path)}")

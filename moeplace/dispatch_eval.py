@@ -4,8 +4,9 @@ Dimension letters: S batches (steps), L MoE layers, E logical experts, P physica
 
 A batch of B tokens is the verify windows of several requests, drawn from the trace's own steps
 (``advise.resample_requests``). Each rule gives every rank its distinct experts and (token, expert)
-pairs per layer; a layer costs its slowest rank (``moeplace.costmodel``, derived for the rank's slots
-and the batch: SGLang's kernel config and launch grid follow B), a batch the sum over layers.
+pairs per layer, and the row blocks beyond an expert's first where a batch has more tokens than a block
+holds; a layer costs its slowest rank (``moeplace.costmodel``, derived for the rank's slots and the batch:
+SGLang's kernel config and launch grid follow B), a batch the sum over layers.
 
 Rules (``RULES``):
 
@@ -29,8 +30,8 @@ from moeplace.advise import resample_requests
 from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
 from moeplace.cost_dispatch import cost_rule, pairs_per_read
 from moeplace.costmodel import CostModel
-from moeplace.lplb import expected_loads, lp_problem
-from moeplace.metrics import layer_rank_loads, static_dispatch_table
+from moeplace.lplb import expected_loads, lp_problem, slot_probabilities
+from moeplace.metrics import layer_rank_loads, static_dispatch_table, token_slots
 from moeplace.trace.steps import RoutingSteps
 
 RULES = ("dynamic", "static", "lplb", "balanced", "cost")
@@ -80,8 +81,25 @@ def rule_loads(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int, ru
     return chosen.distinct, chosen.tokens
 
 
-def _static_loads(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """SGLang's static rule with request j of each batch on source rank j % R."""
+def rule_extra_blocks(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int, rule: str,
+                      cost: CostModel) -> np.ndarray:
+    """[S, R] row blocks beyond each expert's first on each rank under ``rule`` (``CostModel.extra_blocks``;
+    lplb: of its expected pairs per slot), for the row-block term of ``cost``."""
+    steps = batches.steps
+    S, P = steps.num_steps, phy2log.shape[0]
+    if rule == "lplb":
+        counts = step_expert_counts(steps, layer)
+        slot = slot_probabilities(lp_problem(phy2log, steps.model.num_experts, ranks), counts) * counts[:, phy2log]
+    elif rule == "static":
+        slot = _static_slot_pairs(batches, layer, phy2log, ranks)
+    else:
+        step, phys = token_slots(steps, layer, phy2log, ranks, rule, cost_model=cost)
+        slot = np.bincount(step * P + phys, minlength=S * P).reshape(S, P)
+    return cost.extra_blocks(slot.reshape(S, ranks, P // ranks))
+
+
+def _static_slot_pairs(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int) -> np.ndarray:
+    """[S, P] pairs per slot under SGLang's static rule with request j of each batch on source rank j % R."""
     steps = batches.steps
     S, P = steps.num_steps, phy2log.shape[0]
     table = static_dispatch_table(phy2log, steps.model.num_experts, ranks, 1)       # [R, E]
@@ -90,7 +108,12 @@ def _static_loads(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int)
     source = (batches.request % ranks)[:, None]
     phys = table[np.broadcast_to(source, ids.shape)[valid], ids[valid]]
     step = np.broadcast_to(step_of_row[:, None], ids.shape)[valid]
-    slot_tokens = np.bincount(step * P + phys, minlength=S * P).reshape(S, ranks, P // ranks)
+    return np.bincount(step * P + phys, minlength=S * P).reshape(S, P)
+
+
+def _static_loads(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """SGLang's static rule with request j of each batch on source rank j % R."""
+    slot_tokens = _static_slot_pairs(batches, layer, phy2log, ranks).reshape(batches.steps.num_steps, ranks, -1)
     return (slot_tokens > 0).sum(axis=2), slot_tokens.sum(axis=2)
 
 
@@ -114,5 +137,7 @@ def batch_costs(batches: Batches, rows: list[Row], ranks: int, tokens: int,
         model = row.cost(tokens)
         for layer in layers:
             distinct, pairs = rule_loads(batches, layer, row.phy2log[layer], ranks, row.rule, model)
-            out[row.name] += model.cost(distinct, pairs).max(axis=1)
+            extra = (rule_extra_blocks(batches, layer, row.phy2log[layer], ranks, row.rule, model)
+                     if model.needs_blocks(tokens) else 0)
+            out[row.name] += model.cost(distinct, pairs, extra).max(axis=1)
     return out

@@ -157,6 +157,30 @@ def _needs_cost(cost_model: CostModel | None) -> CostModel:
     return cost_model
 
 
+def max_step_tokens(steps: RoutingSteps) -> int:
+    """The most tokens any step of ``steps`` routes (token rows, or a count step's largest expert count)."""
+    rows = int(np.diff(steps.token_offsets).max(initial=0))
+    counts = int(np.ceil(steps.counts.max(initial=0))) if steps.count_steps.size else 0
+    return max(rows, counts)
+
+
+def rank_extra_blocks(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, dispatch: str,
+                      cost_model: CostModel, static_table: np.ndarray | None = None) -> np.ndarray:
+    """[S, R] row blocks beyond each expert's first on each rank at one layer (``CostModel.extra_blocks``).
+
+    Token-row steps as ``token_slots`` dispatches them; a count step's expert count spread evenly over its
+    replicas (its rows are unknown; exact for an expert with one replica)."""
+    S, P, E = steps.num_steps, phy2log.shape[0], steps.model.num_experts
+    slot = np.zeros((S, P))
+    if steps.topk_ids.size:
+        step, phys = token_slots(steps, layer, phy2log, ranks, dispatch, static_table, cost_model)
+        slot += np.bincount(step * P + phys, minlength=S * P).reshape(S, P)
+    if steps.count_steps.size:
+        replicas = np.bincount(phy2log, minlength=E)
+        slot[steps.count_steps] += np.ceil(steps.counts[:, layer, :])[:, phy2log] / replicas[phy2log]
+    return cost_model.extra_blocks(slot.reshape(S, ranks, P // ranks))
+
+
 def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
                    counts: np.ndarray | None = None, pairs: ActivePairs | None = None):
     """(the fast rule's dispatch as the GPU runs it, the optimum [S]) of balanced dispatch at one layer.
@@ -319,8 +343,13 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                     table = tables[layer] if tables is not None else None
                     distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)
                     optimum = replica_optimum(counts > 0, phy2log, R)
-            out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model))
+            extra = (rank_extra_blocks(steps, layer, phy2log, R, rule, cost_model,
+                                       tables[layer] if tables is not None else None)
+                     if cost_model.needs_blocks(step_tokens) else 0)
+            out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model, extra))
         return out
+
+    step_tokens = max_step_tokens(steps)
 
     for layer, totals in map_layers(layer_totals, steps.model.num_moe_layers, workers):
         for layer_sums, placement_totals in zip(sums, totals):
@@ -367,10 +396,10 @@ def max_distinct_means(steps: RoutingSteps, placements: list[Placement], rules: 
 
 
 def _totals(distinct: np.ndarray, tokens: np.ndarray, optimum: np.ndarray, lower_bound: np.ndarray,
-            cost_model: CostModel) -> dict[str, Any]:
-    """One layer's per-step loads (distinct, tokens [S, R]; optimum, lower_bound [S]) summed over the
-    steps, by the ``LayerSums`` field each is added to."""
-    cost = cost_model.cost(distinct, tokens)
+            cost_model: CostModel, extra_blocks: np.ndarray | int = 0) -> dict[str, Any]:
+    """One layer's per-step loads (distinct, tokens, extra_blocks [S, R]; optimum, lower_bound [S]) summed
+    over the steps, by the ``LayerSums`` field each is added to."""
+    cost = cost_model.cost(distinct, tokens, extra_blocks)
     step_max = distinct.max(axis=1)
     return {"max_distinct": step_max.sum(), "mean_distinct": distinct.mean(axis=1).sum(),
             "lower_bound": lower_bound.sum(), "optimum": optimum.sum(), "max_cost": cost.max(axis=1).sum(),

@@ -406,12 +406,15 @@ def sweep_grid(name: str) -> list[tuple[int, int]]:
 # step size (the smallest batch of its config), so its c is that step's; the cost model moves it to other
 # steps and slot counts by the launch grid (``moeplace.cost_derive.measured_line``).
 CONFIG_SWEEPS = {
+    "kimi-i2048-bm16": (7168, 2048, 60, 8, 8, 36),      # EP8 with 96 spare slots at 36 tokens (36 <= 60)
     "kimi-i2048-bm64": (7168, 2048, 48, 8, 8, 72),
     "kimi-i1024-bm16": (7168, 1024, 96, 8, 4, 9),
     "kimi-i1024-bm64": (7168, 1024, 96, 8, 4, 144),
     "kimi-i512-bm16": (7168, 512, 192, 8, 2, 9),
     "kimi-i512-bm64": (7168, 512, 192, 8, 2, 288),
+    "kimi-i256-bm16": (7168, 256, 384, 8, 1, 9),        # TP8 from a verify step to 384 tokens
     "kimi-i256-bm64": (7168, 256, 384, 8, 1, 576),
+    "gptoss-i2880-bm64": (2880, 2880, 5, 4, 8, 9),      # EP8 with 8 spare slots
     "gptoss-i1440-bm64": (2880, 1440, 8, 4, 4, 9),
     "gptoss-i1440-bm16": (2880, 1440, 10, 4, 4, 9),     # 8 spare slots: 10 a group, 9 tokens <= 10
     "gptoss-i720-bm16": (2880, 720, 16, 4, 2, 9),
@@ -429,15 +432,50 @@ def config_sweep_points(slots: int, step_pairs: int, groups: int) -> list[tuple[
     return [(d, max(d, n)) for d in ds for n in ns if n >= d or n == ns[-1]]
 
 
+ROW_BLOCK_STEP_TOKENS = 576   # the largest batch issue 22 evaluates
+
+
+def row_block_counts(slots: int, step_pairs: int, block_m: int, inter: int, config: dict) -> list[list[int]]:
+    """Workloads where some experts run several row blocks: ``hot`` experts of (k - 1) * BM + 1 or k * BM
+    pairs (k = 2, 3) beside experts of one block (a quarter block each), and the same experts without them
+    (hot = 0), at three expert counts from where they fill the GPU to the rank's slots. What a row block
+    beyond an expert's first costs, apart from its pairs, is the fit's ``r``."""
+    base = max(1, block_m // 4)
+    ds = sorted({min(slots, filling_experts(inter, config)), (filling_experts(inter, config) + slots) // 2, slots})
+    out = []
+    for d in ds:
+        for hot in (0, 1, 2, 4):
+            for k in ((2, 3) if hot else (1,)):
+                for c in (((k - 1) * block_m + 1, k * block_m) if hot else (base,)):
+                    counts = [c] * min(hot, d) + [base] * (d - min(hot, d))
+                    if sum(counts) <= step_pairs:
+                        out.append(counts)
+    return out
+
+
+def row_blocks(counts: list[int], block_m: int) -> int:
+    """Row blocks the fused MoE kernel runs for these per-slot counts: ceil(count / BM) each."""
+    return sum(-(-c // block_m) for c in counts)
+
+
 def measure_config_sweep(sgl, label: str, reps: int) -> dict:
-    """One ``CONFIG_SWEEPS`` entry: every point at its step size, through ``StaticStep``."""
+    """One ``CONFIG_SWEEPS`` entry: every point at its step size, through ``StaticStep``: even spreads of pairs
+    over experts (``config_sweep_points``), then uneven ones with experts of several row blocks."""
     hidden, inter, slots, top_k, groups, tokens = CONFIG_SWEEPS[label]
     rank = RankMoe(sgl, hidden, inter, slots, top_k)
     step = rank.step(tokens)
+    bm = step.cfg["BLOCK_SIZE_M"]
+    # The uneven workloads run at the largest step of the same config (room for several blocks an expert):
+    # 576 tokens for 64-row blocks, as many tokens as slots for 16-row ones (SGLang's M <= E).
+    big = rank.step(ROW_BLOCK_STEP_TOKENS if bm == 64 else slots)
+    assert big.cfg == step.cfg, (big.cfg, step.cfg)
+    work = [(step, even_counts(d, n)) for d, n in dict.fromkeys(config_sweep_points(slots, tokens * top_k, groups))]
+    work += [(big, c) for c in row_block_counts(slots, big.pairs, bm, inter, step.cfg)]
     rows = []
-    for d, n in dict.fromkeys(config_sweep_points(slots, tokens * top_k, groups)):
-        rows.append({"distinct": d, "tokens": n, "us": step.time_us(even_counts(d, n), reps), "config_m": tokens,
-                     "step_pairs": step.pairs, "config": step.cfg})
+    for at, counts in work:
+        rows.append({"distinct": len(counts), "tokens": sum(counts), "row_blocks": row_blocks(counts, bm),
+                     "us": at.time_us(counts, reps), "config_m": at.step_tokens, "step_pairs": at.pairs,
+                     "config": at.cfg})
     shape = dict(hidden=hidden, inter=inter, n_local=slots, top_k=top_k)
     return {"shape": shape, "dtype": "bf16", "path": "triton", "points": rows, "step_tokens": tokens,
             "tuned_file": bool(rank.tuned_configs())}
@@ -552,6 +590,23 @@ def fit_linear(points: list[dict], max_tokens: int | None = None) -> dict:
             "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
 
 
+def fit_with_row_blocks(points: list[dict], step_tokens: int) -> dict:
+    """Relative least squares ``us = a * distinct + r * (row_blocks - distinct) + b * tokens + c_step`` over
+    config-sweep points, with one c for each step size the points ran at (the launch grid differs); returns
+    a, r, b, the c of ``step_tokens``' points and the mean / max relative error."""
+    steps = sorted({p["config_m"] for p in points})
+    X = np.array([[p["distinct"], p["row_blocks"] - p["distinct"], p["tokens"]]
+                  + [float(p["config_m"] == t) for t in steps] for p in points])
+    y = np.array([p["us"] for p in points])
+    w = 1.0 / y
+    coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
+    coef = np.maximum(coef, 0.0)
+    rel = np.abs(X @ coef - y) / y
+    return {"a": float(coef[0]), "r": float(coef[1]), "b": float(coef[2]), "c": float(coef[3 + steps.index(step_tokens)]),
+            "c_at_steps": {str(t): round(float(coef[3 + i]), 2) for i, t in enumerate(steps)},
+            "points": len(points), "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
+
+
 def linear_range(points: list[dict], tol: float = 0.10) -> int | None:
     """The largest token bound up to which one linear fit stays within ``tol`` mean relative error."""
     best = None
@@ -591,12 +646,13 @@ def fit(args) -> None:
         tokens = sweep.get("step_tokens", VERIFY_TOKENS)     # a config sweep ran every point at one step size
         verify_cfg = min(pts, key=lambda p: abs(p.get("config_m", p["tokens"]) - tokens))["config"]
         same = [p for p in pts if p["config"] == verify_cfg]
+        blocks = label in CONFIG_SWEEPS and all("row_blocks" in p for p in pts)
         if label in CONFIG_SWEEPS:   # a layer's slowest GPU runs many experts: fit where they fill the GPU
             same = [p for p in same if p["distinct"] >= filling_experts(sweep["shape"]["inter"], verify_cfg)] or same
-        low = fit_linear(same)
+        low = fit_with_row_blocks(same, tokens) if blocks else fit_linear(same)
         print(f"{label}: all points a={full['a']:.2f} b={full['b']:.3f} c={full['c']:.1f} "
               f"(mean err {full['mean_rel_err']:.1%}, max {full['max_rel_err']:.1%}); "
-              f"verify config: a={low['a']:.2f} b={low['b']:.3f} c={low['c']:.1f} (mean err {low['mean_rel_err']:.1%}); "
+              f"verify config: a={low['a']:.2f} r={low.get('r', 0):.2f} b={low['b']:.3f} c={low['c']:.1f} (mean err {low['mean_rel_err']:.1%}); "
               f"linear within 10% up to {bound} tokens")
         name = files.get(label) or (f"cost_h200_bf16_{label.replace('-', '_')}.json"
                                     if label in CONFIG_SWEEPS else None)
@@ -605,6 +661,7 @@ def fit(args) -> None:
         s = sweep["shape"]
         doc = {
             "a_us_per_expert": round(low["a"], 3), "b_us_per_token": round(low["b"], 4), "c_us": round(low["c"], 2),
+            **({"r_us_per_block": round(low["r"], 3), "block_m": verify_cfg["BLOCK_SIZE_M"]} if blocks else {}),
             "provenance": {
                 "gpu": raw["gpu"], "date": raw["date"], "dtype": sweep["dtype"],
                 "kernel": (f"sglang {raw['sglang']} fused_moe_kernel via invoke_fused_moe_kernel (Triton "
@@ -615,8 +672,12 @@ def fit(args) -> None:
                 "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
                         f"kernel config for a {tokens}-token step ({verify_cfg})"
                         + (f" with at least {filling_experts(s['inter'], verify_cfg)} experts (they fill the GPU)"
-                           if label in CONFIG_SWEEPS else "")),
+                           if label in CONFIG_SWEEPS else "")
+                        + (f"; r from the points with experts of several row blocks, run at a "
+                           f"{max(p['config_m'] for p in same)}-token step (its own c)" if blocks else "")),
                 "step_tokens": tokens,
+                # the fixed cost measured at each step size the points ran at (moeplace.cost_derive.measured_line)
+                **({"c_us_at_step_tokens": low["c_at_steps"]} if blocks else {}),
                 "kernel_config": [verify_cfg[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K")],
                 **({"tuned_file": sweep["tuned_file"]} if "tuned_file" in sweep else {}),
                 "fit_mean_rel_err": round(low["mean_rel_err"], 4), "fit_max_rel_err": round(low["max_rel_err"], 4),

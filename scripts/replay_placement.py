@@ -270,11 +270,16 @@ def job_deadlines(sizes: list[int], start: float, budget_s: float) -> list[float
     return [start + budget_s * float(c) for c in cum]
 
 
+JOB_FLOOR_S = 10.0   # a job may always take this long (within the budget): its kernel config's first compile
+
+
 def share_deadline(now: float, end: float, size: float, rest: float) -> float:
     """When a job must stop: its share (``size`` of the ``rest`` still to run, itself included) of the time
-    left to ``end``. Time one job saves or overruns (a kernel's compile) passes to the ones after it, so a
-    small first job is never starved by the start's compiles, as fixed cumulative shares did."""
-    return now + max(0.0, end - now) * size / max(rest, 1e-9)
+    left to ``end``, and never less than ``JOB_FLOOR_S`` while the budget lasts. Time one job saves or overruns
+    (a kernel's compile) passes to the ones after it, and a small job whose kernel compiles first (the very
+    first job) is not starved by that compile."""
+    left = max(0.0, end - now)
+    return now + max(left * size / max(rest, 1e-9), min(JOB_FLOOR_S, left))
 
 
 def timed_steps(us_len: int, idx: np.ndarray) -> int:
@@ -553,14 +558,17 @@ def dominance_miss(us: np.ndarray, keys: list, idx: np.ndarray) -> np.ndarray | 
 
 
 def bound_us(steps, cost, ranks: int) -> np.ndarray:
-    """[S] the mean-rank bound under ``cost``: every activated expert read once and every pair run once, spread
-    evenly over the ranks (no rule and no placement does better under that model)."""
+    """[S] the mean-rank bound under ``cost``: every activated expert read once, its pairs' row blocks run once
+    (splitting an expert over replicas saves at most a block per extra read, and r < a) and every pair run
+    once, spread evenly over the ranks (no rule and no placement does better under that model)."""
+    from moeplace.balanced import step_expert_counts
     from moeplace.metrics import layer_distinct_total
     out = np.zeros(steps.num_steps)
     for layer in range(steps.model.num_moe_layers):
         step_of_row, _, ids = steps.layer(layer)
         pairs = np.bincount(step_of_row, weights=(ids >= 0).sum(axis=1), minlength=steps.num_steps)
-        out += cost.cost(layer_distinct_total(steps, layer), pairs) / ranks + cost.c_us * (1 - 1 / ranks)
+        extra = cost.extra_blocks(step_expert_counts(steps, layer))
+        out += cost.cost(layer_distinct_total(steps, layer), pairs, extra) / ranks + cost.c_us * (1 - 1 / ranks)
     return out
 
 
@@ -579,7 +587,8 @@ def goal_lines(trace: str, batches: dict) -> list[str]:
     for t in sizes:
         rows, quarter = batches[t]["rows"], None
         spare = {k: v for k, v in rows.items() if "+r" in k and k.split("+r")[0] in ("deepseek", "balanced", "cost")}
-        if not spare:
+        if not spare or not any(k in rows for k in SGLANG_ROWS):
+            lines.append(f"| {t} | {batches[t]['steps']} | not timed | | | | | | |")
             continue
         quarter = next(iter(spare)).split("+r")[1]
         sgl = min((k for k in SGLANG_ROWS if k in rows), key=lambda k: rows[k]["measured_ms"])

@@ -202,7 +202,7 @@ def test_equals_balanced_dispatch_at_verify_batch(trace, request):
     for layer in range(model.num_moe_layers):
         masks = replica_layout(phy2log[layer], model.num_experts, 8).masks
         counts = step_expert_counts(held, layer)
-        assert counts.sum(axis=1).max() < q
+        assert q is None or counts.sum(axis=1).max() < q      # None: the measured line has no token term
         chosen = cost_rule(counts, masks, 8, q)
         np.testing.assert_array_equal(chosen.full_alloc(counts), balanced_alloc(counts, masks, 8))
         assert not chosen.rounds.any()

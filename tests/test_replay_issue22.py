@@ -72,9 +72,11 @@ def test_dominated_ranks_are_never_the_slowest(keys, coef):
 def test_share_deadline_passes_saved_time_on():
     """Each job gets its share of the time left: a first job that overran (compiles) leaves the rest their
     shares of what remains, never a deadline already past."""
-    assert replay_placement.share_deadline(0.0, 10.0, 1.0, 4.0) == 2.5
-    assert replay_placement.share_deadline(9.0, 10.0, 1.0, 2.0) == 9.5
-    assert replay_placement.share_deadline(11.0, 10.0, 1.0, 2.0) == 11.0
+    assert replay_placement.share_deadline(0.0, 100.0, 1.0, 4.0) == 25.0
+    assert replay_placement.share_deadline(90.0, 100.0, 1.0, 2.0) == 100.0     # the floor, up to the budget
+    assert replay_placement.share_deadline(0.0, 100.0, 1.0, 40.0) == 10.0      # a small first job: the floor
+    assert replay_placement.share_deadline(99.0, 100.0, 1.0, 2.0) == 100.0
+    assert replay_placement.share_deadline(101.0, 100.0, 1.0, 2.0) == 101.0
 
 
 def test_layout_members_are_advises_layouts():
