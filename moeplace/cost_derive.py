@@ -168,8 +168,9 @@ class Calibration:
     row_block_share: dict[int, float] = None   # BLOCK_SIZE_M -> r / a of the files that measured r
 
     def row_block_us(self, m_or_a: "Measured | float", block_m: int) -> float:
-        """r of a line: its file's own where it measured one, else ``row_block_share[block_m]`` of its a."""
-        if isinstance(m_or_a, Measured) and m_or_a.cost.r_us_per_block > 0:
+        """r of a line: its file's own where it measured one (a config sweep: its uneven points, 0 where the
+        pairs' term took their cost), else ``row_block_share[block_m]`` of its a."""
+        if isinstance(m_or_a, Measured) and (m_or_a.c_at_steps or m_or_a.cost.r_us_per_block > 0):
             return m_or_a.cost.r_us_per_block
         a = m_or_a.cost.a_us_per_expert if isinstance(m_or_a, Measured) else m_or_a
         return (self.row_block_share or {}).get(block_m, 0.0) * a
@@ -287,15 +288,16 @@ def measured_line(cal: Calibration, m: Measured, top_k: int, step_tokens: int = 
     b: without the row blocks the file's layout added per pair). Slots change only the grid: a rank reads
     and computes only the experts a step activates."""
     rows = sglang_row_blocks(step_tokens * top_k, local_slots or m.local_slots, m.config[0])
-    if len(m.c_at_steps) >= 2:
-        # c measured at two step sizes or more (the config sweeps): linear in the step between them (and past
-        # them), which holds what the grid alone misses (SGLang's kernel writes zeros to every row of the
-        # buffer that is not the rank's: ~1 TB/s of row bytes, BENCHMARKS.md); slots still move the grid.
-        (t0, c0), (t1, c1) = m.c_at_steps[0], m.c_at_steps[-1]
-        own = c0 + (c1 - c0) * (step_tokens - t0) / (t1 - t0)
-        here = sglang_row_blocks(step_tokens * top_k, m.local_slots, m.config[0])
-        return m.cost.a_us_per_expert, cal.net_b(m), max(own + cal.grid_us(m.shape, m.config, rows - here), 0.0)
     c = m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks)
+    if len(m.c_at_steps) >= 2 and step_tokens > m.step_tokens:
+        # c measured at a larger step too (the config sweeps): what the grid missed there, linearly in the step
+        # from the file's own step (at 64-row blocks c grows faster than the grid: SGLang's kernel writes zeros
+        # to the buffer rows of other ranks' pairs, ~1 TB/s of row bytes, BENCHMARKS.md); below the file's
+        # step the grid alone
+        t1, c1 = m.c_at_steps[-1]
+        grid1 = m.cost.c_us + cal.grid_us(m.shape, m.config,
+                                          sglang_row_blocks(t1 * m.top_k, m.local_slots, m.config[0]) - m.row_blocks)
+        c = max(c + (c1 - grid1) * (step_tokens - m.step_tokens) / (t1 - m.step_tokens), 0.0)
     return m.cost.a_us_per_expert, cal.net_b(m), c
 
 
@@ -304,14 +306,15 @@ def measured_for(cal: Calibration, shape: ExpertShape, local_slots: int, config:
     """The measured file of this expert shape and kernel config: one whose measured steps reach nearest to
     ``step_tokens`` (a file measured at a 9-token step knows the latency-bound few experts of a verify step, a
     config sweep's larger steps the rest), then the nearest slot count (the same slots first); None where that
-    shape never ran that config."""
+    shape never ran that config. On a tie a config sweep (SGLang's own buffer layout) goes first."""
     same = [m for m in cal.files if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.config) ==
             (shape.hidden, shape.intermediate, shape.weights, config)]
 
     def step_gap(m: Measured) -> int:
         steps = [t for t, _ in m.c_at_steps] or [m.step_tokens]
         return max(min(steps) - step_tokens, step_tokens - max(steps), 0)
-    return min(same, key=lambda m: (step_gap(m), abs(m.local_slots - local_slots), m.local_slots), default=None)
+    return min(same, key=lambda m: (step_gap(m), abs(m.local_slots - local_slots), m.fits_terms, m.local_slots),
+               default=None)
 
 
 def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str = DEFAULT_GPU,
@@ -341,8 +344,8 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
         return CostModel(round(a, 4), round(b, 4), round(c, 3),
                          {**m.cost.provenance, "derived_from": m.name, "top_k": top_k, "step_tokens": step_tokens,
                           "config_tokens": config_tokens or step_tokens, "kernel_config": list(config),
-                          "local_slots": local_slots, "row_block_term": "measured" if m.cost.r_us_per_block > 0
-                          else "the measured files' share of a"},
+                          "local_slots": local_slots, "row_block_term": "measured" if m.c_at_steps
+                          or m.cost.r_us_per_block > 0 else "the measured files' share of a"},
                          f"{where}: measured ({m.name}{moved}; {grid}, BLOCK_SIZE_M {config[0]})",
                          round(r, 4), config[0])
     a, b, c = formula_cost(cal, shape, local_slots, top_k, step_tokens, config_tokens)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeplace.balanced import MAX_AUGMENT, fast_rule, mask_bits, replica_layout, step_expert_counts
-from moeplace.costmodel import CostModel
+from moeplace.costmodel import CostModel, extra_row_blocks
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps
 
@@ -201,15 +201,17 @@ class ExactSplit:
 
 
 def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: float,
-                time_limit: float = 20.0) -> ExactSplit:
-    """Minimise ``max_r a * distinct_r + b * tokens_r`` over integer allocations (one step).
+                time_limit: float = 20.0, row_block_us: float = 0.0, block_m: int = 0) -> ExactSplit:
+    """Minimise ``max_r a * distinct_r + row_block_us * extra_row_blocks_r + b * tokens_r`` over integer
+    allocations (one step; ``row_block_us``, ``block_m``: the cost model's row-block term, off at 0).
 
     Variables, for each active expert e with several replicas and each of its ranks r: x[e, r] tokens
-    (integer, 0..counts[e]) and y[e, r] (binary, x <= counts[e] * y); and T, the maximum. Experts with
-    one replica are fixed. Minimise T subject to sum_r x[e, r] = counts[e] and, on every rank,
-    a * (fixed reads + sum_e y) + b * (fixed tokens + sum_e x) <= T; and sum_r y[e, r] >= 1 (implied,
-    but it makes the LP relaxation count one read per expert, which is most of the cost at low batch).
-    T starts from two proven floors (below), which the relaxation alone would not find.
+    (integer, 0..counts[e]) and y[e, r] (binary, x <= counts[e] * y), with the row-block term k[e, r] blocks
+    (integer, k >= y, block_m * k >= x); and T, the maximum. Experts with one replica are fixed. Minimise T
+    subject to sum_r x[e, r] = counts[e] and, on every rank, a * (fixed reads + sum_e y) + row_block_us * (fixed extra
+    blocks + sum_e (k - y)) + b * (fixed tokens + sum_e x) <= T; and sum_r y[e, r] >= 1 (implied, but it makes
+    the LP relaxation count one read per expert, which is most of the cost at low batch). T starts from two
+    proven floors (below), which the relaxation alone would not find.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
@@ -222,13 +224,14 @@ def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: 
     alloc = np.zeros((E, R), np.int64)
     single = (counts > 0) & (bits.sum(axis=1) == 1)
     alloc[np.flatnonzero(single), bits[single].argmax(axis=1)] = counts[single]
-    fixed = a * (alloc > 0).sum(axis=0) + b * alloc.sum(axis=0)          # [R]
-    pairs = [(e, r) for e in np.flatnonzero((counts > 0) & ~single) for r in np.flatnonzero(bits[e])]
+    blocks = row_block_us > 0 and block_m > 0
+    fixed = allocation_cost(alloc, a, b, row_block_us, block_m)                       # [R]
+    pairs = [(e, q) for e in np.flatnonzero((counts > 0) & ~single) for q in np.flatnonzero(bits[e])]
     if not pairs:
         value = float(fixed.max(initial=0.0))
         return ExactSplit(alloc, value, value, True)
-    V = len(pairs)                       # x: 0..V-1, y: V..2V-1, T: 2V
-    nvar = 2 * V + 1
+    V = len(pairs)                       # x: 0..V-1, y: V..2V-1, T: 2V, k (row blocks): 2V+1..3V
+    nvar = 3 * V + 1 if blocks else 2 * V + 1
     rows, cols, vals, lo, hi = [], [], [], [], []
     experts = sorted({e for e, _ in pairs})
     for row, e in enumerate(experts):                     # sum_r x[e, r] = counts[e]
@@ -249,24 +252,36 @@ def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: 
                 rows.append(base + row), cols.append(V + j), vals.append(1.0)
         lo.append(1.0), hi.append(np.inf)
     base += len(experts)
-    for r in range(R):                                    # a * y + b * x - T <= -fixed[r]
-        for j, (_, rj) in enumerate(pairs):
-            if rj == r:
-                rows += [base + r, base + r]
+    if blocks:
+        for j in range(V):                                # x - block_m * k <= 0 and y - k <= 0
+            k = 2 * V + 1 + j
+            rows += [base, base, base + 1, base + 1]
+            cols += [j, k, V + j, k]
+            vals += [1.0, -float(block_m), 1.0, -1.0]
+            lo += [-np.inf, -np.inf]
+            hi += [0.0, 0.0]
+            base += 2
+    for q in range(R):                                    # (a - rb) * y + rb * k + b * x - T <= -fixed[q]
+        for j, (_, qj) in enumerate(pairs):
+            if qj == q:
+                rows += [base + q, base + q]
                 cols += [V + j, j]
-                vals += [a, b]
-        rows.append(base + r), cols.append(2 * V), vals.append(-1.0)
-        lo.append(-np.inf), hi.append(-fixed[r])
+                vals += [a - row_block_us if blocks else a, b]
+                if blocks:
+                    rows.append(base + q), cols.append(2 * V + 1 + j), vals.append(row_block_us)
+        rows.append(base + q), cols.append(2 * V), vals.append(-1.0)
+        lo.append(-np.inf), hi.append(-fixed[q])
     A = coo_matrix((vals, (rows, cols)), shape=(base + R, nvar)).tocsr()
     # Two valid floors on T: the busiest rank holds at least the optimum of the distinct experts alone
     # (balanced dispatch's exact rule), each with a token; and the ranks share all reads and pairs.
     fewest = int(fast_rule(counts[None, :], masks, R, max_augment=None).distinct.max())
     floor = max((a + b) * fewest, (a * int((counts > 0).sum()) + b * int(counts.sum())) / R)
-    lower = np.concatenate([np.zeros(2 * V), [floor]])
-    upper = np.concatenate([[counts[e] for e, _ in pairs], np.ones(V), [np.inf]])
-    integrality = np.concatenate([np.ones(2 * V), [0]])
+    lower = np.concatenate([np.zeros(2 * V), [floor], np.zeros(nvar - 2 * V - 1)])
+    upper = np.concatenate([[counts[e] for e, _ in pairs], np.ones(V), [np.inf],
+                            [-(-counts[e] // block_m) for e, _ in pairs] if blocks else []])
+    integrality = np.concatenate([np.ones(2 * V), [0], np.ones(nvar - 2 * V - 1)])
     objective = np.zeros(nvar)
-    objective[-1] = 1.0
+    objective[2 * V] = 1.0
     res = milp(objective, constraints=LinearConstraint(A, lo, hi), integrality=integrality,
                bounds=Bounds(lower, upper), options={"time_limit": time_limit})
     if res.x is None:
@@ -274,15 +289,20 @@ def exact_split(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: 
     x = np.rint(res.x[:V]).astype(np.int64)
     for (e, r), v in zip(pairs, x):
         alloc[e, r] = v
-    value = float(allocation_cost(alloc, a, b).max())
+    value = float(allocation_cost(alloc, a, b, row_block_us, block_m).max())
     bound = getattr(res, "mip_dual_bound", None)
     bound = value if bound is None or not np.isfinite(bound) else float(bound)
     return ExactSplit(alloc, value, min(bound, value), res.status == 0)
 
 
-def allocation_cost(alloc: np.ndarray, a: float, b: float) -> np.ndarray:
-    """[..., R] ``a * distinct + b * tokens`` per rank of ``alloc [..., E, R]`` (no c)."""
-    return a * (alloc > 0).sum(axis=-2) + b * alloc.sum(axis=-2)
+def allocation_cost(alloc: np.ndarray, a: float, b: float, row_block_us: float = 0.0,
+                    block_m: int = 0) -> np.ndarray:
+    """[..., R] ``a * distinct + row_block_us * extra_row_blocks + b * tokens`` per rank of ``alloc [..., E, R]``
+    (no c)."""
+    cost = a * (alloc > 0).sum(axis=-2) + b * alloc.sum(axis=-2)
+    if row_block_us > 0 and block_m > 0:
+        cost = cost + row_block_us * extra_row_blocks(np.swapaxes(alloc, -1, -2), block_m)
+    return cost
 
 
 # ----------------------------------------------------------------------------- a layer of a trace

@@ -92,23 +92,25 @@ def bound_us(batches, rows: list[Row], tokens: int, layers: range) -> np.ndarray
     """[S] the mean-rank bound, with the cheapest of the rows' cost models."""
     steps = batches.steps
     model = min((r.cost(tokens) for r in rows), key=lambda m: m.c_us)
-    pairs = step_expert_counts(steps, 0).sum(axis=1)
-    return sum((model.a_us_per_expert * layer_distinct_total(steps, layer) + model.b_us_per_token * pairs) / RANKS
-               + model.c_us for layer in layers)
+    counts = {layer: step_expert_counts(steps, layer) for layer in layers}
+    return sum(model.cost(layer_distinct_total(steps, layer), counts[layer].sum(axis=1),
+                          model.extra_blocks(counts[layer])) / RANKS + model.c_us * (1 - 1 / RANKS) for layer in layers)
 
 
 def exactness(batches, row: Row, tokens: int, samples: int, time_limit: float) -> dict:
-    """The fast rule against the MILP on ``samples`` batches of layer 0 (gap to the proven bound, c in)."""
+    """The fast rule against the MILP on ``samples`` batches of layer 0 (gap to the proven bound, c in; row blocks
+    counted where the batch's model has them)."""
     steps = batches.steps
     model = row.cost(tokens)
     a, b, c = model.a_us_per_expert, model.b_us_per_token, model.c_us
+    blocks = (model.r_us_per_block, model.block_m) if model.needs_blocks(tokens) else (0.0, 0)
     masks = replica_layout(row.phy2log[0], steps.model.num_experts, RANKS).masks
     counts = step_expert_counts(steps, 0)[:samples]
     alloc = cost_rule(counts, masks, RANKS, pairs_per_read(model)).full_alloc(counts)
     gaps, optimal = [], 0
     for s in range(counts.shape[0]):
-        exact = exact_split(counts[s], masks, RANKS, a, b, time_limit=time_limit)
-        gaps.append((allocation_cost(alloc[s], a, b).max() + c) / (exact.bound + c) - 1)
+        exact = exact_split(counts[s], masks, RANKS, a, b, time_limit, *blocks)
+        gaps.append((allocation_cost(alloc[s], a, b, *blocks).max() + c) / (exact.bound + c) - 1)
         optimal += exact.optimal
     return {"samples": len(gaps), "proven_optimal": optimal, "gap_mean": float(np.mean(gaps)),
             "gap_max": float(np.max(gaps))}

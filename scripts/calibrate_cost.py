@@ -592,15 +592,15 @@ def fit_linear(points: list[dict], max_tokens: int | None = None) -> dict:
 
 def fit_with_row_blocks(points: list[dict], step_tokens: int) -> dict:
     """Relative least squares ``us = a * distinct + r * (row_blocks - distinct) + b * tokens + c_step`` over
-    config-sweep points, with one c for each step size the points ran at (the launch grid differs); returns
-    a, r, b, the c of ``step_tokens``' points and the mean / max relative error."""
+    config-sweep points, with one c for each step size the points ran at (the launch grid differs), every
+    term non-negative; returns a, r, b, the c of ``step_tokens``' points and the mean / max relative error."""
+    from scipy.optimize import nnls
     steps = sorted({p["config_m"] for p in points})
     X = np.array([[p["distinct"], p["row_blocks"] - p["distinct"], p["tokens"]]
                   + [float(p["config_m"] == t) for t in steps] for p in points])
     y = np.array([p["us"] for p in points])
     w = 1.0 / y
-    coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-    coef = np.maximum(coef, 0.0)
+    coef = nnls(X * w[:, None], y * w)[0]
     rel = np.abs(X @ coef - y) / y
     return {"a": float(coef[0]), "r": float(coef[1]), "b": float(coef[2]), "c": float(coef[3 + steps.index(step_tokens)]),
             "c_at_steps": {str(t): round(float(coef[3 + i]), 2) for i, t in enumerate(steps)},

@@ -51,8 +51,10 @@ def balanced_alloc(counts: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndar
     return out
 
 
-def brute_force(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: float) -> float:
-    """The lowest busiest-rank ``a * distinct + b * tokens`` over every integer allocation."""
+def brute_force(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: float, rb: float = 0.0,
+                block_m: int = 0) -> float:
+    """The lowest busiest-rank ``a * distinct + rb * extra row blocks + b * tokens`` over every integer
+    allocation."""
     E = counts.shape[0]
     per_expert = []
     for e in range(E):
@@ -64,7 +66,11 @@ def brute_force(counts: np.ndarray, masks: np.ndarray, ranks: int, a: float, b: 
         alloc = np.zeros((E, ranks), np.int64)
         for e, (reps, c) in enumerate(choice):
             alloc[e, reps] = c
-        best = min(best, float(allocation_cost(alloc, a, b).max()))
+        ranks_cost = a * (alloc > 0).sum(axis=0) + b * alloc.sum(axis=0)
+        if rb:      # written out, not through allocation_cost: ceil(x / block_m) - 1 blocks past the first
+            ranks_cost = ranks_cost + rb * np.array([sum(max(-(-int(x) // block_m) - 1, 0) for x in alloc[:, q])
+                                                     for q in range(ranks)])
+        best = min(best, float(ranks_cost.max()))
     return best
 
 
@@ -81,6 +87,23 @@ def test_exact_split_matches_brute_force(seed):
     assert exact.optimal
     assert exact.value == pytest.approx(best, rel=1e-6)
     assert exact.bound <= exact.value + 1e-9 and exact.bound >= best * (1 - 1e-3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_exact_split_with_row_blocks_matches_brute_force(seed):
+    """The MILP with the cost model's row-block term (a block of 2-4 rows, r below a) against every allocation."""
+    rng = np.random.default_rng(100 + seed)
+    ranks, experts = int(rng.integers(2, 4)), int(rng.integers(1, 4))
+    counts, masks = random_case(rng, ranks, experts)
+    counts = counts[0] * 3
+    a, b = float(rng.uniform(1, 6)), float(rng.uniform(0, 0.5))
+    rb, block_m = float(rng.uniform(0.2, 1.0)) * a, int(rng.integers(2, 5))
+    exact = exact_split(counts, masks, ranks, a, b, row_block_us=rb, block_m=block_m)
+    check_alloc(exact.alloc, counts, masks)
+    best = brute_force(counts, masks, ranks, a, b, rb, block_m)
+    assert exact.optimal and exact.value == pytest.approx(best, rel=1e-6)
+    assert float(allocation_cost(exact.alloc, a, b, rb, block_m).max()) == pytest.approx(best, rel=1e-6)
+    assert exact.bound <= exact.value + 1e-9
 
 
 @settings(max_examples=60, deadline=None)
