@@ -48,8 +48,8 @@ measured its c at the config's largest batch (576 tokens for 64-row blocks, as m
 linearly in the step between its two measured steps, since at 64-row blocks it grows faster than the grid
 (SGLang's kernel writes zeros to the buffer rows of other ranks' pairs), and a line or derived model
 without its own r takes the measured files' median r / a for its block size. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
-the cost model") compares both with GPU replays. Not counted: the output rows SGLang zeroes for
-other ranks' pairs (a few µs a layer at verify batch).
+the cost model") compares both with GPU replays. The output rows SGLang zeroes for other ranks' pairs
+(a few µs a layer at verify batch) are counted only where a config sweep measured c at a larger step.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class Calibration:
     us_per_k_step: float                # large-block config: fixed pipeline time per K step
     b_us_per_token: float               # per pair, the grid's row blocks taken out
     files: tuple[Measured, ...]
-    row_block_share: dict[int, float] = None   # BLOCK_SIZE_M -> r / a of the files that measured r
+    row_block_share: dict[int, float] | None = None   # BLOCK_SIZE_M -> r / a of the files that measured r
 
     def row_block_us(self, m_or_a: "Measured | float", block_m: int) -> float:
         """r of a line: its file's own where it measured one (a config sweep: its uneven points, 0 where the
