@@ -77,7 +77,8 @@ def extra_row_blocks(slot_pairs: np.ndarray, block_m: int) -> np.ndarray:
 
 
 def load_cost_model(path: str | os.PathLike) -> CostModel:
-    """Read a cost-model JSON file: ``{"a_us_per_expert", "b_us_per_token", "c_us", "provenance"}``."""
+    """Read a cost-model JSON file: ``{"a_us_per_expert", "b_us_per_token", "c_us", "provenance"}``, with
+    ``"r_us_per_block"`` and ``"block_m"`` where the model has a row-block term."""
     try:
         with open(path) as f:
             d = json.load(f)

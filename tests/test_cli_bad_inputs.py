@@ -56,6 +56,8 @@ def write_inputs(root: Path) -> None:
     (root / "notjson.json").write_text("{not json")
     (root / "cost_huge.json").write_text(json.dumps({"a_us_per_expert": 1e308, "b_us_per_token": 1, "c_us": 1}))
     (root / "cost_nan.json").write_text('{"a_us_per_expert": NaN, "b_us_per_token": 1, "c_us": 1}')
+    (root / "cost_blocks.json").write_text(json.dumps({"a_us_per_expert": 1, "b_us_per_token": 1, "c_us": 1,
+                                                       "r_us_per_block": 2}))
     ids = np.full((90, 2, 4), -5, np.int16)
     np.savez(root / "negative.npz", topk_ids=ids, num_experts=np.int64(16))
     np.savez(root / "padding.npz", topk_ids=np.full((90, 2, 4), -1, np.int16))
@@ -102,6 +104,7 @@ CASES = [
     # optimize: bad input files
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/cost_huge.json"], "at most 1e+06"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/cost_nan.json"], "finite"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/cost_blocks.json"], "no block_m"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--cost-model", "{in}/notjson.json"], "not valid JSON"),
     (["optimize", "{in}/nothere.mptrace", "-o", "{out}/p.json"], "does not exist"),
     (["optimize", "{in}/garbage.bin", "-o", "{out}/p.json"], "unknown trace format"),

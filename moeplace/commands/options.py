@@ -99,8 +99,9 @@ def trace_options(f: Callable) -> Callable:
                           "cache, offline): gives the experts' shape and weight format for the MoE µs "
                           "(default: known from the trace's model name, else a generic shape, with a warning)."),
         click.option("--cost-model", "cost_model_path", type=click.Path(exists=True, dir_okay=False),
-                     help="Cost-model JSON (a_us_per_expert, b_us_per_token, c_us) to use instead of the one "
-                          "derived for the model's experts (H200 measurements, moeplace/data)."),
+                     help="Cost-model JSON (a_us_per_expert, b_us_per_token, c_us; optionally r_us_per_block "
+                          "with block_m, the cost of each row block past an expert's first) to use instead of the "
+                          "one derived for the model's experts (H200 measurements, moeplace/data)."),
         click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
                      help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
         click.option("--top-k", type=click.IntRange(min=1), default=None,
