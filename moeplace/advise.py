@@ -21,7 +21,7 @@ import numpy as np
 from moeplace.costmodel import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.balanced import step_expert_counts
-from moeplace.metrics import layer_distinct_total, layer_rank_loads, max_step_tokens, token_slots
+from moeplace.metrics import layer_distinct_total, layer_rank_loads, max_step_tokens, token_slot_pairs
 from moeplace.model import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
@@ -38,9 +38,7 @@ def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, rank
     """
     if steps.count_steps.size:
         raise MoeplaceError("per-slot work needs token rows; this trace has count-only steps")
-    P, S = phy2log.shape[0], steps.num_steps
-    step_k, phys = token_slots(steps, layer, phy2log, ranks, dispatch, cost_model=cost)
-    return np.bincount(step_k * P + phys, minlength=S * P).reshape(S, P)
+    return token_slot_pairs(steps, layer, phy2log, ranks, dispatch, cost_model=cost)
 
 
 def rank_work(slot_counts: np.ndarray, ranks: int) -> np.ndarray:

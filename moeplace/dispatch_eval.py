@@ -31,7 +31,7 @@ from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
 from moeplace.cost_dispatch import cost_rule, pairs_per_read
 from moeplace.costmodel import CostModel
 from moeplace.lplb import expected_loads, lp_problem, slot_probabilities
-from moeplace.metrics import layer_rank_loads, static_dispatch_table, token_slots
+from moeplace.metrics import layer_rank_loads, static_dispatch_table, token_slot_pairs
 from moeplace.trace.steps import RoutingSteps
 
 RULES = ("dynamic", "static", "lplb", "balanced", "cost")
@@ -93,8 +93,7 @@ def rule_extra_blocks(batches: Batches, layer: int, phy2log: np.ndarray, ranks: 
     elif rule == "static":
         slot = _static_slot_pairs(batches, layer, phy2log, ranks)
     else:
-        step, phys = token_slots(steps, layer, phy2log, ranks, rule, cost_model=cost)
-        slot = np.bincount(step * P + phys, minlength=S * P).reshape(S, P)
+        slot = token_slot_pairs(steps, layer, phy2log, ranks, rule, cost_model=cost)
     return cost.extra_blocks(slot.reshape(S, ranks, P // ranks))
 
 

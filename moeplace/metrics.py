@@ -157,6 +157,15 @@ def _needs_cost(cost_model: CostModel | None) -> CostModel:
     return cost_model
 
 
+def token_slot_pairs(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, dispatch: str = "dynamic",
+                     static_table: np.ndarray | None = None, cost_model: CostModel | None = None) -> np.ndarray:
+    """[S, P] pairs each physical slot runs in each step at one layer under ``token_slots``' rules (the token-row
+    steps; 0 for count steps)."""
+    S, P = steps.num_steps, phy2log.shape[0]
+    step, phys = token_slots(steps, layer, phy2log, ranks, dispatch, static_table, cost_model)
+    return np.bincount(step * P + phys, minlength=S * P).reshape(S, P)
+
+
 def max_step_tokens(steps: RoutingSteps) -> int:
     """The most tokens any step of ``steps`` routes (token rows, or a count step's largest expert count)."""
     rows = int(np.diff(steps.token_offsets).max(initial=0))
@@ -171,10 +180,7 @@ def rank_extra_blocks(steps: RoutingSteps, layer: int, phy2log: np.ndarray, rank
     Token-row steps as ``token_slots`` dispatches them; a count step's expert count spread evenly over its
     replicas (its rows are unknown; exact for an expert with one replica)."""
     S, P, E = steps.num_steps, phy2log.shape[0], steps.model.num_experts
-    slot = np.zeros((S, P))
-    if steps.topk_ids.size:
-        step, phys = token_slots(steps, layer, phy2log, ranks, dispatch, static_table, cost_model)
-        slot += np.bincount(step * P + phys, minlength=S * P).reshape(S, P)
+    slot = token_slot_pairs(steps, layer, phy2log, ranks, dispatch, static_table, cost_model).astype(np.float64)
     if steps.count_steps.size:
         replicas = np.bincount(phy2log, minlength=E)
         slot[steps.count_steps] += np.ceil(steps.counts[:, layer, :])[:, phy2log] / replicas[phy2log]
@@ -329,6 +335,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
         out = []
         for placement, cost_model, tables, rule in zip(placements, cost_models, static_tables, rules):
             R, phy2log = placement.ranks, placement.phy2log[layer]
+            table = tables[layer] if tables is not None else None
             if placement.num_redundant == 0:
                 # one replica each: every rule sends an expert to its one rank, which is also the optimum
                 distinct, tokens = single_copy_loads(activity, phy2log, R, steps.count_steps)
@@ -340,11 +347,9 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                     balanced, optimum = balanced_loads(steps, layer, phy2log, R, counts, pairs)
                     distinct, tokens = balanced.distinct, balanced.tokens
                 else:
-                    table = tables[layer] if tables is not None else None
                     distinct, tokens = layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)
                     optimum = replica_optimum(counts > 0, phy2log, R)
-            extra = (rank_extra_blocks(steps, layer, phy2log, R, rule, cost_model,
-                                       tables[layer] if tables is not None else None)
+            extra = (rank_extra_blocks(steps, layer, phy2log, R, rule, cost_model, table)
                      if cost_model.needs_blocks(step_tokens) else 0)
             out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model, extra))
         return out
