@@ -54,7 +54,7 @@ the cost model") compares both with GPU replays. The output rows SGLang zeroes f
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
 from statistics import median
@@ -133,6 +133,11 @@ class Measured:
     fits_terms: bool = True             # whether the GPU's terms are fitted on it (not the config sweeps)
     c_at_steps: tuple[tuple[int, float], ...] = ()   # (step tokens, c) where c was measured at several steps
 
+    @property
+    def measured_r(self) -> bool:
+        """Whether the file measured its own row-block term (a config sweep's uneven points; 0 is a value)."""
+        return bool(self.c_at_steps) or self.cost.r_us_per_block > 0
+
     def __post_init__(self) -> None:
         if self.sglang_layout and self.top_k is None:
             raise MoeplaceError(f"{self.name}: measured with SGLang's layout but no top_k in its provenance")
@@ -165,15 +170,14 @@ class Calibration:
     us_per_k_step: float                # large-block config: fixed pipeline time per K step
     b_us_per_token: float               # per pair, the grid's row blocks taken out
     files: tuple[Measured, ...]
-    row_block_share: dict[int, float] | None = None   # BLOCK_SIZE_M -> r / a of the files that measured r
+    row_block_share: dict[int, float] = field(default_factory=dict)   # BLOCK_SIZE_M -> r / a where r was measured
 
-    def row_block_us(self, m_or_a: "Measured | float", block_m: int) -> float:
+    def row_block_us(self, a: float, block_m: int, m: Measured | None = None) -> float:
         """r of a line: its file's own where it measured one (a config sweep: its uneven points, 0 where the
         pairs' term took their cost), else ``row_block_share[block_m]`` of its a."""
-        if isinstance(m_or_a, Measured) and (m_or_a.c_at_steps or m_or_a.cost.r_us_per_block > 0):
-            return m_or_a.cost.r_us_per_block
-        a = m_or_a.cost.a_us_per_expert if isinstance(m_or_a, Measured) else m_or_a
-        return (self.row_block_share or {}).get(block_m, 0.0) * a
+        if m is not None and m.measured_r:
+            return m.cost.r_us_per_block
+        return self.row_block_share.get(block_m, 0.0) * a
 
     def grid_us(self, shape: ExpertShape, config: tuple[int, int, int], row_blocks: float) -> float:
         """µs of ``row_blocks`` row blocks of both GEMMs' grids (launches only)."""
@@ -340,12 +344,12 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
     if m is not None:
         a, b, c = measured_line(cal, m, top_k, step_tokens, local_slots)
         moved = "" if m.local_slots == local_slots else f", its grid moved from {m.local_slots} slots"
-        r = cal.row_block_us(m, config[0])
+        r = cal.row_block_us(a, config[0], m)
         return CostModel(round(a, 4), round(b, 4), round(c, 3),
                          {**m.cost.provenance, "derived_from": m.name, "top_k": top_k, "step_tokens": step_tokens,
                           "config_tokens": config_tokens or step_tokens, "kernel_config": list(config),
-                          "local_slots": local_slots, "row_block_term": "measured" if m.c_at_steps
-                          or m.cost.r_us_per_block > 0 else "the measured files' share of a"},
+                          "local_slots": local_slots,
+                          "row_block_term": "measured" if m.measured_r else "the measured files' share of a"},
                          f"{where}: measured ({m.name}{moved}; {grid}, BLOCK_SIZE_M {config[0]})",
                          round(r, 4), config[0])
     a, b, c = formula_cost(cal, shape, local_slots, top_k, step_tokens, config_tokens)
