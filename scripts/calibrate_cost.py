@@ -39,6 +39,7 @@ import numpy as np
 # moeplace from this checkout, also on a GPU machine where it is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeplace.cost_derive import sglang_sorted_rows  # noqa: E402
+from moeplace.costmodel import extra_row_blocks  # noqa: E402
 
 COPIES = 4
 L2_FLUSH_BYTES = 2 * 60 << 20   # twice the H200's L2: reads of at least this leave no weight cached for the next replay
@@ -453,11 +454,6 @@ def row_block_counts(slots: int, step_pairs: int, block_m: int, inter: int, conf
     return out
 
 
-def row_blocks(counts: list[int], block_m: int) -> int:
-    """Row blocks the fused MoE kernel runs for these per-slot counts: ceil(count / BM) each."""
-    return sum(-(-c // block_m) for c in counts)
-
-
 def measure_config_sweep(sgl, label: str, reps: int) -> dict:
     """One ``CONFIG_SWEEPS`` entry: every point at its step size, through ``StaticStep``: even spreads of pairs
     over experts (``config_sweep_points``), then uneven ones with experts of several row blocks."""
@@ -473,7 +469,9 @@ def measure_config_sweep(sgl, label: str, reps: int) -> dict:
     work += [(big, c) for c in row_block_counts(slots, big.pairs, bm, inter, step.cfg)]
     rows = []
     for at, counts in work:
-        rows.append({"distinct": len(counts), "tokens": sum(counts), "row_blocks": row_blocks(counts, bm),
+        # every slot of a workload has pairs: its experts' first blocks, then the blocks past them
+        rows.append({"distinct": len(counts), "tokens": sum(counts),
+                     "row_blocks": len(counts) + int(extra_row_blocks(counts, bm)),
                      "us": at.time_us(counts, reps), "config_m": at.step_tokens, "step_pairs": at.pairs,
                      "config": at.cfg})
     shape = dict(hidden=hidden, inter=inter, n_local=slots, top_k=top_k)
