@@ -83,7 +83,7 @@ def _block_table_kernel(kv_indptr, kv_indices, Table, Seqlens, stride_table,
 
 @triton.jit
 def _chunk_span(n, CHUNKS: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """Tokens per chunk of an n-token prefix: cdiv(cdiv(n, 64), CHUNKS) whole pages, >= 1."""
+    """Tokens per chunk of an n-token prefix: cdiv(cdiv(n, PAGE_SIZE), CHUNKS) whole pages, >= 1."""
     return tl.maximum(tl.cdiv(tl.cdiv(n, PAGE_SIZE), CHUNKS), 1) * PAGE_SIZE
 
 
