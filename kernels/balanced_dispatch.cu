@@ -21,15 +21,17 @@
 //      that has a replica on b); a BFS level is one ballot, a parent the lowest set bit;
 //   6. output: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1.
 //
-// The rule by cost (moeplace_cost_dispatch; the kernel's kCost instantiation) adds, when the step has at
-// least q valid (token, expert) pairs:
+// The rule by cost (moeplace_weighted_cost_dispatch; the kernel's kCost instantiation) adds, when the step has
+// at least read / pair valid (token, expert) pairs or, with the row-block term, an expert past its first block:
 //   5b. moves, up to max_rounds <= kMaxSplit, on all threads: warp 0 leaves each rank's (load, tok) in shared
-//      memory; a rank costs q * load + tok. A round is one search and at most one move: each warp finds the
-//      maximum cost and the ranks at it (a ballot), each thread takes one list expert (an expert with no tokens
-//      on a rank at the maximum is skipped at once) and scores its moves of cost_rule_step (all of its tokens
-//      on a rank at the maximum to another replica, or the share that levels the two) as 64-bit keys whose
-//      order is the rule's (the two ranks' higher cost, a whole move first, list position = expert id order,
-//      source, target). Warp minima go to shared memory; after a barrier every warp reduces them itself, so
+//      memory, and (with the row-block term) all threads add each rank's row blocks beyond its experts' first
+//      (the one-replica experts' were counted in phase 3); a rank costs read * load + pair * tok + block *
+//      blocks. A round is one search and at most one move: each warp finds the maximum cost and the ranks at it
+//      (a ballot), each thread takes one list expert (an expert with no tokens on a rank at the maximum is
+//      skipped at once) and scores its moves of cost_rule_step (all of its tokens on a rank at the maximum to
+//      another replica, the share that levels the two, or the tokens past its last full row block) as 64-bit
+//      keys whose order is the rule's (the two ranks' higher cost, the kind of move, list position = expert id
+//      order, source, target). Warp minima go to shared memory; after a barrier every warp reduces them itself, so
 //      all threads know the move without another broadcast, and the one thread that found it makes it (rank
 //      state, the expert's row, its list rank); a second barrier ends the round. A moved expert gets a row of
 //      a small table of its tokens per rank (its list rank becomes 32 + row; the row is the round of its first
@@ -107,9 +109,16 @@ struct Params {
   int num_rows_is_64;
   int rows, k, experts, ranks, max_augment;
   int stage_slots;        // 1: the slot table is copied to shared memory
-  int q;                  // rule by cost: pairs one expert read costs (kCost only)
+  // rule by cost (kCost only): a rank costs read * load + pair * tok + block * (row blocks beyond each expert's
+  // first, of block_m rows; block_m >= 1)
+  int read, pair, block, block_m;
   int max_rounds;         // rule by cost: moves per step, <= kMaxSplit (kCost only)
 };
+
+// Row blocks beyond the first of an expert with ``tokens`` on one rank.
+__device__ __forceinline__ int extra_blocks_of(int tokens, int block_m) {
+  return tokens > 0 ? (tokens - 1) / block_m : 0;
+}
 
 // Byte offsets of the dynamic shared memory, 16-byte aligned; the same function sizes the launch.
 struct SmemLayout {
@@ -255,18 +264,23 @@ __device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
 }
 
 // Phase 5b, every thread: the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step), each a round of
-// the search and one winner; returns the moves made. Rank r's state is (rank_load[r], rank_tok[r]); list
-// expert i's home is list_r[i], or 32 + its row of split_alloc (its tokens per rank) once moved.
+// the search and one winner; returns the moves made. Rank r's state is (rank_load[r], rank_tok[r],
+// rank_blk[r]); list expert i's home is list_r[i], or 32 + its row of split_alloc (its tokens per rank) once
+// moved.
 __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m, const short* list_c,
-                            unsigned char* list_r, int* rank_load, int* rank_tok, int (*split_alloc)[32],
-                            unsigned long long* warp_best) {
-  const int R = p.ranks, q = p.q, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+                            unsigned char* list_r, int* rank_load, int* rank_tok, int* rank_blk,
+                            int (*split_alloc)[32], unsigned long long* warp_best) {
+  const int R = p.ranks, A = p.read, B = p.pair, W = p.block, BM = p.block_m;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int pairs =
       static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_tok[lane]) : 0u));
+  const int blocks =
+      static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_blk[lane]) : 0u));
+  const bool search = B * pairs >= A || (W > 0 && blocks > 0);   // step 2 of cost_rule_step
   int round = 0;
 #pragma unroll 1
-  for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && pairs >= q && round < p.max_rounds; ++round) {
-    const int cost = lane < R ? q * rank_load[lane] + rank_tok[lane] : -1;
+  for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && search && round < p.max_rounds; ++round) {
+    const int cost = lane < R ? A * rank_load[lane] + B * rank_tok[lane] + W * rank_blk[lane] : -1;
     const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
     const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
     unsigned long long best = ~0ull;
@@ -285,23 +299,38 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
         sources &= sources - 1;
         const int here = j >= 0 ? split_alloc[j][src] : c;
         if (here <= 0) continue;
+        const int here_blk = W ? extra_blocks_of(here, BM) : 0;
         unsigned targets = m & ~(1u << src);
 #pragma unroll 1
         while (targets != 0) {
           const int r = __ffs(targets) - 1;
           targets &= targets - 1;
           const int there = j >= 0 ? split_alloc[j][r] : 0;
-          const int dest = q * rank_load[r] + rank_tok[r] + (there == 0 ? q : 0);
-          int value = max(top - q - here, dest + here), partial = 0, moved = here;
-          if (here >= 2) {
+          const int dest = A * rank_load[r] + B * rank_tok[r] + W * rank_blk[r] + (there == 0 ? A : 0);
+          const int there_blk = W ? extra_blocks_of(there, BM) : 0;
+          // the two ranks' higher cost after moving mv tokens (kinds: 0 whole, 1 levelling share, 2 the
+          // tokens past the last full row block)
+          auto after = [&](int mv) {
+            const int left = top - (mv == here ? A : 0) - B * mv -
+                             (W ? W * (here_blk - extra_blocks_of(here - mv, BM)) : 0);
+            const int arrived = dest + B * mv + (W ? W * (extra_blocks_of(there + mv, BM) - there_blk) : 0);
+            return max(left, arrived);
+          };
+          int value = after(here), kind = 0, moved = here;
+          if (B > 0 && here >= 2) {
             const int share = min(max((top - dest) / 2, 1), here - 1);   // C and Python agree from 1 up
-            const int level = max(top - share, dest + share);
-            if (level < value) value = level, partial = 1, moved = share;
+            const int level = after(share);
+            if (level < value) value = level, kind = 1, moved = share;
           }
-          // the rule's order: the two ranks' higher cost, a whole move first, expert (list order is id
-          // order), source, target
-          const unsigned long long key = (static_cast<unsigned long long>(value) << 23) |
-                                         (static_cast<unsigned long long>(partial) << 22) |
+          if (W > 0 && here > BM) {
+            const int past = here - BM * ((here - 1) / BM);
+            const int shed = after(past);
+            if (shed < value) value = shed, kind = 2, moved = past;
+          }
+          // the rule's order: the two ranks' higher cost, the kind, expert (list order is id order), source,
+          // target
+          const unsigned long long key = (static_cast<unsigned long long>(value) << 24) |
+                                         (static_cast<unsigned long long>(kind) << 22) |
                                          (static_cast<unsigned long long>(i) << 10) |
                                          static_cast<unsigned long long>(src << 5 | r);
           if (key < best) best = key, best_i = i, best_home = home, best_moved = moved, best_here = here,
@@ -314,17 +343,22 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
     if (lane == 0) warp_best[warp] = chosen;
     __syncthreads();
     chosen = warp_min(lane < kWarps ? warp_best[lane] : ~0ull);
-    if (chosen == ~0ull || static_cast<int>(chosen >> 23) >= top) break;
+    if (chosen == ~0ull || static_cast<int>(chosen >> 24) >= top) break;
     if (best == chosen) {   // the one thread that found the move makes it
       const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
       const int j = best_home >= 32 ? best_home - 32 : round;   // a first move: row `round`, still zeros
-      split_alloc[j][src] = best_here - best_moved;
-      split_alloc[j][r] = best_there + best_moved;
+      const int left = best_here - best_moved, arrived = best_there + best_moved;
+      split_alloc[j][src] = left;
+      split_alloc[j][r] = arrived;
       list_r[best_i] = static_cast<unsigned char>(32 + j);
       rank_tok[src] -= best_moved;
-      rank_load[src] -= best_here == best_moved;
+      rank_load[src] -= left == 0;
       rank_tok[r] += best_moved;
       rank_load[r] += best_there == 0;
+      if (W) {
+        rank_blk[src] += extra_blocks_of(left, BM) - extra_blocks_of(best_here, BM);
+        rank_blk[r] += extra_blocks_of(arrived, BM) - extra_blocks_of(best_there, BM);
+      }
     }
     __syncthreads();
   }
@@ -342,7 +376,8 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   __shared__ int split_alloc[kSplit][32];        // tokens of moved expert j on rank r
   __shared__ unsigned split_nz[kSplit];          // its ranks with tokens
   __shared__ int split_count[kSplitWarps][kSplit];
-  __shared__ int rank_load[kCost ? 32 : 1], rank_tok[kCost ? 32 : 1];
+  __shared__ int rank_load[kCost ? 32 : 1], rank_tok[kCost ? 32 : 1], rank_blk[kCost ? 32 : 1];
+  __shared__ int single_blk[kCost ? 32 : 1];     // row blocks past the first of the rank's one-replica experts
   __shared__ unsigned long long warp_best[kSplitWarps];
   __shared__ int split_used;
   const int E = p.experts, R = p.ranks, entries = p.rows * p.k;
@@ -376,6 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   if (tid < 32) {
     single_load[tid] = 0;
     single_tok[tid] = 0;
+    if constexpr (kCost) single_blk[tid] = 0;
   }
   if constexpr (kCost) {   // a move's row starts at zero
 #pragma unroll 1
@@ -414,6 +450,9 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       const int r = __ffs(m) - 1;
       atomicAdd(&single_load[r], 1);
       atomicAdd(&single_tok[r], c);
+      if constexpr (kCost) {
+        if (p.block > 0 && c > p.block_m) atomicAdd(&single_blk[r], extra_blocks_of(c, p.block_m));
+      }
     }
     const unsigned ballot = __ballot_sync(kFull, multi);
     if (lane == 0) warp_multi[warp] = __popc(ballot);
@@ -498,6 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
     if constexpr (kCost) {   // the moves' start
       rank_load[lane] = load;
       rank_tok[lane] = tok;
+      rank_blk[lane] = single_blk[lane];
     }
     if constexpr (!kCost) {
       rank_key[lane] = rank_key_of(load, tok, lane);
@@ -507,8 +547,14 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
   }
   if constexpr (kCost) {
     __syncthreads();
-    const int moves =
-        move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, split_alloc, warp_best);
+    if (p.block > 0) {   // the list experts' row blocks on the rank the balanced rule gave them
+#pragma unroll 1
+      for (int i = tid; i < listed; i += kThreads)
+        if (list_c[i] > p.block_m) atomicAdd(&rank_blk[list_r[i]], extra_blocks_of(list_c[i], p.block_m));
+      __syncthreads();
+    }
+    const int moves = move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, rank_blk, split_alloc,
+                                   warp_best);
     if (warp == 0) {
       int split = 0;                                  // experts whose tokens stay on two ranks or more
 #pragma unroll 1
@@ -577,20 +623,23 @@ int moeplace_balanced_dispatch_smem(int experts, int ranks, int entries, int id_
 int moeplace_balanced_dispatch(const void* ids, void* out, const int* masks, const int* slots,
                                const void* num_rows, int num_rows_is_64, int ids_are_64, int rows,
                                int k, int experts, int ranks, int max_augment, void* stream) {
-  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0, 0, 0};
+  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0, 0, 0, 0, 1, 0};
   const int smem = moeplace_balanced_dispatch_smem(experts, ranks, rows * k, ids_are_64 ? 8 : 4,
                                                    &p.stage_slots);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return ids_are_64 ? launch<long long, false>(p, smem, s) : launch<int, false>(p, smem, s);
 }
 
-// The rule by cost (q >= 1 pairs per expert read, max_rounds in [0, 32] moves); otherwise as above.
-int moeplace_cost_dispatch(const void* ids, void* out, const int* masks, const int* slots, const void* num_rows,
-                           int num_rows_is_64, int ids_are_64, int rows, int k, int experts, int ranks,
-                           int max_augment, int q, int max_rounds, void* stream) {
-  if (q < 1 || max_rounds < 0 || max_rounds > kMaxSplit) return static_cast<int>(cudaErrorInvalidValue);
-  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0, q,
-           max_rounds};
+// The rule by cost: a rank costs read * load + pair * tok + block * extra row blocks of block_m rows (read >= 1,
+// pair and block >= 0, block_m >= 1 where block > 0), max_rounds in [0, 32] moves; otherwise as above.
+int moeplace_weighted_cost_dispatch(const void* ids, void* out, const int* masks, const int* slots,
+                                    const void* num_rows, int num_rows_is_64, int ids_are_64, int rows, int k,
+                                    int experts, int ranks, int max_augment, int read, int pair, int block,
+                                    int block_m, int max_rounds, void* stream) {
+  if (read < 1 || pair < 0 || block < 0 || (block > 0 && block_m < 1) || max_rounds < 0 || max_rounds > kMaxSplit)
+    return static_cast<int>(cudaErrorInvalidValue);
+  Params p{ids, out, masks, slots, num_rows, num_rows_is_64, rows, k, experts, ranks, max_augment, 0,
+           read, pair, block, block > 0 ? block_m : 1, max_rounds};
   const int smem = moeplace_balanced_dispatch_smem(experts, ranks, rows * k, ids_are_64 ? 8 : 4,
                                                    &p.stage_slots);
   cudaStream_t s = static_cast<cudaStream_t>(stream);

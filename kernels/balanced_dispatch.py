@@ -37,14 +37,14 @@ from typing import Optional
 import torch
 
 from moeplace.balanced import MAX_AUGMENT
-from moeplace.cost_dispatch import MAX_ROUNDS
+from moeplace.cost_dispatch import MAX_ROUNDS, MAX_WEIGHT, RuleWeights
 from moeplace_kernels import balanced_dispatch_cuda
 
 MAX_ENTRIES = 8192   # N * K (576 token rows of top-8 is 4608): the token field of the packed rank key is 14 bits
 MAX_EXPERTS = 4096   # the tested bound; CUDA kernel: 8E + 9 min(E, N*K) + N*K*id bytes of shared memory
 MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
 UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
-MAX_Q = 1 << 16      # rule by cost: q * distinct + tokens stays far inside 32 bits (distinct <= 4096)
+MAX_Q = MAX_WEIGHT   # rule by cost: a rank's weighted cost stays far inside 32 bits (distinct <= 4096)
 MAX_MOVES = 32       # rule by cost: rows of the CUDA kernel's table of split experts
 BACKENDS = ("auto", "cuda", "triton")
 
@@ -65,26 +65,47 @@ def balanced_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.
     return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, None, 0, backend)
 
 
-def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor, q: int,
+def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tensor, weights: RuleWeights | int,
                   num_rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                   max_augment: Optional[int] = MAX_AUGMENT, max_rounds: int = MAX_ROUNDS, *,
                   backend: str = "auto") -> torch.Tensor:
     """Physical slot ids [N, K] of ``topk_ids`` by the rule by cost (``moeplace.cost_dispatch``).
 
-    q: (token, expert) pairs one expert read costs (``moeplace.cost_dispatch.pairs_per_read``), 1 to MAX_Q;
-    max_rounds: moves after the balanced rule, 0 to MAX_MOVES. The rest as :func:`balanced_dispatch`.
-    Where no step can reach q pairs (N * K < q: a verify batch of 9 tokens against q = 281) or no move is
-    allowed, the rule is the balanced one, and the balanced kernel runs (the same output, sooner).
+    weights: ``moeplace.cost_dispatch.RuleWeights`` (``rule_weights`` of a cost model), or an int q, the
+    (token, expert) pairs one expert read costs (``RuleWeights(q)``); read 1 to MAX_WEIGHT, pair and block 0
+    to MAX_WEIGHT, block_m 1 to MAX_ENTRIES where block > 0. max_rounds: moves after the balanced rule, 0 to
+    MAX_MOVES. The rest as :func:`balanced_dispatch`. Where no step can search a move (fewer pairs than one
+    read costs, N * K * pair < read, and no expert past a row block, N <= block_m: a verify batch of 9 tokens
+    against q = 281) or no move is allowed, the rule is the balanced one, and the balanced kernel runs (the
+    same output, sooner).
     """
-    for name, value, low, high in (("q", q, 1, MAX_Q), ("max_rounds", max_rounds, 0, MAX_MOVES)):
+    w = check_weights(weights)
+    if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or not 0 <= max_rounds <= MAX_MOVES:
+        raise ValueError(f"max_rounds must be an int from 0 to {MAX_MOVES}, got {max_rounds!r}")
+    rows = topk_ids.shape[0] if topk_ids.dim() else 0
+    blocks = w.block > 0 and rows > w.block_m
+    if max_rounds == 0 or (w.pair * topk_ids.numel() < w.read and not blocks):   # shapes known at capture:
+        return balanced_dispatch(topk_ids, masks, slots, num_rows, out, max_augment, backend=backend)   # the same
+    return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, w, max_rounds, backend)      # kernel always
+
+
+def check_weights(weights: RuleWeights | int) -> RuleWeights:
+    """``weights`` as RuleWeights, or ValueError (one line) for values the kernels cannot take."""
+    if isinstance(weights, int) and not isinstance(weights, bool):
+        weights = RuleWeights(weights)
+    if not isinstance(weights, RuleWeights):
+        raise ValueError(f"q must be an int from 1 to {MAX_WEIGHT} (or weights, RuleWeights), got {weights!r}")
+    for name, low, high in (("read", 1, MAX_WEIGHT), ("pair", 0, MAX_WEIGHT), ("block", 0, MAX_WEIGHT)):
+        value = getattr(weights, name)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise ValueError(f"{name} must be an int from {low} to {high}, got {value!r}")
-    if max_rounds == 0 or topk_ids.numel() < q:   # a shape known at capture: the same kernel every replay
-        return balanced_dispatch(topk_ids, masks, slots, num_rows, out, max_augment, backend=backend)
-    return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, q, max_rounds, backend)
+            what = "q" if name == "read" else name
+            raise ValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
+    if weights.block and not (isinstance(weights.block_m, int) and 1 <= weights.block_m <= MAX_ENTRIES):
+        raise ValueError(f"block_m must be an int from 1 to {MAX_ENTRIES} where block > 0, got {weights.block_m!r}")
+    return weights
 
 
-def _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, q: Optional[int], max_rounds: int,
+def _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, weights: Optional[RuleWeights], max_rounds: int,
               backend: str) -> torch.Tensor:
     _check(topk_ids, masks, slots, num_rows, out, max_augment)
     if out is None:
@@ -94,11 +115,11 @@ def _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, q: Optional[in
     augment = UNLIMITED if max_augment is None else int(max_augment)
     if _backend_for(topk_ids.device, backend) == "cuda":
         library = balanced_dispatch_cuda.load(torch.cuda.get_device_capability(topk_ids.device))
-        launch_cuda(library, topk_ids, masks, slots, num_rows, out, augment, q, max_rounds)
+        launch_cuda(library, topk_ids, masks, slots, num_rows, out, augment, weights, max_rounds)
     else:
         from moeplace_kernels import balanced_dispatch_triton
 
-        balanced_dispatch_triton.launch(topk_ids, masks, slots, num_rows, out, augment, q, max_rounds)
+        balanced_dispatch_triton.launch(topk_ids, masks, slots, num_rows, out, augment, weights, max_rounds)
     return out
 
 
@@ -162,9 +183,9 @@ def _backend_for(device: torch.device, requested: str) -> str:
 
 def launch_cuda(library: balanced_dispatch_cuda.DispatchLibrary, topk_ids: torch.Tensor, masks: torch.Tensor,
                 slots: torch.Tensor, num_rows: Optional[torch.Tensor], out: torch.Tensor, max_augment: int,
-                q: Optional[int] = None, max_rounds: int = MAX_ROUNDS) -> None:
-    """One launch of ``library`` (the CUDA kernel, or a benchmark build of it) on checked inputs; with ``q``,
-    the rule by cost."""
+                weights: Optional[RuleWeights | int] = None, max_rounds: int = MAX_ROUNDS) -> None:
+    """One launch of ``library`` (the CUDA kernel, or a benchmark build of it) on checked inputs; with
+    ``weights`` (``check_weights``), the rule by cost."""
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
     common = (topk_ids.data_ptr(), out.data_ptr(), masks.data_ptr(), slots.data_ptr(),
@@ -172,10 +193,11 @@ def launch_cuda(library: balanced_dispatch_cuda.DispatchLibrary, topk_ids: torch
               num_rows is not None and num_rows.dtype == torch.int64,
               topk_ids.dtype == torch.int64, rows, k, experts, ranks, max_augment)
     stream = torch.cuda.current_stream(topk_ids.device).cuda_stream
-    if q is None:
+    if weights is None:
         library.launch(*common, stream)
     else:
-        library.launch_cost(*common, q, max_rounds, stream)
+        w = check_weights(weights)
+        library.launch_cost(*common, (w.read, w.pair, w.block, max(w.block_m, 1)), max_rounds, stream)
 
 
 # ----------------------------------------------------------------------------- input checks

@@ -34,10 +34,10 @@ class DispatchLibrary:
         lib = ctypes.CDLL(path)
         lib.moeplace_balanced_dispatch.argtypes = [_Ptr, _Ptr, _Ptr, _Ptr, _Ptr] + [_Int] * 7 + [_Ptr]
         lib.moeplace_balanced_dispatch.restype = _Int
-        self.has_cost = hasattr(lib, "moeplace_cost_dispatch")   # a benchmark build of an older source may lack it
+        self.has_cost = hasattr(lib, "moeplace_weighted_cost_dispatch")   # a benchmark build of an older source may lack it
         if self.has_cost:
-            lib.moeplace_cost_dispatch.argtypes = [_Ptr, _Ptr, _Ptr, _Ptr, _Ptr] + [_Int] * 9 + [_Ptr]
-            lib.moeplace_cost_dispatch.restype = _Int
+            lib.moeplace_weighted_cost_dispatch.argtypes = [_Ptr, _Ptr, _Ptr, _Ptr, _Ptr] + [_Int] * 12 + [_Ptr]
+            lib.moeplace_weighted_cost_dispatch.restype = _Int
         lib.moeplace_cuda_error_string.argtypes = [_Int]
         lib.moeplace_cuda_error_string.restype = ctypes.c_char_p
         self.path = path
@@ -54,13 +54,15 @@ class DispatchLibrary:
 
     def launch_cost(self, ids: int, out: int, masks: int, slots: int, num_rows: Optional[int],
                     num_rows_is_64: bool, ids_are_64: bool, rows: int, k: int, experts: int, ranks: int,
-                    max_augment: int, q: int, max_rounds: int, stream: int) -> None:
-        """One launch of the rule by cost (q pairs per expert read, up to max_rounds moves) on ``stream``."""
+                    max_augment: int, weights: tuple[int, int, int, int], max_rounds: int, stream: int) -> None:
+        """One launch of the rule by cost (weights: read, pair, block, block_m; up to max_rounds moves) on
+        ``stream``."""
         if not self.has_cost:
-            raise RuntimeError(f"{self.path} has no moeplace_cost_dispatch (a build of an older source)")
-        err = self._lib.moeplace_cost_dispatch(ids, out, masks, slots, num_rows, int(num_rows_is_64),
-                                               int(ids_are_64), rows, k, experts, ranks, max_augment, q,
-                                               max_rounds, stream)
+            raise RuntimeError(f"{self.path} has no moeplace_weighted_cost_dispatch (a build of an older source)")
+        read, pair, block, block_m = weights
+        err = self._lib.moeplace_weighted_cost_dispatch(ids, out, masks, slots, num_rows, int(num_rows_is_64),
+                                                        int(ids_are_64), rows, k, experts, ranks, max_augment,
+                                                        read, pair, block, block_m, max_rounds, stream)
         self._raise(err, "cost_dispatch")
 
     def _raise(self, err: int, name: str) -> None:

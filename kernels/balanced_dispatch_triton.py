@@ -53,8 +53,8 @@ def _or(a, b):
 
 @triton.jit
 def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_ptr,
-                             rows, k, experts, ranks, max_augment, q, max_rounds,
-                             ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr,
+                             rows, k, experts, ranks, max_augment, read, pair, block, block_m,
+                             max_rounds, ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr,
                              COST: tl.constexpr):
     RP: tl.constexpr = RANKS_PAD
     i = tl.arange(0, ENTRIES)
@@ -148,7 +148,7 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
 
     if COST:   # 3b. the rule by cost's moves, then the entries of the moved experts
         rank_entry = _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks,
-                                 q, max_rounds, E_PAD, RP)
+                                 read, pair, block, block_m, max_rounds, E_PAD, RP)
 
     # 4. slots: valid rows by the rule, padding rows the lowest replica rank, unknown ids -1
     slot = tl.load(slots_ptr + ids * ranks + rank_entry, mask=known, other=-1)
@@ -156,15 +156,50 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
 
 
 @triton.jit
-def _key(value, partial, expert, src, target):
-    """One candidate move as an int64 whose order is the rule's: value, a whole move first, expert, source, target."""
-    return (value << 23) | (partial << 22) | (expert << 10) | (src << 5) | target
+def _key(value, kind, expert, src, target):
+    """One candidate move as an int64 whose order is the rule's: value, kind (whole, levelling share, the tokens
+    past the last full row block), expert, source, target."""
+    return (value << 24) | (kind << 22) | (expert << 10) | (src << 5) | target
 
 
 @triton.jit
-def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks, q, max_rounds,
-                E_PAD: tl.constexpr, RP: tl.constexpr):
-    """Step 3 of ``cost_rule_step`` after the balanced rule; returns each entry's rank (see the module docstring)."""
+def _extra_blocks(tokens, block_m):
+    """Row blocks beyond the first of an expert with ``tokens`` on one rank."""
+    return tl.where(tokens > 0, (tokens - 1) // block_m, 0)
+
+
+@triton.jit
+def _after(moved, top, here, there, dest, read, pair, block, block_m):
+    """The higher cost of the two ranks after moving ``moved`` of ``here`` tokens onto ``there``; dest: the
+    target's cost with the read it gains where it had none."""
+    left = (top - tl.where(moved == here, read, 0) - pair * moved
+            - block * (_extra_blocks(here, block_m) - _extra_blocks(here - moved, block_m)))
+    arrived = dest + pair * moved + block * (_extra_blocks(there + moved, block_m) - _extra_blocks(there, block_m))
+    return tl.maximum(left, arrived)
+
+
+@triton.jit
+def _best_move(top, here, there, dest, read, pair, block, block_m):
+    """(value, kind) of the best move of ``here`` tokens onto a rank with ``there``: whole, the levelling share
+    (where pairs cost), or the tokens past the last full row block (where blocks cost); ties to the lower kind."""
+    value = _after(here, top, here, there, dest, read, pair, block, block_m)
+    kind = tl.zeros_like(value)
+    share = tl.minimum(tl.maximum((top - dest) // 2, 1), here - 1)
+    level = tl.where((pair > 0) & (here >= 2), _after(share, top, here, there, dest, read, pair, block, block_m), BIG)
+    kind = tl.where(level < value, 1, kind)
+    value = tl.minimum(level, value)
+    past = here - block_m * ((here - 1) // block_m)
+    shed = tl.where((block > 0) & (here > block_m), _after(past, top, here, there, dest, read, pair, block, block_m),
+                    BIG)
+    kind = tl.where(shed < value, 2, kind)
+    return tl.minimum(shed, value), kind
+
+
+@triton.jit
+def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks, read, pair, block,
+                block_m, max_rounds, E_PAD: tl.constexpr, RP: tl.constexpr):
+    """Step 3 of ``cost_rule_step`` after the balanced rule; returns each entry's rank (see the module docstring).
+    A rank costs read * load + pair * tok + block * blocks (row blocks beyond each expert's first)."""
     jj = tl.arange(0, SPLIT).to(tl.int64)
     split_alloc = tl.zeros([SPLIT, RP], tl.int64)   # tokens of moved expert j on rank r
     split_e = tl.full([SPLIT], -1, tl.int64)
@@ -172,22 +207,18 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
     row_of = tl.full([E_PAD], -1, tl.int64)           # the table row of a moved expert
     used = tl.full((), 0, tl.int64)
     pairs = tl.sum(tl.where(in_rank, tok, 0))
+    blocks = tl.sum(tl.where(pick[:, None] == r[None, :], _extra_blocks(cnt, block_m)[:, None], 0), axis=0)   # [RP]
     rounds = tl.full((), 0, tl.int32)
-    going = (pairs >= q) & (rounds < max_rounds)
+    going = ((pair * pairs >= read) | ((block > 0) & (tl.sum(blocks) > 0))) & (rounds < max_rounds)
     target_bit = ((m[:, None] >> r[None, :]) & 1) != 0          # [E_PAD, RP]
     while going:
-        cost = tl.where(in_rank, q * load + tok, -1)
+        cost = tl.where(in_rank, read * load + pair * tok + block * blocks, -1)
         top = tl.max(cost)
         # experts not moved yet: all of their tokens on their pick
         at_pick = r[None, :] == pick[:, None]
         cost_src = tl.sum(tl.where(at_pick, cost[None, :], 0), axis=1)
-        here = cnt[:, None]
-        dest = cost[None, :] + q
-        whole = tl.maximum(top - q - here, dest + here)
-        share = tl.minimum(tl.maximum((top - dest) // 2, 1), here - 1)
-        part = tl.where(here >= 2, tl.maximum(top - share, dest + share), BIG)
-        use_part = part < whole
-        key = _key(tl.minimum(whole, part), use_part.to(tl.int64), e[:, None], pick[:, None], r[None, :])
+        value, kind = _best_move(top, cnt[:, None], 0, cost[None, :] + read, read, pair, block, block_m)
+        key = _key(value, kind, e[:, None], pick[:, None], r[None, :])
         allowed = (multi & (row_of < 0) & (cost_src == top))[:, None] & target_bit & ~at_pick
         best = tl.min(tl.min(tl.where(allowed, key, BIG), axis=1))
         # experts moved before: their tokens per rank in the table, every source rank at the maximum
@@ -195,17 +226,14 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
         for src in range(0, ranks):
             a_src = tl.sum(tl.where(r[None, :] == src, split_alloc, 0), axis=1)[:, None]   # [SPLIT, 1]
             cost_s = tl.sum(tl.where(r == src, cost, 0))
-            dest = cost[None, :] + tl.where(split_alloc == 0, q, 0)
-            whole = tl.maximum(top - q - a_src, dest + a_src)
-            share = tl.minimum(tl.maximum((top - dest) // 2, 1), a_src - 1)
-            part = tl.where(a_src >= 2, tl.maximum(top - share, dest + share), BIG)
-            use_part = part < whole
-            key = _key(tl.minimum(whole, part), use_part.to(tl.int64), split_e[:, None], src, r[None, :])
+            dest = cost[None, :] + tl.where(split_alloc == 0, read, 0)
+            value_s, kind_s = _best_move(top, a_src, split_alloc, dest, read, pair, block, block_m)
+            key = _key(value_s, kind_s, split_e[:, None], src, r[None, :])
             allowed = (jj < used)[:, None] & (a_src > 0) & (cost_s == top) & row_bit & (r[None, :] != src)
             best = tl.minimum(best, tl.min(tl.min(tl.where(allowed, key, BIG), axis=1)))
-        going = (best < BIG) & ((best >> 23) < top)
+        going = (best < BIG) & ((best >> 24) < top)
         if going:
-            partial = (best >> 22) & 1
+            chosen_kind = (best >> 22) & 3
             ex = (best >> 10) & 4095
             src = (best >> 5) & 31
             tgt = best & 31
@@ -224,14 +252,18 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
             alloc = tl.sum(tl.where(in_row, split_alloc, 0), axis=0)   # [RP]
             had_src = tl.sum(tl.where(r == src, alloc, 0))
             had_tgt = tl.sum(tl.where(r == tgt, alloc, 0))
-            dest = tl.sum(tl.where(r == tgt, cost, 0)) + tl.where(had_tgt == 0, q, 0)
+            dest = tl.sum(tl.where(r == tgt, cost, 0)) + tl.where(had_tgt == 0, read, 0)
             share = tl.minimum(tl.maximum((top - dest) // 2, 1), had_src - 1)
-            moved = tl.where(partial == 1, share, had_src)
+            past = had_src - block_m * ((had_src - 1) // block_m)
+            moved = tl.where(chosen_kind == 1, share, tl.where(chosen_kind == 2, past, had_src))
             split_alloc = (split_alloc - tl.where(in_row & (r[None, :] == src), moved, 0)
                            + tl.where(in_row & (r[None, :] == tgt), moved, 0))
             tok = tok - tl.where(r == src, moved, 0) + tl.where(r == tgt, moved, 0)
             load = (load - tl.where((r == src) & (had_src == moved), 1, 0)
                     + tl.where((r == tgt) & (had_tgt == 0), 1, 0))
+            blocks = (blocks
+                      + tl.where(r == src, _extra_blocks(had_src - moved, block_m) - _extra_blocks(had_src, block_m), 0)
+                      + tl.where(r == tgt, _extra_blocks(had_tgt + moved, block_m) - _extra_blocks(had_tgt, block_m), 0))
             rounds += 1
             going = rounds < max_rounds
     for j in range(0, used):   # a moved expert's valid entries: its ranks in increasing order, entry order
@@ -249,15 +281,15 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
 MIN_ENTRIES = 32   # entries are padded to a power of two >= this: few compiled variants
 
 
-def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, q: int | None = None,
-           max_rounds: int = 0) -> None:
-    """Run the kernel on checked inputs (see ``balanced_dispatch.balanced_dispatch``); with ``q``, the rule by
-    cost (``balanced_dispatch.cost_dispatch``)."""
+def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, weights=None, max_rounds: int = 0) -> None:
+    """Run the kernel on checked inputs (see ``balanced_dispatch.balanced_dispatch``); with ``weights``
+    (``moeplace.cost_dispatch.RuleWeights``), the rule by cost (``balanced_dispatch.cost_dispatch``)."""
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
     e_pad = triton.next_power_of_2(experts + 1)   # one bin past the experts for ignored entries
+    w = (weights.read, weights.pair, weights.block, max(weights.block_m, 1)) if weights is not None else (1, 0, 0, 1)
     balanced_dispatch_kernel[(1,)](
         topk_ids, masks, slots, num_rows if num_rows is not None else masks, out,
-        rows, k, experts, ranks, max_augment, q or 1, max_rounds,
+        rows, k, experts, ranks, max_augment, *w, max_rounds,
         ENTRIES=max(MIN_ENTRIES, triton.next_power_of_2(rows * k)), E_PAD=e_pad,
-        HAS_NUM_ROWS=num_rows is not None, COST=q is not None, num_warps=1 if e_pad <= 1024 else 4)
+        HAS_NUM_ROWS=num_rows is not None, COST=weights is not None, num_warps=1 if e_pad <= 1024 else 4)

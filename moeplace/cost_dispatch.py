@@ -12,9 +12,11 @@ and the answer is balanced dispatch's (``moeplace.balanced``: one replica per ex
 experts on the busiest rank); at large batch every replica is read anyway and the token term decides,
 as SGLang's LPLB assumes.
 
-In units of one (token, expert) pair, an expert read costs ``q = round(a / b)`` pairs
-(``pairs_per_read``), so a rank's cost is the integer ``q * distinct + tokens``: every rank computes
-the same choice from the same ids, with no floating-point ties.
+The rule works in integers (``RuleWeights``, from the cost model by ``rule_weights``): a rank costs
+``read * distinct + pair * tokens + block * extra_blocks``. Where tokens cost anything, the unit is one
+(token, expert) pair (``pair = 1``, ``read = q = round(a / b)``, ``block = round(r / b)``); where only reads and
+row blocks do, ``pair = 0`` and ``read = READ_UNIT``. Every rank computes the same choice from the same ids,
+with no floating-point ties.
 
 * ``exact_split``: the problem as a MILP (``scipy.optimize.milp``), the oracle for the tests and the
   evaluation; it returns HiGHS's proven lower bound beside the best allocation found.
@@ -22,17 +24,18 @@ the same choice from the same ids, with no floating-point ties.
   steps at once):
 
   1. the balanced rule (``balanced.fast_rule``, with its GPU cap on augmenting paths);
-  2. a step whose (token, expert) pairs are fewer than ``q`` keeps it: one more read on the busiest
-     rank then costs more than all of the step's tokens, so the model's optimum also has the fewest
-     distinct experts there, and what moving tokens could still gain is under ``b * pairs`` (at a
-     9-token Kimi-shaped step under 3 µs of a ~170 µs layer). This makes the rule balanced dispatch,
-     pick for pick, at verify batch;
+  2. a step with fewer pairs than one read costs (``pair * pairs < read``) where no expert runs past its
+     first row block keeps it: one more read on the busiest rank then costs more than all of the step's
+     tokens, so the model's optimum also has the fewest distinct experts there, and what moving tokens
+     could still gain is under ``b * pairs`` (at a 9-token Kimi-shaped step under 3 µs of a ~170 µs layer).
+     This makes the rule balanced dispatch, pick for pick, at verify batch;
   3. otherwise, up to ``MAX_ROUNDS`` times: on every rank r at the maximum cost, for every expert with
-     tokens there and a replica on another rank r', the better of moving all of its tokens to r' (r
-     sheds a read) and moving the share that levels the two ranks (r' may gain a read); take the move
-     whose two ranks end highest the lowest (ties: a whole move, then the lowest expert id, source
-     rank, target rank), if both end below the maximum; else stop. Each move lowers the maximum or the
-     number of ranks at it, so the rule never ends above balanced dispatch's cost.
+     tokens there and a replica on another rank r', the best of moving all of its tokens to r' (r sheds a
+     read), moving the share that levels the two ranks (where tokens cost: r' may gain a read) and moving
+     what it runs past its last full row block (where blocks cost: r sheds a block); take the move whose two
+     ranks end highest the lowest (ties: a whole move, then a levelling share, then the lowest expert id,
+     source rank, target rank), if both end below the maximum; else stop. Each move lowers the maximum or
+     the number of ranks at it, so the rule never ends above balanced dispatch's cost.
 
 A split expert's tokens go to its ranks in increasing rank order, in token-row order
 (``pair_slots``).
@@ -50,51 +53,97 @@ from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps
 
 MAX_ROUNDS = 16   # moves per step after the balanced rule (BENCHMARKS.md: how many the evaluated steps used)
+READ_UNIT = 4096  # an expert read where tokens are free (pair = 0): fine enough for the ratio of r to a
+MAX_WEIGHT = 1 << 16   # read and block at most: a rank's cost stays far inside 32 bits (distinct <= 4096)
+WHOLE, LEVEL, BLOCK = 0, 1, 2    # the kinds of move, in their tie order
 
 
-def pairs_per_read(cost: CostModel) -> int | None:
-    """q: how many (token, expert) pairs cost as much as one expert read (None when tokens are free)."""
-    if cost.b_us_per_token <= 0:
-        return None
-    return max(1, int(round(cost.a_us_per_expert / cost.b_us_per_token)))
+@dataclass(frozen=True)
+class RuleWeights:
+    """A rank's integer cost under the rule: ``read * distinct + pair * tokens + block * extra_blocks``, the
+    extra row blocks counted in blocks of ``block_m`` rows (``moeplace.costmodel``; block 0: not counted)."""
+
+    read: int
+    pair: int = 1
+    block: int = 0
+    block_m: int = 0
+
+    def extra_blocks(self, tokens: np.ndarray) -> np.ndarray:
+        """Row blocks beyond the first of an expert with ``tokens`` on one rank (0 where block is 0)."""
+        tokens = np.asarray(tokens, np.int64)
+        if not self.block:
+            return np.zeros_like(tokens)
+        return np.where(tokens > 0, (tokens - 1) // self.block_m, 0)
+
+
+def rule_weights(cost: CostModel) -> RuleWeights | None:
+    """The rule's integer weights for ``cost`` (None when only expert reads cost: the balanced rule)."""
+    a, b, r = cost.a_us_per_expert, cost.b_us_per_token, cost.r_us_per_block
+    blocks = r > 0 and cost.block_m > 0
+    if b > 0:
+        return RuleWeights(min(MAX_WEIGHT, max(1, round(a / b))), 1,
+                           min(MAX_WEIGHT, round(r / b)) if blocks else 0, cost.block_m if blocks else 0)
+    if blocks and a > 0:
+        return RuleWeights(READ_UNIT, 0, min(MAX_WEIGHT, max(1, round(READ_UNIT * r / a))), cost.block_m)
+    return None
+
+
+def _weights(weights: RuleWeights | int | None) -> RuleWeights | None:
+    """A plain q is ``RuleWeights(q)``: reads and pairs only."""
+    return RuleWeights(weights) if isinstance(weights, (int, np.integer)) else weights
+
+
+def moves_possible(weights: RuleWeights | None, pairs: int, extra_blocks: int) -> bool:
+    """Step 2: whether a step of ``pairs`` with ``extra_blocks`` under the balanced rule searches moves."""
+    if weights is None:
+        return False
+    return weights.pair * pairs >= weights.read or (weights.block > 0 and extra_blocks > 0)
 
 
 # ----------------------------------------------------------------------------- one step (the rule)
 
-def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None,
+def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: RuleWeights | int | None,
                    max_rounds: int = MAX_ROUNDS, max_augment: int | None = MAX_AUGMENT) -> np.ndarray:
     """alloc [E, R]: tokens of each expert on each rank, by the fast rule (see the module docstring).
 
-    counts: [E] tokens per expert in this step; masks: [E] replica ranks (``ReplicaLayout.masks``).
+    counts: [E] tokens per expert in this step; masks: [E] replica ranks (``ReplicaLayout.masks``);
+    weights: ``rule_weights`` (an int q: reads and pairs only; None: the balanced rule).
     Written for clarity: this is the statement the vectorised version (and a GPU one) must match.
     """
+    w = _weights(weights)
     counts = np.asarray(counts, np.int64)
     E = counts.shape[0]
     pick = fast_rule(counts[None, :], masks, ranks, max_augment).pick[0]
     alloc = np.zeros((E, ranks), np.int64)
     on = pick >= 0
     alloc[np.flatnonzero(on), pick[on]] = counts[on]
-    if q is None or counts.sum() < q:
+    if not moves_possible(w, int(counts.sum()), int(w.extra_blocks(counts).sum()) if w else 0):
         return alloc
     bits = mask_bits(masks, ranks)
     multi = np.flatnonzero(bits.sum(axis=1) > 1)
+    blk = lambda x: int(w.extra_blocks(x))
     for _ in range(max_rounds):
-        cost = q * (alloc > 0).sum(axis=0) + alloc.sum(axis=0)
+        cost = (w.read * (alloc > 0).sum(axis=0) + w.pair * alloc.sum(axis=0)
+                + w.block * w.extra_blocks(alloc).sum(axis=0))
         top = int(cost.max())
-        best = None          # (pair max, partial?, expert, source, target, tokens moved)
+        best = None          # (pair max, kind, expert, source, target, tokens moved)
         for e in multi:
             for src in np.flatnonzero((cost == top) & (alloc[e] > 0)):
                 here = int(alloc[e, src])
                 for r in np.flatnonzero(bits[e]):
                     if r == src:
                         continue
-                    dest = int(cost[r]) + (q if alloc[e, r] == 0 else 0)
-                    options = [(max(top - q - here, dest + here), 0, here)]
-                    if here >= 2:
-                        m = min(max((top - dest) // 2, 1), here - 1)
-                        options.append((max(top - m, dest + m), 1, m))
-                    for value, partial, m in options:
-                        key = (value, partial, int(e), int(src), int(r), m)
+                    there = int(alloc[e, r])
+                    dest = int(cost[r]) + (w.read if there == 0 else 0)
+                    moves = [(WHOLE, here)]
+                    if w.pair and here >= 2:
+                        moves.append((LEVEL, min(max((top - dest) // 2, 1), here - 1)))
+                    if w.block and here > w.block_m:
+                        moves.append((BLOCK, here - w.block_m * ((here - 1) // w.block_m)))
+                    for kind, m in moves:
+                        left = top - (w.read if m == here else 0) - w.pair * m - w.block * (blk(here) - blk(here - m))
+                        arrived = dest + w.pair * m + w.block * (blk(there + m) - blk(there))
+                        key = (max(left, arrived), kind, int(e), int(src), int(r), m)
                         if best is None or key < best:
                             best = key
         if best is None or best[0] >= top:
@@ -135,9 +184,10 @@ class CostDispatch:
         return out
 
 
-def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None, max_rounds: int = MAX_ROUNDS,
-              max_augment: int | None = MAX_AUGMENT) -> CostDispatch:
+def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: RuleWeights | int | None,
+              max_rounds: int = MAX_ROUNDS, max_augment: int | None = MAX_AUGMENT) -> CostDispatch:
     """``cost_rule_step`` for every row of ``counts [S, E]`` at once (the same allocations, vectorised)."""
+    w = _weights(weights)
     counts = np.asarray(counts, np.int64)
     S, E = counts.shape
     R = ranks
@@ -150,39 +200,60 @@ def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, q: int | None, 
     alloc[s, i, base.pick[s, multi[i]]] = counts[s, multi[i]]
     distinct, tokens = base.distinct.copy(), base.tokens.astype(np.int64)
     rounds = np.zeros(S, np.int64)
-    live = np.flatnonzero(counts.sum(axis=1) >= q) if q is not None and M else np.zeros(0, np.int64)
+    if w is None or not M:
+        return CostDispatch(multi, alloc, distinct, tokens, base.pick, rounds)
+    blk = w.extra_blocks
+    s, e = np.nonzero(base.pick >= 0)
+    blocks = np.bincount(s * R + base.pick[s, e], blk(counts[s, e]), S * R).astype(np.int64).reshape(S, R)
+    live = np.flatnonzero((w.pair * counts.sum(axis=1) >= w.read) | ((w.block > 0) & (blocks.sum(axis=1) > 0)))
     replica = bits[multi][None, :, :]                                     # [1, M, R]
-    big = np.iinfo(np.int64).max // 4
+    big = np.iinfo(np.int64).max // 8
     for _ in range(max_rounds):
         if not live.size:
             break
         n = live.size
         rows = np.arange(n)
-        a = alloc[live][:, :, :, None]                                    # [n, M, R source, 1]
-        cost = q * distinct[live] + tokens[live]                          # [n, R]
-        cmax = cost.max(axis=1)[:, None, None, None]
-        dest = (cost[:, None, None, :] + q * (alloc[live] == 0)[:, :, None, :])   # [n, M, 1, R target]
-        allowed = ((cost == cmax[:, 0, 0])[:, None, :, None] & (a > 0) & replica[:, :, None, :]
+        here = alloc[live][:, :, :, None]                                 # [n, M, R source, 1]
+        there = alloc[live][:, :, None, :]                                # [n, M, 1, R target]
+        cost = w.read * distinct[live] + w.pair * tokens[live] + w.block * blocks[live]   # [n, R]
+        top = cost.max(axis=1)[:, None, None, None]
+        dest = cost[:, None, None, :] + w.read * (there == 0)
+        allowed = ((cost == top[:, 0, 0])[:, None, :, None] & (here > 0) & replica[:, :, None, :]
                    & ~np.eye(R, dtype=bool)[None, None])
-        whole = np.maximum(cmax - q - a, dest + a)
-        share = np.clip((cmax - dest) // 2, 1, np.maximum(a - 1, 1))
-        part = np.where(a >= 2, np.maximum(cmax - share, dest + share), big)
-        use_part = part < whole
-        value = np.where(allowed, np.minimum(whole, part), big)
-        key = (value * 2 + use_part).reshape(n, -1)                      # ties: a whole move first, then
-        flat = key.argmin(axis=1)                                         # the lowest expert, source, target
-        ok = key[rows, flat] // 2 < cmax[:, 0, 0, 0]
-        live, rows, flat = live[ok], rows[ok], flat[ok]
+
+        def value(m):
+            left = top - w.read * (m == here) - w.pair * m - w.block * (blk(here) - blk(here - m))
+            return np.maximum(left, dest + w.pair * m + w.block * (blk(there + m) - blk(there)))
+
+        shares = [np.broadcast_to(here, allowed.shape)]                   # WHOLE, LEVEL, BLOCK
+        values = [np.where(allowed, value(here), big)]
+        if w.pair:
+            level = np.clip((top - dest) // 2, 1, np.maximum(here - 1, 1))
+            shares.append(level)
+            values.append(np.where(allowed & (here >= 2), value(level), big))
+        if w.block:
+            past = here - w.block_m * ((here - 1) // w.block_m)
+            shares.append(np.broadcast_to(past, allowed.shape))
+            values.append(np.where(allowed & (here > w.block_m), value(past), big))
+        kinds = [WHOLE] + ([LEVEL] if w.pair else []) + ([BLOCK] if w.block else [])
+        key = np.min([v * 4 + k for v, k in zip(values, kinds)], axis=0).reshape(n, -1)   # ties: the kind order,
+        flat = key.argmin(axis=1)                                                         # then expert, source,
+        chosen = key[rows, flat]                                                          # target
+        ok = chosen // 4 < top[:, 0, 0, 0]
+        live, rows, flat, kind = live[ok], rows[ok], flat[ok], chosen[ok] % 4
         i, src, r = flat // (R * R), flat // R % R, flat % R
-        m = np.where(use_part[rows, i, src, r], share[rows, i, src, r], alloc[live, i, src])
-        emptied = m == alloc[live, i, src]
-        opened = alloc[live, i, r] == 0
+        m = np.zeros(live.size, np.int64)
+        for k, share in zip(kinds, shares):
+            m = np.where(kind == k, share[rows, i, src, r], m)
+        had, got = alloc[live, i, src], alloc[live, i, r]
         alloc[live, i, src] -= m
         alloc[live, i, r] += m
         tokens[live, src] -= m
         tokens[live, r] += m
-        distinct[live, src] -= emptied
-        distinct[live, r] += opened
+        distinct[live, src] -= m == had
+        distinct[live, r] += got == 0
+        blocks[live, src] += blk(had - m) - blk(had)
+        blocks[live, r] += blk(got + m) - blk(got)
         rounds[live] += 1
     return CostDispatch(multi, alloc, distinct, tokens, base.pick, rounds)
 
@@ -313,7 +384,7 @@ PLACED_AS = {"cost": "balanced"}    # the cost rule's spare slots are placed as 
 def layer_dispatch(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> CostDispatch:
     """The fast rule on every step of ``steps`` at one layer (``phy2log [P]`` its map)."""
     masks = replica_layout(phy2log, steps.model.num_experts, ranks).masks
-    return cost_rule(step_expert_counts(steps, layer), masks, ranks, pairs_per_read(cost))
+    return cost_rule(step_expert_counts(steps, layer), masks, ranks, rule_weights(cost))
 
 
 def pair_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from moeplace.advise import resample_requests
 from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
-from moeplace.cost_dispatch import cost_rule, pairs_per_read
+from moeplace.cost_dispatch import cost_rule, rule_weights
 from moeplace.costmodel import CostModel
 from moeplace.lplb import expected_loads, lp_problem, slot_probabilities
 from moeplace.metrics import layer_rank_loads, static_dispatch_table, token_slot_pairs
@@ -75,7 +75,7 @@ def rule_loads(batches: Batches, layer: int, phy2log: np.ndarray, ranks: int, ru
     elif rule == "cost":
         if cost is None:
             raise ValueError("the cost rule needs a cost model")
-        chosen = cost_rule(counts, masks, ranks, pairs_per_read(cost))
+        chosen = cost_rule(counts, masks, ranks, rule_weights(cost))
     else:
         raise ValueError(f"unknown rule {rule!r}; one of {', '.join(RULES)}")
     return chosen.distinct, chosen.tokens

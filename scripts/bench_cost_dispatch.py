@@ -36,7 +36,7 @@ import numpy as np
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.balanced import replica_layout, step_expert_counts
 from moeplace.commands.costing import Costing
-from moeplace.cost_dispatch import allocation_cost, cost_rule, exact_split, pairs_per_read
+from moeplace.cost_dispatch import allocation_cost, cost_rule, exact_split, rule_weights
 from moeplace.dispatch_eval import BATCH_REQUESTS, SGLANG_RULES, VERIFY_TOKENS, Row, batch_costs, verify_batches
 from moeplace.expert_shape import ExpertShape
 from moeplace.metrics import layer_distinct_total
@@ -106,7 +106,7 @@ def exactness(batches, row: Row, tokens: int, samples: int, time_limit: float) -
     blocks = (model.r_us_per_block, model.block_m) if model.needs_blocks(tokens) else (0.0, 0)
     masks = replica_layout(row.phy2log[0], steps.model.num_experts, RANKS).masks
     counts = step_expert_counts(steps, 0)[:samples]
-    alloc = cost_rule(counts, masks, RANKS, pairs_per_read(model)).full_alloc(counts)
+    alloc = cost_rule(counts, masks, RANKS, rule_weights(model)).full_alloc(counts)
     gaps, optimal = [], 0
     for s in range(counts.shape[0]):
         exact = exact_split(counts[s], masks, RANKS, a, b, time_limit, *blocks)
@@ -141,13 +141,14 @@ def run_trace(name: str, steps, shape: ExpertShape, scale: float, args) -> dict:
         best_rule = min((r.name for r in rows if r.name.startswith("SGLang")), key=ms.get)
         cost_row = next(r for r in rows if r.rule == "cost")
         masks = replica_layout(cost_row.phy2log[0], steps.model.num_experts, RANKS).masks
-        chosen = cost_rule(step_expert_counts(batches.steps, 0), masks, RANKS, pairs_per_read(cost_row.cost(tokens)))
+        weights = rule_weights(cost_row.cost(tokens))
+        chosen = cost_rule(step_expert_counts(batches.steps, 0), masks, RANKS, weights)
         gain_per_layer = (ms[best_rule] - ms["moeplace cost"]) * 1e3 / (scale * len(layers))
         out["batches"].append({
             "tokens": tokens, "requests": requests, "batches": batches.steps.num_steps, "ms_per_step": ms,
             "bound_ms": float(bound_us(batches, rows, tokens, layers).mean()) * scale / 1e3,
             "sglang_best": best_rule, "ratio_cost": ms["moeplace cost"] / ms[best_rule],
-            "ratio_balanced": ms["moeplace balanced"] / ms[best_rule], "q": pairs_per_read(cost_row.cost(tokens)),
+            "ratio_balanced": ms["moeplace balanced"] / ms[best_rule], "weights": weights and [weights.read, weights.pair, weights.block],
             "moves_mean": float(chosen.rounds.mean()), "moves_max": int(chosen.rounds.max()),
             "gain_us_per_layer": gain_per_layer, "kernel_us": kernel_us_at(args.kernel_us, tokens),
             "exact": exactness(batches, cost_row, tokens, args.exact_steps, args.exact_time) if args.exact_steps else None,
@@ -169,8 +170,9 @@ def print_trace(result: dict) -> None:
     print(f"{'cost / SGLang best':<24}" + "".join(f"{b['ratio_cost']:>9.3f}" for b in batches))
     print(f"{'balanced / SGLang best':<24}" + "".join(f"{b['ratio_balanced']:>9.3f}" for b in batches))
     print(f"{'SGLang best':<24}" + "".join(f"{b['sglang_best'].split(' ', 1)[1][:8]:>9}" for b in batches))
-    # q is None where the batch's cost model has no token term (every pair free: the rule never moves)
-    print(f"{'q (pairs per read)':<24}" + "".join(f"{'-' if b['q'] is None else b['q']:>9}" for b in batches))
+    # the rule's integer weights of a read, a pair and a row block (none: only reads cost, the balanced rule)
+    print(f"{'read/pair/block weights':<24}" + "".join(
+        f"{'-' if b['weights'] is None else '/'.join(map(str, b['weights'])):>15}" for b in batches))
     print(f"{'moves mean / max':<24}" + "".join(f"{b['moves_mean']:>5.2f}/{b['moves_max']:<3}" for b in batches))
     print(f"{'gain µs/layer':<24}" + "".join(f"{b['gain_us_per_layer']:>9.1f}" for b in batches))
     print(f"{'kernel µs/layer':<24}" + "".join(f"{b['kernel_us']:>9.1f}" for b in batches))

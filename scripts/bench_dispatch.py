@@ -49,7 +49,7 @@ import importlib
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -59,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moeplace.atomic import atomic_write_text  # noqa: E402
 from moeplace.balanced import MAX_AUGMENT, ReplicaLayout, fast_rule, replica_layout  # noqa: E402
-from moeplace.cost_dispatch import cost_rule  # noqa: E402
+from moeplace.cost_dispatch import RuleWeights, cost_rule  # noqa: E402
 
 TOKENS_PER_STEP = 9
 
@@ -117,7 +117,20 @@ def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
     return batches
 
 
-def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout, q: int) -> tuple[np.ndarray, np.ndarray]:
+def parse_weights(text: str) -> RuleWeights:
+    """``READ,PAIR,BLOCK,BLOCK_M`` as RuleWeights (argparse: a bad value is one line)."""
+    try:
+        read, pair, block, block_m = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected four integers READ,PAIR,BLOCK,BLOCK_M, got {text!r}") from None
+    return RuleWeights(read, pair, block, block_m)
+
+
+def weights_label(w: RuleWeights) -> str:
+    return f"q {w.read}" if (w.pair, w.block) == (1, 0) else f"weights {w.read}/{w.pair}/{w.block}/{w.block_m}"
+
+
+def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout, q: RuleWeights) -> tuple[np.ndarray, np.ndarray]:
     """([calls, T, K] slots, [calls] moves) by the rule by cost: a split expert's entries take its ranks in
     increasing rank order, in entry order (``moeplace.cost_dispatch.pair_slots``)."""
     chosen = cost_rule(counts, layout.masks, layout.ranks, q)
@@ -146,8 +159,8 @@ def exactness(args, layout: ReplicaLayout) -> list[dict]:
         alloc = cost_rule(batches.counts[:n], layout.masks, R, q).full_alloc(batches.counts[:n])
         gaps, optimal = [], 0
         for c in range(n):
-            mine = float(allocation_cost(alloc[c], q, 1).max())
-            exact = exact_split(batches.counts[c], layout.masks, R, q, 1, time_limit=args.exact_time)
+            mine = float(allocation_cost(alloc[c], q.read, q.pair, q.block, q.block_m).max())
+            exact = exact_split(batches.counts[c], layout.masks, R, q.read, q.pair, args.exact_time, q.block, q.block_m)
             gaps.append(mine / exact.bound - 1 if exact.bound > 0 else 0.0)
             optimal += exact.optimal
         row = dict(tokens=tokens, steps=n, proven_optimal=optimal, gap_mean=float(np.mean(gaps)),
@@ -336,10 +349,10 @@ def measure(args) -> tuple[list[dict], dict]:
 
         variants = [(f"moeplace {b}", moeplace(b)) for b in backends if b in args.kernels]
         if "cost" in args.kernels and "cuda" in backends:
-            variants.append((f"moeplace cost (q {args.cost_q})", cost("cuda")))
+            variants.append((f"moeplace cost ({weights_label(args.cost_q)})", cost("cuda")))
         variants += [(f"moeplace cuda [{key[1]}]", build(lib)) for key, lib in libraries.items() if key[0] == "variant"]
         if "cost" in args.kernels:
-            variants += [(f"moeplace cost (q {args.cost_q}) [{key[1]}]", build(lib, args.cost_q))
+            variants += [(f"moeplace cost ({weights_label(args.cost_q)}) [{key[1]}]", build(lib, args.cost_q))
                          for key, lib in libraries.items() if key[0] == "variant"]
         variants += [(f"sglang {version} dynamic", dynamic)] if sgl is not None else []
         variants += [("copy (floor)", copy)]
@@ -423,6 +436,9 @@ def main() -> None:
     ap.add_argument("--kernels", default="cuda,triton", help="moeplace kernels to time: cuda, cost, triton")
     ap.add_argument("--cost-q", type=int, default=281,
                     help="the rule by cost's pairs per expert read (its rows, and --exact-only)")
+    ap.add_argument("--cost-weights", type=parse_weights, metavar="READ,PAIR,BLOCK,BLOCK_M",
+                    help="the rule by cost's weights with the row-block term instead of --cost-q, e.g. "
+                         "3096,1,1724,64 (moeplace.cost_dispatch.rule_weights of the derived Kimi-shaped model)")
     ap.add_argument("--exact-only", type=int, default=0, metavar="N",
                     help="no timing: the rule by cost against the exact optimum on N batches of each size (CPU)")
     ap.add_argument("--exact-time", type=float, default=10.0, help="seconds the MILP may take per batch")
@@ -441,13 +457,14 @@ def main() -> None:
                     help="also time another build of the CUDA kernel: nvcc flags and/or a .cu source of the "
                          "same entry point, e.g. '256 threads=-DBD_THREADS=256' (repeatable; needs nvcc)")
     args = ap.parse_args()
+    args.cost_q = args.cost_weights or RuleWeights(args.cost_q)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if any(t <= 0 or t % TOKENS_PER_STEP for t in args.tokens):
         ap.error(f"--tokens must be positive multiples of {TOKENS_PER_STEP}")
     if args.exact_only:
         _, layout = make_layout(args)
         rows = exactness(args, layout)
-        atomic_write_text(args.out, json.dumps(dict(q=args.cost_q, rows=rows), indent=1))
+        atomic_write_text(args.out, json.dumps(dict(weights=asdict(args.cost_q), rows=rows), indent=1))
         return
     rows, meta = measure(args)
     text = table(rows, meta, args)

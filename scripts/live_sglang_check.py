@@ -801,7 +801,8 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
         "balanced": server_argv(model, port + 3, ep + spares, launch=["--placement", "balanced.json", "--sglang-file",
                                         str(work / "balanced.sglang.json")]),
         "tp-moe": server_argv(model, port + 4, ["--tp", "2"]),
-        # the rule by cost: `launch` sets MOEPLACE_DISPATCH=cost and MOEPLACE_DISPATCH_Q from the placement
+        # the rule by cost: `launch` sets MOEPLACE_DISPATCH=cost and its weights (MOEPLACE_DISPATCH_Q or _WEIGHTS)
+        # from the placement
         "cost": server_argv(model, port + 7, ep + spares, launch=["--placement", "cost.json", "--sglang-file",
                                                                  str(work / "cost.sglang.json")]),
     }
@@ -859,8 +860,8 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
     cost_log = servers["cost"].log()
     figures["cost"]["announced"] = [line.strip()[:200] for line in cost_log.splitlines()
                                     if "MOEPLACE_DISPATCH=cost" in line or "cost dispatch on" in line][:3]
-    if "MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_Q=" not in cost_log:
-        problems.append("cost: launch did not start the server with MOEPLACE_DISPATCH=cost and its q")
+    if not any(f"MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_{name}=" in cost_log for name in ("Q", "WEIGHTS")):
+        problems.append("cost: launch did not start the server with MOEPLACE_DISPATCH=cost and its weights")
     if not figures["cost"].get("cost_dispatch_kernels"):
         problems.append("cost: no rule-by-cost dispatch kernel in the decode-stage profile (graph replays)")
     checks.append(Check("ep_launch_and_dispatch", not problems, "; ".join(problems) or

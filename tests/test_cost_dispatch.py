@@ -16,8 +16,8 @@ from moeplace.algorithms import PlacementProblem, solve
 from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
 from moeplace.commands.costing import Costing
 from moeplace.cost_derive import derive_cost_model
-from moeplace.cost_dispatch import (allocation_cost, cost_rule, cost_rule_step, exact_split, pair_slots,
-                                    pairs_per_read)
+from moeplace.cost_dispatch import (READ_UNIT, RuleWeights, allocation_cost, cost_rule, cost_rule_step,
+                                    exact_split, pair_slots, rule_weights)
 from moeplace.costmodel import CostModel
 from moeplace.dispatch_eval import verify_batches
 from moeplace.expert_shape import ExpertShape
@@ -158,7 +158,7 @@ def test_below_one_read_of_pairs_the_rule_keeps_balanced_and_loses_less_than_the
     masks = np.array([0b11, 0b01, 0b10])
     for hot in (30, 400):
         counts = np.array([hot, 5, 5])
-        alloc = cost_rule_step(counts, masks, 2, q=100)
+        alloc = cost_rule_step(counts, masks, 2, 100)
         exact = exact_split(counts, masks, 2, 100.0, 1.0)
         mine = allocation_cost(alloc, 100, 1).max()
         if counts.sum() < 100:
@@ -167,6 +167,65 @@ def test_below_one_read_of_pairs_the_rule_keeps_balanced_and_loses_less_than_the
         else:
             assert (alloc[0] > 0).sum() == 2
             assert mine == pytest.approx(exact.value)
+
+
+weights_with_blocks = st.builds(RuleWeights, read=st.integers(1, 60), pair=st.integers(0, 1),
+                                block=st.integers(1, 60), block_m=st.sampled_from([1, 2, 3, 4, 8]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(1, 8), experts=st.integers(1, 30),
+       weights=weights_with_blocks, rounds=st.sampled_from([0, 1, 3, 16]))
+def test_vectorised_rule_with_row_blocks_equals_the_statement(seed, ranks, experts, weights, rounds):
+    counts, masks = random_case(np.random.default_rng(seed), ranks, experts, steps=6)
+    counts = counts * 3
+    chosen = cost_rule(counts, masks, ranks, weights, max_rounds=rounds)
+    alloc = chosen.full_alloc(counts)
+    for s in range(counts.shape[0]):
+        np.testing.assert_array_equal(alloc[s], cost_rule_step(counts[s], masks, ranks, weights, max_rounds=rounds))
+        np.testing.assert_array_equal(chosen.distinct[s], (alloc[s] > 0).sum(axis=0))
+        np.testing.assert_array_equal(chosen.tokens[s], alloc[s].sum(axis=0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), ranks=st.integers(2, 5), experts=st.integers(1, 10),
+       weights=weights_with_blocks)
+def test_rule_with_row_blocks_between_the_optimum_and_balanced_dispatch(seed, ranks, experts, weights):
+    """Under the weighted cost with row blocks: never below the MILP's bound, never above the balanced start."""
+    counts, masks = random_case(np.random.default_rng(seed), ranks, experts, steps=2)
+    counts = counts * 4
+    w = weights
+    alloc, start = cost_rule(counts, masks, ranks, w).full_alloc(counts), balanced_alloc(counts, masks, ranks)
+    for s in range(counts.shape[0]):
+        check_alloc(alloc[s], counts[s], masks)
+        mine = allocation_cost(alloc[s], w.read, w.pair, w.block, w.block_m).max()
+        assert mine <= allocation_cost(start[s], w.read, w.pair, w.block, w.block_m).max()
+        exact = exact_split(counts[s], masks, ranks, float(w.read), float(w.pair), row_block_us=float(w.block),
+                            block_m=w.block_m)
+        assert mine >= exact.bound - 1e-6
+
+
+def test_a_hot_expert_past_its_block_is_split_at_the_block_boundary():
+    """Two ranks, expert 0 (21 tokens, blocks of 16) on both, one pinned expert each: the balanced rule puts
+    expert 0 on rank 0, which then runs a second block; the rule moves the 5 tokens past the block to rank 1."""
+    masks = np.array([0b11, 0b01, 0b10])
+    counts = np.array([21, 5, 5])
+    w = RuleWeights(read=4096, pair=0, block=2500, block_m=16)
+    np.testing.assert_array_equal(balanced_alloc(counts[None], masks, 2)[0, 0], [21, 0])
+    alloc = cost_rule_step(counts, masks, 2, w)
+    np.testing.assert_array_equal(alloc[0], [16, 5])
+    exact = exact_split(counts, masks, 2, 4096.0, 0.0, row_block_us=2500.0, block_m=16)
+    assert allocation_cost(alloc, 4096, 0, 2500, 16).max() == pytest.approx(exact.value) == 2 * 4096
+
+
+def test_rule_weights_from_cost_models():
+    assert rule_weights(CostModel(19.0, 0.0415, 50.0)) == RuleWeights(458, 1, 0, 0)
+    assert rule_weights(CostModel(19.0, 0.0415, 50.0, r_us_per_block=10.0, block_m=16)) == RuleWeights(458, 1, 241, 16)
+    assert rule_weights(CostModel(19.0, 0.0, 50.0, r_us_per_block=10.0, block_m=16)) == RuleWeights(
+        READ_UNIT, 0, round(READ_UNIT * 10 / 19), 16)
+    assert rule_weights(CostModel(19.0, 0.0, 50.0)) is None
+    assert rule_weights(CostModel(0.0, 1.0, 0.0)) == RuleWeights(1, 1, 0, 0)
+    assert rule_weights(CostModel(1.0, 1e-9, 0.0)).read == 1 << 16       # capped: the kernels' 32-bit costs
 
 
 def test_pair_slots_follow_the_allocation_in_row_order():
@@ -183,12 +242,6 @@ def test_pair_slots_follow_the_allocation_in_row_order():
     np.testing.assert_array_equal(slot[:40], [0] * alloc[0, 0] + [2] * alloc[0, 1])
     np.testing.assert_array_equal(slot[40:], [1, 1, 3, 3])
     np.testing.assert_array_equal(step, 0)
-
-
-def test_pairs_per_read():
-    assert pairs_per_read(CostModel(19.0, 0.0415, 50.0)) == 458
-    assert pairs_per_read(CostModel(1.0, 0.0, 0.0)) is None
-    assert pairs_per_read(CostModel(0.0, 1.0, 0.0)) == 1
 
 
 def kimi_shaped(layers: int = 2, steps: int = 800):
@@ -221,28 +274,32 @@ def test_equals_balanced_dispatch_at_verify_batch(trace, request):
     held, phy2log, shape = request.getfixturevalue(trace)
     model = held.model
     slots = phy2log.shape[1] // 8
-    q = pairs_per_read(derive_cost_model(shape, slots, model.top_k, step_tokens=9))
+    w = rule_weights(derive_cost_model(shape, slots, model.top_k, step_tokens=9))
     for layer in range(model.num_moe_layers):
         masks = replica_layout(phy2log[layer], model.num_experts, 8).masks
         counts = step_expert_counts(held, layer)
-        assert q is None or counts.sum(axis=1).max() < q      # None: the measured line has no token term
-        chosen = cost_rule(counts, masks, 8, q)
+        # no move can be searched: fewer pairs than a read costs, no expert past a row block (None: only reads cost)
+        assert w is None or (w.pair * counts.sum(axis=1).max() < w.read and counts.max() <= w.block_m)
+        chosen = cost_rule(counts, masks, 8, w)
         np.testing.assert_array_equal(chosen.full_alloc(counts), balanced_alloc(counts, masks, 8))
         assert not chosen.rounds.any()
 
 
 @pytest.mark.parametrize("tokens", [144, 576])
 def test_within_two_percent_of_the_optimum_on_kimi_shaped_batches(kimi, tokens):
-    """Larger batches: the rule's predicted layer time (c included) within 2% of the MILP's proven bound."""
+    """Larger batches: the rule's predicted layer time (c and row blocks included) within 2% of the MILP's
+    proven bound."""
     held, phy2log, shape = kimi
     cost = Costing(shape, 8).ep(phy2log.shape[1] // 8, tokens)
     masks = replica_layout(phy2log[0], 384, 8).masks
     counts = step_expert_counts(verify_batches(held, tokens, 3, seed=1).steps, 0)
-    alloc = cost_rule(counts, masks, 8, pairs_per_read(cost)).full_alloc(counts)
+    alloc = cost_rule(counts, masks, 8, rule_weights(cost)).full_alloc(counts)
     a, b, c = cost.a_us_per_expert, cost.b_us_per_token, cost.c_us
+    blocks = (cost.r_us_per_block, cost.block_m)
+    assert cost.needs_blocks(tokens)
     for s in range(counts.shape[0]):
-        exact = exact_split(counts[s], masks, 8, a, b, time_limit=8)
-        assert allocation_cost(alloc[s], a, b).max() + c <= 1.02 * (exact.bound + c)
+        exact = exact_split(counts[s], masks, 8, a, b, 8, *blocks)
+        assert allocation_cost(alloc[s], a, b, *blocks).max() + c <= 1.02 * (exact.bound + c)
 
 
 def test_no_torch_or_sglang():

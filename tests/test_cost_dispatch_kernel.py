@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from moeplace.balanced import replica_layout  # noqa: E402
-from moeplace.cost_dispatch import MAX_ROUNDS, cost_rule_step, pair_slots  # noqa: E402
+from moeplace.cost_dispatch import MAX_ROUNDS, RuleWeights, cost_rule_step, pair_slots  # noqa: E402
 from moeplace_kernels.balanced_dispatch import cost_dispatch, dispatch_tables  # noqa: E402
 
 from test_balanced_dispatch_kernel import _layout, random_masks, run_in_triton_interpreter, slots_of  # noqa: E402
@@ -33,7 +33,7 @@ BACKENDS = ("cuda", "triton")
 
 # ----------------------------------------------------------------------------- cases and the oracle
 
-def expected_cost(ids: np.ndarray, masks: np.ndarray, slots: np.ndarray, num_rows: int, q: int,
+def expected_cost(ids: np.ndarray, masks: np.ndarray, slots: np.ndarray, num_rows: int, q: int | RuleWeights,
                   max_augment: int | None = 16, max_rounds: int = MAX_ROUNDS) -> np.ndarray:
     """[N, K] slots by ``cost_rule_step`` on the valid rows, a split expert's entries in ``pair_slots``' order."""
     experts, ranks = slots.shape
@@ -70,7 +70,8 @@ def skewed_ids(rng: np.random.Generator, rows: int, k: int, experts: int) -> np.
     return ids
 
 
-def make_case(seed: int, experts: int, ranks: int, rows: int, k: int, style: str, q: int) -> dict:
+def make_case(seed: int, experts: int, ranks: int, rows: int, k: int, style: str, q: int | RuleWeights) -> dict:
+    """A random layout and skewed ids; q: the rule's weights (an int: reads and pairs only)."""
     rng = np.random.default_rng(seed)
     masks = random_masks(rng, experts, ranks, style)
     return dict(masks=masks, slots=slots_of(rng, masks, ranks), ids=skewed_ids(rng, rows, k, experts),
@@ -142,6 +143,26 @@ def test_kernel_matches_cost_rule_step(backend, ranks, rows, k, q):
         np.testing.assert_array_equal(got, want, err_msg=f"{style} layout, {case['num_rows']} valid rows")
 
 
+ROW_BLOCK_WEIGHTS = {   # read / pair / block / block_m: the derived H200 Kimi-shaped models, and small ones
+    "kimi-72": RuleWeights(3096, 1, 1724, 64), "kimi-36": RuleWeights(4096, 0, 2510, 16),
+    "small": RuleWeights(20, 1, 12, 4), "blocks-only": RuleWeights(30, 0, 25, 2)}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ranks", [2, 8, 32])
+@pytest.mark.parametrize("rows, k", [(9, 8), (36, 8), (144, 4), (576, 8)])
+@pytest.mark.parametrize("weights", list(ROW_BLOCK_WEIGHTS))
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_kernel_with_row_blocks_matches_cost_rule_step(backend, ranks, rows, k, weights):
+    if backend == "triton" and rows * k > 1200 and ranks != 8:
+        pytest.skip("the Triton fallback at 4,608 ids: one rank count is enough")
+    for i, style in enumerate(("two", "any", "few")):
+        case = make_case(900 * ranks + 10 * rows + k + i, 384, ranks, rows, k, style, ROW_BLOCK_WEIGHTS[weights])
+        got, want = run_case(case, "cuda", backend)
+        np.testing.assert_array_equal(got, want, err_msg=f"{style} layout, {case['num_rows']} valid rows")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -153,7 +174,8 @@ def test_many_moves_int64_in_place_and_sizes(backend):
              (make_case(4, 64, 8, 72, 8, "any", 2), dict(in_place=True)),
              (make_case(5, 4096, 32, 512, 8, "few", 7), dict(dtype=torch.int64)),
              (make_case(6, 384, 8, 1024, 8, "two", 50), {}),
-             (make_case(7, 16, 4, 576, 8, "any", 1), dict(max_rounds=32))]   # every expert hot
+             (make_case(7, 16, 4, 576, 8, "any", 1), dict(max_rounds=32)),   # every expert hot
+             (make_case(8, 16, 4, 576, 8, "any", RuleWeights(4, 0, 3, 8)), dict(max_rounds=32))]
     for case, options in cases:
         got, want = run_case(case, "cuda", backend, **options)
         np.testing.assert_array_equal(got, want, err_msg=str(options))
@@ -199,16 +221,18 @@ def test_graph_replay_with_new_inputs(backend):
 # ----------------------------------------------------------------------------- CPU: input checks
 
 @pytest.mark.parametrize("change, text", [
-    (dict(q=0), "q must be an int from 1 to 65536, got 0"),
-    (dict(q=2.0), "q must be an int"),
-    (dict(q=True), "q must be an int"),
+    (dict(weights=0), "q must be an int from 1 to 65536, got 0"),
+    (dict(weights=2.0), "q must be an int"),
+    (dict(weights=True), "q must be an int"),
     (dict(max_rounds=33), "max_rounds must be an int from 0 to 32, got 33"),
     (dict(max_rounds=-1), "max_rounds must be an int from 0 to 32"),
+    (dict(weights=RuleWeights(5, 2 ** 17)), "pair must be an int from 0 to 65536"),
+    (dict(weights=RuleWeights(5, 1, 3, 0)), "block_m must be an int from 1 to 8192 where block > 0, got 0"),
     (dict(topk_ids=torch.zeros(1025, 8, dtype=torch.int32)), "at most 8192 ids"),
 ])
 def test_bad_input_is_one_clear_line(change, text):
     good = dict(topk_ids=torch.zeros(4, 2, dtype=torch.int32), masks=torch.ones(8, dtype=torch.int32),
-                slots=torch.zeros(8, 3, dtype=torch.int32), q=5)
+                slots=torch.zeros(8, 3, dtype=torch.int32), weights=5)
     with pytest.raises(ValueError, match=text) as info:
         cost_dispatch(**{**good, **change})
     assert "\n" not in str(info.value)
@@ -220,13 +244,17 @@ _INTERP_SCRIPT = textwrap.dedent("""
     import sys, numpy as np, torch
     sys.path.insert(0, {tests!r})
     from hypothesis import given, settings, strategies as st, HealthCheck
+    from moeplace.cost_dispatch import RuleWeights
     from test_cost_dispatch_kernel import make_case, run_case, moves_made
     moved = 0
     for seed, (E, R, N, K, style, q, dtype, rounds) in enumerate([
             (40, 1, 9, 4, "any", 1, torch.int32, 16), (40, 3, 36, 8, "two", 2, torch.int64, 16),
             (64, 8, 72, 8, "two", 4, torch.int32, 32), (64, 8, 64, 4, "few", 3, torch.int32, 1),
             (96, 32, 72, 8, "two", 1, torch.int32, 16), (96, 8, 36, 8, "any", 1000, torch.int64, 16),
-            (16, 4, 144, 8, "any", 1, torch.int32, 32)]):
+            (16, 4, 144, 8, "any", 1, torch.int32, 32),
+            (64, 8, 72, 8, "two", RuleWeights(40, 0, 30, 4), torch.int32, 16),
+            (40, 3, 36, 8, "any", RuleWeights(6, 1, 4, 2), torch.int64, 16),
+            (16, 4, 144, 8, "any", RuleWeights(9, 1, 5, 8), torch.int32, 32)]):
         case = make_case(seed, E, R, N, K, style, q)
         got, want = run_case(case, "cpu", "triton", dtype, 16, rounds)
         assert np.array_equal(got, want), (seed, got, want)
@@ -236,9 +264,11 @@ _INTERP_SCRIPT = textwrap.dedent("""
     @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
     @given(seed=st.integers(0, 10**6), experts=st.integers(2, 48), ranks=st.integers(1, 8),
            rows=st.integers(1, 40), k=st.integers(1, 8), q=st.integers(1, 40),
-           style=st.sampled_from(["two", "any", "few"]), rounds=st.integers(0, 32))
-    def agrees(seed, experts, ranks, rows, k, q, style, rounds):
-        got, want = run_case(make_case(seed, experts, ranks, rows, k, style, q), "cpu", "triton",
+           style=st.sampled_from(["two", "any", "few"]), rounds=st.integers(0, 32),
+           blocks=st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(1, 40), st.integers(1, 8))))
+    def agrees(seed, experts, ranks, rows, k, q, style, rounds, blocks):
+        weights = q if blocks is None else RuleWeights(q, *blocks)
+        got, want = run_case(make_case(seed, experts, ranks, rows, k, style, weights), "cpu", "triton",
                              torch.int32, 16, rounds)
         assert np.array_equal(got, want)
 

@@ -81,7 +81,7 @@ def _hooked(server, rule: str, q: int | None = None):
     original = eld.topk_ids_logical_to_physical
     original_placement = el.compute_initial_expert_location_metadata
     HookRegistry.reset()
-    state = bd.install(bd.DispatchConfig(rule, max_tokens=16 if rule == "balanced" else 64, q=q))
+    state = bd.install(bd.DispatchConfig(rule, max_tokens=16 if rule == "balanced" else 64, q=None if q is None else bd.RuleWeights(q)))
     HookRegistry.apply_hooks()
     yield state, topk, original
     for module, name, fn in ((eld, "topk_ids_logical_to_physical", original),
@@ -237,6 +237,11 @@ def test_a_server_with_nothing_to_choose_stops_at_start(hooked, server, capsys):
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "0"}, "an integer from 1 to 65536"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "4.5"}, "got '4.5'"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "70000"}, "an integer from 1 to 65536"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "281", "MOEPLACE_DISPATCH_WEIGHTS": "281,1,0,0"},
+     "set one of MOEPLACE_DISPATCH_Q and MOEPLACE_DISPATCH_WEIGHTS, not both"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "281,1,150"}, "must be read,pair,block,block_m"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "281,1,150,0"}, "got '281,1,150,0'"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "0,1,0,0"}, "read from 1"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "lots"}, "must be a positive integer"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "0"}, "must be a positive integer"),
 ])
@@ -269,5 +274,12 @@ def test_plugin_registers_the_hook_through_sglang():
 def test_plugin_registers_the_cost_rule_through_sglang():
     assert_load_plugins({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "281"},
                         "from moeplace.sglang import balanced_dispatch as bd\n"
-                        "assert bd._DISPATCH.config == bd.DispatchConfig('cost', 288, 281), bd._DISPATCH.config\n"
+                        "assert bd._DISPATCH.config == bd.DispatchConfig('cost', 288, bd.RuleWeights(281)), "
+                        "bd._DISPATCH.config\n"
                         "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n")
+
+
+def test_plugin_takes_the_weights_with_row_blocks():
+    assert_load_plugins({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "4096,0,2510,16"},
+                        "from moeplace.sglang import balanced_dispatch as bd\n"
+                        "assert bd._DISPATCH.config.q == bd.RuleWeights(4096, 0, 2510, 16), bd._DISPATCH.config\n")

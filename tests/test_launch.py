@@ -322,6 +322,28 @@ def test_cost_rule_placement_runs_the_cost_kernel_with_its_q(tmp_path: Path, mod
     assert code == 0 and stdout.startswith("MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_Q=300 "), stderr
 
 
+def test_cost_rule_placement_with_row_blocks_runs_the_weighted_rule(tmp_path: Path, model_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cost model with the row-block term: MOEPLACE_DISPATCH_WEIGHTS = rule_weights (458, 1, 241, 16); with
+    tokens free, reads and blocks only (4096, 0, 2156, 16)."""
+    monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
+    monkeypatch.delenv("MOEPLACE_DISPATCH_Q", raising=False)
+    monkeypatch.delenv("MOEPLACE_DISPATCH_WEIGHTS", raising=False)
+    for b, want in ((0.0415, "458,1,241,16"), (0.0, "4096,0,2156,16")):
+        path = _cost_placement(tmp_path, {"a_us_per_expert": 19.0, "b_us_per_token": b, "c_us": 50.0,
+                                          "r_us_per_block": 10.0, "block_m": 16})
+        code, stdout, stderr = run_cli(["launch", "--placement", str(path), "--dry-run", "--",
+                                        *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
+        assert code == 0, stderr
+        assert stdout.startswith(f"MOEPLACE_DISPATCH=cost MOEPLACE_DISPATCH_WEIGHTS={want} "), stdout
+        assert "warning" not in stderr
+    path = _cost_placement(tmp_path, {"a_us_per_expert": 19.0, "b_us_per_token": 0.0, "c_us": 50.0,
+                                      "r_us_per_block": 10.0})
+    code, stdout, stderr = run_cli(["launch", "--placement", str(path), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
+    assert code == 2 and not stdout and len(stderr.strip().splitlines()) == 1 and "block_m" in stderr, stderr
+
+
 def test_cost_rule_placement_without_a_token_term_runs_the_balanced_rule(tmp_path: Path, model_dir: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MOEPLACE_DISPATCH", raising=False)
@@ -330,7 +352,7 @@ def test_cost_rule_placement_without_a_token_term_runs_the_balanced_rule(tmp_pat
                                     *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4")])
     assert code == 0, stderr
     assert stdout.startswith("MOEPLACE_DISPATCH=balanced ") and "MOEPLACE_DISPATCH_Q" not in stdout
-    assert "no token term; the SGLang plugin runs the balanced rule" in stderr
+    assert "no token or row-block term; the SGLang plugin runs the balanced rule" in stderr
 
 
 @pytest.mark.parametrize("cost_model, env, expect", [

@@ -7,9 +7,11 @@ busiest rank reads as few distinct experts as possible (``moeplace.balanced``; t
 ``moeplace_kernels.balanced_dispatch``).
 
 ``MOEPLACE_DISPATCH=cost`` runs moeplace's rule by cost instead (``moeplace.cost_dispatch``): the balanced
-rule, then, on a batch of at least ``q`` (token, expert) pairs, up to 16 moves or splits of an expert's tokens
-between its replicas where the token term pays. ``MOEPLACE_DISPATCH_Q`` (required with it; ``moeplace launch``
-sets it from the placement's cost model, ``pairs_per_read``) is q: how many pairs one expert read costs.
+rule, then, on a batch of at least ``q`` (token, expert) pairs or with an expert past its first row block, up
+to 16 moves or splits of an expert's tokens between its replicas where they pay. It needs one of
+``MOEPLACE_DISPATCH_Q``, q: how many pairs one expert read costs, or ``MOEPLACE_DISPATCH_WEIGHTS``,
+``read,pair,block,block_m``: the rule's integer weights with the row-block term (``rule_weights``);
+``moeplace launch`` sets the one the placement's cost model needs.
 
 * Every rank must pick the same replicas, so the rule reads only the router's ids, which are the same
   on every rank when attention is tensor-parallel: with ``--moe-a2a-backend none`` (SGLang marks the
@@ -43,6 +45,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from moeplace.cost_dispatch import MAX_WEIGHT, RuleWeights
+
 logger = logging.getLogger("moeplace.dispatch")
 
 TARGET = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
@@ -50,22 +54,23 @@ PLACEMENT = "sglang.srt.eplb.expert_location.compute_initial_expert_location_met
 RULES = ("balanced", "cost")
 DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 288}   # rows; why 288: BENCHMARKS.md, "Rule-by-cost kernel"
 MAX_KERNEL_RANKS = 32
-MAX_Q = 1 << 16   # moeplace_kernels.balanced_dispatch.MAX_Q (not imported: this module must load without torch)
+MAX_Q = MAX_WEIGHT
+MAX_BLOCK_M = 8192   # rows of a row block at most: the kernel's ids (moeplace_kernels.balanced_dispatch.MAX_ENTRIES)
 
 
 @dataclass(frozen=True)
 class DispatchConfig:
     """rule: "balanced" or "cost"; max_tokens: the largest batch (rows) the rule takes; q: the rule by cost's
-    pairs per expert read (None for the balanced rule)."""
+    weights (None for the balanced rule)."""
 
     rule: str
     max_tokens: int = DEFAULT_MAX_TOKENS["balanced"]
-    q: int | None = None
+    q: RuleWeights | None = None
 
     @classmethod
     def from_env(cls) -> "DispatchConfig":
-        """Read ``MOEPLACE_DISPATCH``, ``MOEPLACE_DISPATCH_MAX_TOKENS`` and ``MOEPLACE_DISPATCH_Q``; ValueError
-        says what is wrong."""
+        """Read ``MOEPLACE_DISPATCH``, ``MOEPLACE_DISPATCH_MAX_TOKENS`` and ``MOEPLACE_DISPATCH_Q`` or
+        ``MOEPLACE_DISPATCH_WEIGHTS``; ValueError says what is wrong."""
         rule = os.environ.get("MOEPLACE_DISPATCH", "").strip().lower()
         if rule not in RULES:
             raise ValueError(f"MOEPLACE_DISPATCH must be one of {', '.join(RULES)}, got {rule!r}")
@@ -73,15 +78,30 @@ class DispatchConfig:
         max_tokens = _int_or_zero(raw)
         if max_tokens < 1:
             raise ValueError(f"MOEPLACE_DISPATCH_MAX_TOKENS must be a positive integer, got {raw!r}")
-        q = None
-        if rule == "cost":
-            raw = os.environ.get("MOEPLACE_DISPATCH_Q", "").strip()
-            q = _int_or_zero(raw)
-            if not 1 <= q <= MAX_Q:
-                raise ValueError(f"MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q, the (token, expert) pairs one "
-                                 f"expert read costs, an integer from 1 to {MAX_Q} (moeplace launch sets it from "
-                                 f"the placement's cost model), got {raw!r}")
-        return cls(rule, max_tokens, q)
+        return cls(rule, max_tokens, _weights_from_env() if rule == "cost" else None)
+
+
+def _weights_from_env() -> RuleWeights:
+    """The rule by cost's weights from ``MOEPLACE_DISPATCH_Q`` or ``MOEPLACE_DISPATCH_WEIGHTS`` (exactly one)."""
+    raw_q = os.environ.get("MOEPLACE_DISPATCH_Q", "").strip()
+    raw_w = os.environ.get("MOEPLACE_DISPATCH_WEIGHTS", "").strip()
+    if raw_q and raw_w:
+        raise ValueError("set one of MOEPLACE_DISPATCH_Q and MOEPLACE_DISPATCH_WEIGHTS, not both")
+    if raw_w:
+        parts = [_int_or_zero(v) if v.strip().isdigit() else -1 for v in raw_w.split(",")]
+        read, pair, block, block_m = parts if len(parts) == 4 else (-1, -1, -1, -1)
+        if not (1 <= read <= MAX_WEIGHT and 0 <= pair <= MAX_WEIGHT and 0 <= block <= MAX_WEIGHT
+                and (block == 0 or 1 <= block_m <= MAX_BLOCK_M)):
+            raise ValueError(f"MOEPLACE_DISPATCH_WEIGHTS must be read,pair,block,block_m: integers, read from 1 and "
+                             f"pair and block from 0 to {MAX_WEIGHT}, block_m from 1 to {MAX_BLOCK_M} where block > 0 "
+                             f"(moeplace launch sets it from the placement's cost model), got {raw_w!r}")
+        return RuleWeights(read, pair, block, block_m if block else 0)
+    q = _int_or_zero(raw_q)
+    if not 1 <= q <= MAX_Q:
+        raise ValueError(f"MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q, the (token, expert) pairs one "
+                         f"expert read costs, an integer from 1 to {MAX_Q} (moeplace launch sets it from "
+                         f"the placement's cost model), got {raw_q!r}")
+    return RuleWeights(q)
 
 
 def _int_or_zero(raw: str) -> int:
@@ -163,7 +183,7 @@ class BalancedDispatch:
                                  out=layer.out_for(topk_ids))
 
 
-def dispatch_on_host(topk_ids, layer: _Layer, num_rows=None, q: int | None = None):
+def dispatch_on_host(topk_ids, layer: _Layer, num_rows=None, q: RuleWeights | int | None = None):
     """The same rule for CPU tensors (SGLang's CPU backend, tests), through ``moeplace.balanced`` (or, with
     ``q``, ``moeplace.cost_dispatch``: a split expert's valid entries take its ranks in increasing rank order,
     in entry order, as the kernel's)."""
@@ -275,6 +295,8 @@ def install(config: DispatchConfig | None = None) -> BalancedDispatch:
     if config.q is None:
         logger.info("moeplace balanced dispatch on (up to %d rows a batch)", config.max_tokens)
     else:
-        logger.info("moeplace cost dispatch on (q %d pairs per expert read, up to %d rows a batch)", config.q,
+        w = config.q
+        logger.info("moeplace cost dispatch on (a rank costs %d per expert read + %d per pair + %d per row block of "
+                    "%d beyond an expert's first; up to %d rows a batch)", w.read, w.pair, w.block, w.block_m,
                     config.max_tokens)
     return _DISPATCH

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from moeplace.errors import MoeplaceError, PlacementError
 from moeplace.hf_resolve import model_name, resolve_model_dir
@@ -37,6 +37,9 @@ from moeplace.model import ModelSpec
 from moeplace.model_config import model_spec_from_folder
 from moeplace.outputs import check_outputs
 from moeplace.placement import Placement, check_placement, load_placement, save_sglang
+
+if TYPE_CHECKING:
+    from moeplace.cost_dispatch import RuleWeights
 
 # srt/arg_groups/overrides.py _A2A_EP_SPANNING_BACKENDS: these force ep_size = tp_size.
 EP_SPANNING_A2A_BACKENDS = frozenset({
@@ -278,43 +281,48 @@ def dispatch_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
             + (" or pass --ep-dispatch-algorithm dynamic" if made_for == "dynamic" else ""))
 
 
-def cost_rule_q(placement: Placement) -> int | None:
-    """q, the (token, expert) pairs one expert read costs under the cost model the placement was made with
-    (``cost_dispatch.pairs_per_read``; None when its tokens are free: the rule by cost is then the balanced rule).
-    Raises MoeplaceError (one line) when the placement carries no usable cost model."""
+def cost_rule_weights(placement: Placement) -> RuleWeights | None:
+    """The rule by cost's integer weights under the cost model the placement was made with
+    (``cost_dispatch.rule_weights``, row blocks included where the model has them; None when only reads cost:
+    the rule by cost is then the balanced rule). Raises MoeplaceError (one line) when the placement carries no
+    usable cost model."""
     from moeplace.costmodel import CostModel
-    from moeplace.cost_dispatch import pairs_per_read
+    from moeplace.cost_dispatch import rule_weights
 
     model = placement.metrics.get("cost_model")
     try:
         a, b = float(model["a_us_per_expert"]), float(model["b_us_per_token"])
-    except (KeyError, TypeError, ValueError):
+        r, block_m = float(model.get("r_us_per_block", 0.0)), model.get("block_m", 0)
+    except (AttributeError, KeyError, TypeError, ValueError):
         raise MoeplaceError("the placement was made for moeplace's cost rule but records no cost model (a_us_per_expert, "
                             "b_us_per_token); re-optimize it with --dispatch cost") from None
-    if not (a >= 0 and b >= 0 and a < float("inf") and b < float("inf")):
-        raise MoeplaceError(f"the placement's cost model has a_us_per_expert {a:g}, b_us_per_token {b:g}: "
-                            "both must be finite and non-negative")
-    return pairs_per_read(CostModel(a, b, 0.0))
+    if not all(0 <= v < float("inf") for v in (a, b, r)) or isinstance(block_m, bool) or not isinstance(block_m, int) \
+            or block_m < 0 or (r > 0 and block_m == 0):
+        raise MoeplaceError(f"the placement's cost model has a_us_per_expert {a:g}, b_us_per_token {b:g}, "
+                            f"r_us_per_block {r:g}, block_m {block_m!r}: the coefficients must be finite and "
+                            "non-negative, block_m a whole number of rows where r_us_per_block > 0")
+    return rule_weights(CostModel(a, b, 0.0, r_us_per_block=r, block_m=block_m))
 
 
 def cost_rule_note(placement: Placement) -> str | None:
     """A line for a placement made for the cost rule whose cost model makes tokens free (the balanced rule runs)."""
-    if placement.metrics.get("dispatch") != "cost" or placement.num_redundant == 0 or cost_rule_q(placement):
+    if placement.metrics.get("dispatch") != "cost" or placement.num_redundant == 0 or cost_rule_weights(placement):
         return None
-    return ("the placement was made for moeplace's cost rule under a cost model with no token term; the SGLang "
-            "plugin runs the balanced rule, which is the rule by cost there")
+    return ("the placement was made for moeplace's cost rule under a cost model with no token or row-block term; "
+            "the SGLang plugin runs the balanced rule, which is the rule by cost there")
 
 
 def dispatch_env(placement: Placement, sglang_args: Sequence[str]) -> dict[str, str]:
     """The plugin's rule for a placement whose spare slots were placed for moeplace's dispatch:
-    ``MOEPLACE_DISPATCH=balanced``, or for the rule by cost ``MOEPLACE_DISPATCH=cost`` with
-    ``MOEPLACE_DISPATCH_Q`` from the placement's cost model (every rank must see the same router ids: no DP
-    attention). A ``MOEPLACE_DISPATCH_Q`` already in the environment is kept."""
+    ``MOEPLACE_DISPATCH=balanced``, or for the rule by cost ``MOEPLACE_DISPATCH=cost`` with the rule's weights
+    from the placement's cost model: ``MOEPLACE_DISPATCH_Q`` where only reads and pairs cost, else
+    ``MOEPLACE_DISPATCH_WEIGHTS`` (every rank must see the same router ids: no DP attention). Either one already
+    in the environment is kept."""
     made_for = placement.metrics.get("dispatch")
     if made_for not in ("balanced", "cost") or placement.num_redundant == 0:
         return {}
-    q = cost_rule_q(placement) if made_for == "cost" else None
-    rule = "cost" if q else "balanced"
+    weights = cost_rule_weights(placement) if made_for == "cost" else None
+    rule = "cost" if weights else "balanced"
     what = "moeplace's rule by cost" if made_for == "cost" else "balanced dispatch"
     if any(a == "--enable-dp-attention" or a.startswith("--enable-dp-attention=") for a in sglang_args):
         raise MoeplaceError(f"the placement was made for {what}, which needs every rank to see the same "
@@ -325,7 +333,13 @@ def dispatch_env(placement: Placement, sglang_args: Sequence[str]) -> dict[str, 
                             f"unset it or set it to {rule}")
     if rule == "balanced":
         return {"MOEPLACE_DISPATCH": "balanced"}
-    return {"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": os.environ.get("MOEPLACE_DISPATCH_Q", "").strip() or str(q)}
+    for name in ("MOEPLACE_DISPATCH_Q", "MOEPLACE_DISPATCH_WEIGHTS"):   # the user's own choice
+        if os.environ.get(name, "").strip():
+            return {"MOEPLACE_DISPATCH": "cost", name: os.environ[name].strip()}
+    if (weights.pair, weights.block) == (1, 0):
+        return {"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": str(weights.read)}
+    return {"MOEPLACE_DISPATCH": "cost",
+            "MOEPLACE_DISPATCH_WEIGHTS": f"{weights.read},{weights.pair},{weights.block},{weights.block_m}"}
 
 
 def require_sglang(python: str) -> None:
