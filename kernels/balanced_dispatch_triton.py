@@ -226,16 +226,16 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
         for src in range(0, ranks):
             a_src = tl.sum(tl.where(r[None, :] == src, split_alloc, 0), axis=1)[:, None]   # [SPLIT, 1]
             cost_s = tl.sum(tl.where(r == src, cost, 0))
-            dest = cost[None, :] + tl.where(split_alloc == 0, read, 0)
-            value_s, kind_s = _best_move(top, a_src, split_alloc, dest, read, pair, block, block_m)
-            key = _key(value_s, kind_s, split_e[:, None], src, r[None, :])
-            allowed = (jj < used)[:, None] & (a_src > 0) & (cost_s == top) & row_bit & (r[None, :] != src)
-            best = tl.minimum(best, tl.min(tl.min(tl.where(allowed, key, BIG), axis=1)))
+            dest_s = cost[None, :] + tl.where(split_alloc == 0, read, 0)
+            value_s, kind_s = _best_move(top, a_src, split_alloc, dest_s, read, pair, block, block_m)
+            key_s = _key(value_s, kind_s, split_e[:, None], src, r[None, :])
+            allowed_s = (jj < used)[:, None] & (a_src > 0) & (cost_s == top) & row_bit & (r[None, :] != src)
+            best = tl.minimum(best, tl.min(tl.min(tl.where(allowed_s, key_s, BIG), axis=1)))
         going = (best < BIG) & ((best >> 24) < top)
         if going:
             chosen_kind = (best >> 22) & 3
             ex = (best >> 10) & 4095
-            src = (best >> 5) & 31
+            source = (best >> 5) & 31
             tgt = best & 31
             row = tl.sum(tl.where(e == ex, row_of, 0))
             new = row < 0
@@ -250,19 +250,19 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
             row_of = tl.where(new & (e == ex), row, row_of)
             used += new.to(tl.int64)
             alloc = tl.sum(tl.where(in_row, split_alloc, 0), axis=0)   # [RP]
-            had_src = tl.sum(tl.where(r == src, alloc, 0))
+            had_src = tl.sum(tl.where(r == source, alloc, 0))
             had_tgt = tl.sum(tl.where(r == tgt, alloc, 0))
-            dest = tl.sum(tl.where(r == tgt, cost, 0)) + tl.where(had_tgt == 0, read, 0)
-            share = tl.minimum(tl.maximum((top - dest) // 2, 1), had_src - 1)
+            dest_t = tl.sum(tl.where(r == tgt, cost, 0)) + tl.where(had_tgt == 0, read, 0)
+            share_t = tl.minimum(tl.maximum((top - dest_t) // 2, 1), had_src - 1)
             past = had_src - block_m * ((had_src - 1) // block_m)
-            moved = tl.where(chosen_kind == 1, share, tl.where(chosen_kind == 2, past, had_src))
-            split_alloc = (split_alloc - tl.where(in_row & (r[None, :] == src), moved, 0)
+            moved = tl.where(chosen_kind == 1, share_t, tl.where(chosen_kind == 2, past, had_src))
+            split_alloc = (split_alloc - tl.where(in_row & (r[None, :] == source), moved, 0)
                            + tl.where(in_row & (r[None, :] == tgt), moved, 0))
-            tok = tok - tl.where(r == src, moved, 0) + tl.where(r == tgt, moved, 0)
-            load = (load - tl.where((r == src) & (had_src == moved), 1, 0)
+            tok = tok - tl.where(r == source, moved, 0) + tl.where(r == tgt, moved, 0)
+            load = (load - tl.where((r == source) & (had_src == moved), 1, 0)
                     + tl.where((r == tgt) & (had_tgt == 0), 1, 0))
             blocks = (blocks
-                      + tl.where(r == src, _extra_blocks(had_src - moved, block_m) - _extra_blocks(had_src, block_m), 0)
+                      + tl.where(r == source, _extra_blocks(had_src - moved, block_m) - _extra_blocks(had_src, block_m), 0)
                       + tl.where(r == tgt, _extra_blocks(had_tgt + moved, block_m) - _extra_blocks(had_tgt, block_m), 0))
             rounds += 1
             going = rounds < max_rounds
