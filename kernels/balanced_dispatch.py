@@ -19,8 +19,8 @@ Two kernels compute it, each as a single program (the rule is sequential and sma
 ("Balanced dispatch kernel") has the graph-replay times of both against SGLang's ``dynamic`` rule.
 
 :func:`cost_dispatch` runs moeplace's rule by cost (``moeplace.cost_dispatch.cost_rule_step``): the same
-balanced rule, then, on a step of at least ``q`` (token, expert) pairs, up to ``max_rounds`` moves or splits
-of an expert's tokens between its replicas; a split expert's entries go to its ranks in increasing rank
+balanced rule, then, on a step of at least ``q`` (token, expert) pairs or, with the row-block term, with an
+expert past its first row block, up to ``max_rounds`` moves or splits of an expert's tokens between its replicas; a split expert's entries go to its ranks in increasing rank
 order, in entry order (``moeplace.cost_dispatch.pair_slots``). Integer arithmetic and fixed ties: every
 rank computes the same slots from the same ids.
 

@@ -121,7 +121,6 @@ def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: R
         return alloc
     bits = mask_bits(masks, ranks)
     multi = np.flatnonzero(bits.sum(axis=1) > 1)
-    blk = lambda x: int(w.extra_blocks(x))
     for _ in range(max_rounds):
         cost = (w.read * (alloc > 0).sum(axis=0) + w.pair * alloc.sum(axis=0)
                 + w.block * w.extra_blocks(alloc).sum(axis=0))
@@ -141,8 +140,10 @@ def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: R
                     if w.block and here > w.block_m:
                         moves.append((BLOCK, here - w.block_m * ((here - 1) // w.block_m)))
                     for kind, m in moves:
-                        left = top - (w.read if m == here else 0) - w.pair * m - w.block * (blk(here) - blk(here - m))
-                        arrived = dest + w.pair * m + w.block * (blk(there + m) - blk(there))
+                        shed = w.extra_blocks(here) - w.extra_blocks(here - m)
+                        gained = w.extra_blocks(there + m) - w.extra_blocks(there)
+                        left = top - (w.read if m == here else 0) - w.pair * m - w.block * int(shed)
+                        arrived = dest + w.pair * m + w.block * int(gained)
                         key = (max(left, arrived), kind, int(e), int(src), int(r), m)
                         if best is None or key < best:
                             best = key
