@@ -73,7 +73,7 @@ def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tens
 
     weights: ``moeplace.cost_dispatch.RuleWeights`` (``rule_weights`` of a cost model), or an int q, the
     (token, expert) pairs one expert read costs (``RuleWeights(q)``); read 1 to MAX_WEIGHT, pair and block 0
-    to MAX_WEIGHT, block_m 1 to MAX_ENTRIES where block > 0. max_rounds: moves after the balanced rule, 0 to
+    to MAX_WEIGHT, block_m a power of two up to MAX_ENTRIES where block > 0 (SGLang's row blocks always are). max_rounds: moves after the balanced rule, 0 to
     MAX_MOVES. The rest as :func:`balanced_dispatch`. Where no step can search a move (fewer pairs than one
     read costs, N * K * pair < read, and no expert past a row block, N <= block_m: a verify batch of 9 tokens
     against q = 281) or no move is allowed, the rule is the balanced one, and the balanced kernel runs (the
@@ -100,8 +100,9 @@ def check_weights(weights: RuleWeights | int) -> RuleWeights:
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             what = "q" if name == "read" else name
             raise ValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
-    if weights.block and not (isinstance(weights.block_m, int) and 1 <= weights.block_m <= MAX_ENTRIES):
-        raise ValueError(f"block_m must be an int from 1 to {MAX_ENTRIES} where block > 0, got {weights.block_m!r}")
+    m = weights.block_m
+    if weights.block and not (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_ENTRIES and m & (m - 1) == 0):
+        raise ValueError(f"block_m must be a power of two from 1 to {MAX_ENTRIES} where block > 0, got {m!r}")
     return weights
 
 

@@ -53,7 +53,7 @@ def _or(a, b):
 
 @triton.jit
 def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_ptr,
-                             rows, k, experts, ranks, max_augment, read, pair, block, block_m,
+                             rows, k, experts, ranks, max_augment, read, pair, block, block_shift,
                              max_rounds, ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr,
                              COST: tl.constexpr):
     RP: tl.constexpr = RANKS_PAD
@@ -148,7 +148,7 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
 
     if COST:   # 3b. the rule by cost's moves, then the entries of the moved experts
         rank_entry = _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks,
-                                 read, pair, block, block_m, max_rounds, E_PAD, RP)
+                                 read, pair, block, block_shift, max_rounds, E_PAD, RP)
 
     # 4. slots: valid rows by the rule, padding rows the lowest replica rank, unknown ids -1
     slot = tl.load(slots_ptr + ids * ranks + rank_entry, mask=known, other=-1)
@@ -163,43 +163,46 @@ def _key(value, kind, expert, src, target):
 
 
 @triton.jit
-def _extra_blocks(tokens, block_m):
-    """Row blocks beyond the first of an expert with ``tokens`` on one rank."""
-    return tl.where(tokens > 0, (tokens - 1) // block_m, 0)
+def _extra_blocks(tokens, block_shift):
+    """Row blocks beyond the first of an expert with ``tokens`` on one rank (blocks of 2**block_shift rows)."""
+    return tl.where(tokens > 0, (tokens - 1) >> block_shift, 0)
 
 
 @triton.jit
-def _after(moved, top, here, there, dest, read, pair, block, block_m):
+def _after(moved, top, here, there, dest, read, pair, block, block_shift):
     """The higher cost of the two ranks after moving ``moved`` of ``here`` tokens onto ``there``; dest: the
     target's cost with the read it gains where it had none."""
     left = (top - tl.where(moved == here, read, 0) - pair * moved
-            - block * (_extra_blocks(here, block_m) - _extra_blocks(here - moved, block_m)))
-    arrived = dest + pair * moved + block * (_extra_blocks(there + moved, block_m) - _extra_blocks(there, block_m))
+            - block * (_extra_blocks(here, block_shift) - _extra_blocks(here - moved, block_shift)))
+    arrived = dest + pair * moved + block * (_extra_blocks(there + moved, block_shift)
+                                             - _extra_blocks(there, block_shift))
     return tl.maximum(left, arrived)
 
 
 @triton.jit
-def _best_move(top, here, there, dest, read, pair, block, block_m):
+def _best_move(top, here, there, dest, read, pair, block, block_shift):
     """(value, kind) of the best move of ``here`` tokens onto a rank with ``there``: whole, the levelling share
     (where pairs cost), or the tokens past the last full row block (where blocks cost); ties to the lower kind."""
-    value = _after(here, top, here, there, dest, read, pair, block, block_m)
+    value = _after(here, top, here, there, dest, read, pair, block, block_shift)
     kind = tl.zeros_like(value)
     share = tl.minimum(tl.maximum((top - dest) // 2, 1), here - 1)
-    level = tl.where((pair > 0) & (here >= 2), _after(share, top, here, there, dest, read, pair, block, block_m), BIG)
+    level = tl.where((pair > 0) & (here >= 2), _after(share, top, here, there, dest, read, pair, block, block_shift),
+                     BIG)
     kind = tl.where(level < value, 1, kind)
     value = tl.minimum(level, value)
-    past = here - block_m * ((here - 1) // block_m)
-    shed = tl.where((block > 0) & (here > block_m), _after(past, top, here, there, dest, read, pair, block, block_m),
-                    BIG)
+    past = here - (((here - 1) >> block_shift) << block_shift)
+    shed = tl.where((block > 0) & (here > (1 << block_shift)),
+                    _after(past, top, here, there, dest, read, pair, block, block_shift), BIG)
     kind = tl.where(shed < value, 2, kind)
     return tl.minimum(shed, value), kind
 
 
 @triton.jit
 def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks, read, pair, block,
-                block_m, max_rounds, E_PAD: tl.constexpr, RP: tl.constexpr):
+                block_shift, max_rounds, E_PAD: tl.constexpr, RP: tl.constexpr):
     """Step 3 of ``cost_rule_step`` after the balanced rule; returns each entry's rank (see the module docstring).
-    A rank costs read * load + pair * tok + block * blocks (row blocks beyond each expert's first)."""
+    A rank costs read * load + pair * tok + block * blocks (row blocks of 2**block_shift rows beyond each expert's
+    first)."""
     jj = tl.arange(0, SPLIT).to(tl.int64)
     split_alloc = tl.zeros([SPLIT, RP], tl.int64)   # tokens of moved expert j on rank r
     split_e = tl.full([SPLIT], -1, tl.int64)
@@ -207,7 +210,11 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
     row_of = tl.full([E_PAD], -1, tl.int64)           # the table row of a moved expert
     used = tl.full((), 0, tl.int64)
     pairs = tl.sum(tl.where(in_rank, tok, 0))
-    blocks = tl.sum(tl.where(pick[:, None] == r[None, :], _extra_blocks(cnt, block_m)[:, None], 0), axis=0)   # [RP]
+    # an unmoved expert keeps its count: its row blocks, and its tokens past the last full block
+    here_blk = _extra_blocks(cnt, block_shift)
+    past = cnt - (((cnt - 1) >> block_shift) << block_shift)
+    can_shed = ((block > 0) & (cnt > (1 << block_shift)))[:, None]
+    blocks = tl.sum(tl.where(pick[:, None] == r[None, :], here_blk[:, None], 0), axis=0)   # [RP]
     rounds = tl.full((), 0, tl.int32)
     going = ((pair * pairs >= read) | ((block > 0) & (tl.sum(blocks) > 0))) & (rounds < max_rounds)
     target_bit = ((m[:, None] >> r[None, :]) & 1) != 0          # [E_PAD, RP]
@@ -217,7 +224,20 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
         # experts not moved yet: all of their tokens on their pick
         at_pick = r[None, :] == pick[:, None]
         cost_src = tl.sum(tl.where(at_pick, cost[None, :], 0), axis=1)
-        value, kind = _best_move(top, cnt[:, None], 0, cost[None, :] + read, read, pair, block, block_m)
+        # (_best_move with none of the expert's tokens on the target, the 1-D terms computed once)
+        dest = cost[None, :] + read                                                    # [1, RP]
+        value = tl.maximum((top - read - pair * cnt - block * here_blk)[:, None], dest + (pair * cnt + block * here_blk)[:, None])
+        kind = tl.zeros_like(value)
+        share = tl.minimum(tl.maximum((top - dest) // 2, 1), cnt[:, None] - 1)             # [E_PAD, RP]
+        level = tl.maximum(top - pair * share - block * (here_blk[:, None] - _extra_blocks(cnt[:, None] - share, block_shift)),
+                           dest + pair * share + block * _extra_blocks(share, block_shift))
+        level = tl.where((pair > 0) & (cnt >= 2)[:, None], level, BIG)
+        kind = tl.where(level < value, 1, kind)
+        value = tl.minimum(level, value)
+        shed = tl.maximum((top - pair * past - block)[:, None], dest + (pair * past)[:, None])
+        shed = tl.where(can_shed, shed, BIG)         # the source sheds one block, the target gains none (past <= rows)
+        kind = tl.where(shed < value, 2, kind)
+        value = tl.minimum(shed, value)
         key = _key(value, kind, e[:, None], pick[:, None], r[None, :])
         allowed = (multi & (row_of < 0) & (cost_src == top))[:, None] & target_bit & ~at_pick
         best = tl.min(tl.min(tl.where(allowed, key, BIG), axis=1))
@@ -227,7 +247,7 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
             a_src = tl.sum(tl.where(r[None, :] == src, split_alloc, 0), axis=1)[:, None]   # [SPLIT, 1]
             cost_s = tl.sum(tl.where(r == src, cost, 0))
             dest_s = cost[None, :] + tl.where(split_alloc == 0, read, 0)
-            value_s, kind_s = _best_move(top, a_src, split_alloc, dest_s, read, pair, block, block_m)
+            value_s, kind_s = _best_move(top, a_src, split_alloc, dest_s, read, pair, block, block_shift)
             key_s = _key(value_s, kind_s, split_e[:, None], src, r[None, :])
             allowed_s = (jj < used)[:, None] & (a_src > 0) & (cost_s == top) & row_bit & (r[None, :] != src)
             best = tl.minimum(best, tl.min(tl.min(tl.where(allowed_s, key_s, BIG), axis=1)))
@@ -254,16 +274,18 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
             had_tgt = tl.sum(tl.where(r == tgt, alloc, 0))
             dest_t = tl.sum(tl.where(r == tgt, cost, 0)) + tl.where(had_tgt == 0, read, 0)
             share_t = tl.minimum(tl.maximum((top - dest_t) // 2, 1), had_src - 1)
-            past = had_src - block_m * ((had_src - 1) // block_m)
-            moved = tl.where(chosen_kind == 1, share_t, tl.where(chosen_kind == 2, past, had_src))
+            past_t = had_src - (((had_src - 1) >> block_shift) << block_shift)
+            moved = tl.where(chosen_kind == 1, share_t, tl.where(chosen_kind == 2, past_t, had_src))
             split_alloc = (split_alloc - tl.where(in_row & (r[None, :] == source), moved, 0)
                            + tl.where(in_row & (r[None, :] == tgt), moved, 0))
             tok = tok - tl.where(r == source, moved, 0) + tl.where(r == tgt, moved, 0)
             load = (load - tl.where((r == source) & (had_src == moved), 1, 0)
                     + tl.where((r == tgt) & (had_tgt == 0), 1, 0))
             blocks = (blocks
-                      + tl.where(r == source, _extra_blocks(had_src - moved, block_m) - _extra_blocks(had_src, block_m), 0)
-                      + tl.where(r == tgt, _extra_blocks(had_tgt + moved, block_m) - _extra_blocks(had_tgt, block_m), 0))
+                      + tl.where(r == source, _extra_blocks(had_src - moved, block_shift)
+                                 - _extra_blocks(had_src, block_shift), 0)
+                      + tl.where(r == tgt, _extra_blocks(had_tgt + moved, block_shift)
+                                 - _extra_blocks(had_tgt, block_shift), 0))
             rounds += 1
             going = rounds < max_rounds
     for j in range(0, used):   # a moved expert's valid entries: its ranks in increasing order, entry order
@@ -287,7 +309,8 @@ def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, weights=None
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
     e_pad = triton.next_power_of_2(experts + 1)   # one bin past the experts for ignored entries
-    w = (weights.read, weights.pair, weights.block, max(weights.block_m, 1)) if weights is not None else (1, 0, 0, 1)
+    w = ((weights.read, weights.pair, weights.block, max(weights.block_m, 1).bit_length() - 1) if weights is not None
+         else (1, 0, 0, 0))   # block_m: a power of two (balanced_dispatch.check_weights), passed as its shift
     balanced_dispatch_kernel[(1,)](
         topk_ids, masks, slots, num_rows if num_rows is not None else masks, out,
         rows, k, experts, ranks, max_augment, *w, max_rounds,

@@ -95,6 +95,8 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
         block_m = d.get("block_m", 0)
         if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 0:
             raise ValueError(f"block_m {block_m!r} is not a whole number of rows")
+        if block_m & (block_m - 1):
+            raise ValueError(f"block_m {block_m} is not a power of two, as SGLang's row blocks are")
     except (TypeError, ValueError) as e:
         raise FormatError(path, f"cost model's row-block term needs numeric r_us_per_block and block_m ({e})") from None
     if not all(np.isfinite(v) and 0 <= v <= MAX_COEFFICIENT_US for v in values.values()):

@@ -227,7 +227,8 @@ def test_graph_replay_with_new_inputs(backend):
     (dict(max_rounds=33), "max_rounds must be an int from 0 to 32, got 33"),
     (dict(max_rounds=-1), "max_rounds must be an int from 0 to 32"),
     (dict(weights=RuleWeights(5, 2 ** 17)), "pair must be an int from 0 to 65536"),
-    (dict(weights=RuleWeights(5, 1, 3, 0)), "block_m must be an int from 1 to 8192 where block > 0, got 0"),
+    (dict(weights=RuleWeights(5, 1, 3, 0)), "block_m must be a power of two from 1 to 8192 where block > 0, got 0"),
+    (dict(weights=RuleWeights(5, 1, 3, 24)), "block_m must be a power of two"),
     (dict(topk_ids=torch.zeros(1025, 8, dtype=torch.int32)), "at most 8192 ids"),
 ])
 def test_bad_input_is_one_clear_line(change, text):
@@ -265,7 +266,7 @@ _INTERP_SCRIPT = textwrap.dedent("""
     @given(seed=st.integers(0, 10**6), experts=st.integers(2, 48), ranks=st.integers(1, 8),
            rows=st.integers(1, 40), k=st.integers(1, 8), q=st.integers(1, 40),
            style=st.sampled_from(["two", "any", "few"]), rounds=st.integers(0, 32),
-           blocks=st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(1, 40), st.integers(1, 8))))
+           blocks=st.one_of(st.none(), st.tuples(st.integers(0, 1), st.integers(1, 40), st.sampled_from([1, 2, 4, 8]))))
     def agrees(seed, experts, ranks, rows, k, q, style, rounds, blocks):
         weights = q if blocks is None else RuleWeights(q, *blocks)
         got, want = run_case(make_case(seed, experts, ranks, rows, k, style, weights), "cpu", "triton",

@@ -241,6 +241,7 @@ def test_a_server_with_nothing_to_choose_stops_at_start(hooked, server, capsys):
      "set one of MOEPLACE_DISPATCH_Q and MOEPLACE_DISPATCH_WEIGHTS, not both"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "281,1,150"}, "must be read,pair,block,block_m"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "281,1,150,0"}, "got '281,1,150,0'"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "281,1,150,24"}, "block_m a power of two"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "0,1,0,0"}, "read from 1"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "lots"}, "must be a positive integer"),
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "0"}, "must be a positive integer"),

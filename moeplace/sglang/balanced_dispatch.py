@@ -91,10 +91,10 @@ def _weights_from_env() -> RuleWeights:
         parts = [_int_or_zero(v) if v.strip().isdigit() else -1 for v in raw_w.split(",")]
         read, pair, block, block_m = parts if len(parts) == 4 else (-1, -1, -1, -1)
         if not (1 <= read <= MAX_WEIGHT and 0 <= pair <= MAX_WEIGHT and 0 <= block <= MAX_WEIGHT
-                and (block == 0 or 1 <= block_m <= MAX_BLOCK_M)):
+                and (block == 0 or (1 <= block_m <= MAX_BLOCK_M and block_m & (block_m - 1) == 0))):
             raise ValueError(f"MOEPLACE_DISPATCH_WEIGHTS must be read,pair,block,block_m: integers, read from 1 and "
-                             f"pair and block from 0 to {MAX_WEIGHT}, block_m from 1 to {MAX_BLOCK_M} where block > 0 "
-                             f"(moeplace launch sets it from the placement's cost model), got {raw_w!r}")
+                             f"pair and block from 0 to {MAX_WEIGHT}, block_m a power of two up to {MAX_BLOCK_M} where "
+                             f"block > 0 (moeplace launch sets it from the placement's cost model), got {raw_w!r}")
         return RuleWeights(read, pair, block, block_m if block else 0)
     q = _int_or_zero(raw_q)
     if not 1 <= q <= MAX_Q:

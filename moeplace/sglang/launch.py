@@ -297,10 +297,10 @@ def cost_rule_weights(placement: Placement) -> RuleWeights | None:
         raise MoeplaceError("the placement was made for moeplace's cost rule but records no cost model (a_us_per_expert, "
                             "b_us_per_token); re-optimize it with --dispatch cost") from None
     if not all(0 <= v < float("inf") for v in (a, b, r)) or isinstance(block_m, bool) or not isinstance(block_m, int) \
-            or block_m < 0 or (r > 0 and block_m == 0):
+            or block_m < 0 or block_m & (block_m - 1) or (r > 0 and block_m == 0):
         raise MoeplaceError(f"the placement's cost model has a_us_per_expert {a:g}, b_us_per_token {b:g}, "
                             f"r_us_per_block {r:g}, block_m {block_m!r}: the coefficients must be finite and "
-                            "non-negative, block_m a whole number of rows where r_us_per_block > 0")
+                            "non-negative, block_m a power of two (rows) where r_us_per_block > 0")
     return rule_weights(CostModel(a, b, 0.0, r_us_per_block=r, block_m=block_m))
 
 
