@@ -73,8 +73,8 @@ def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tens
 
     weights: ``moeplace.cost_dispatch.RuleWeights`` (``rule_weights`` of a cost model), or an int q, the
     (token, expert) pairs one expert read costs (``RuleWeights(q)``); read 1 to MAX_WEIGHT, pair and block 0
-    to MAX_WEIGHT, block_m a power of two up to MAX_ENTRIES where block > 0 (SGLang's row blocks always are). max_rounds: moves after the balanced rule, 0 to
-    MAX_MOVES. The rest as :func:`balanced_dispatch`. Where no step can search a move (fewer pairs than one
+    to MAX_WEIGHT, block_m a power of two up to MAX_ENTRIES where block > 0 (SGLang's row blocks always are).
+    max_rounds: moves after the balanced rule, 0 to MAX_MOVES. The rest as :func:`balanced_dispatch`. Where no step can search a move (fewer pairs than one
     read costs, N * K * pair < read, and no expert past a row block, N <= block_m: a verify batch of 9 tokens
     against q = 281) or no move is allowed, the rule is the balanced one, and the balanced kernel runs (the
     same output, sooner).
@@ -101,7 +101,8 @@ def check_weights(weights: RuleWeights | int) -> RuleWeights:
             what = "q" if name == "read" else name
             raise ValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
     m = weights.block_m
-    if weights.block and not (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_ENTRIES and m & (m - 1) == 0):
+    whole_rows = isinstance(m, int) and not isinstance(m, bool)
+    if weights.block and not (whole_rows and 1 <= m <= MAX_ENTRIES and m & (m - 1) == 0):
         raise ValueError(f"block_m must be a power of two from 1 to {MAX_ENTRIES} where block > 0, got {m!r}")
     return weights
 

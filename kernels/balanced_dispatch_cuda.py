@@ -34,7 +34,8 @@ class DispatchLibrary:
         lib = ctypes.CDLL(path)
         lib.moeplace_balanced_dispatch.argtypes = [_Ptr, _Ptr, _Ptr, _Ptr, _Ptr] + [_Int] * 7 + [_Ptr]
         lib.moeplace_balanced_dispatch.restype = _Int
-        self.has_cost = hasattr(lib, "moeplace_weighted_cost_dispatch")   # a benchmark build of an older source may lack it
+        # a benchmark build of an older source may lack it
+        self.has_cost = hasattr(lib, "moeplace_weighted_cost_dispatch")
         if self.has_cost:
             lib.moeplace_weighted_cost_dispatch.argtypes = [_Ptr, _Ptr, _Ptr, _Ptr, _Ptr] + [_Int] * 12 + [_Ptr]
             lib.moeplace_weighted_cost_dispatch.restype = _Int

@@ -226,10 +226,12 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
         cost_src = tl.sum(tl.where(at_pick, cost[None, :], 0), axis=1)
         # (_best_move with none of the expert's tokens on the target, the 1-D terms computed once)
         dest = cost[None, :] + read                                                    # [1, RP]
-        value = tl.maximum((top - read - pair * cnt - block * here_blk)[:, None], dest + (pair * cnt + block * here_blk)[:, None])
+        whole_cost = pair * cnt + block * here_blk                                  # [E_PAD]: what moves with it
+        value = tl.maximum((top - read - whole_cost)[:, None], dest + whole_cost[:, None])
         kind = tl.zeros_like(value)
         share = tl.minimum(tl.maximum((top - dest) // 2, 1), cnt[:, None] - 1)             # [E_PAD, RP]
-        level = tl.maximum(top - pair * share - block * (here_blk[:, None] - _extra_blocks(cnt[:, None] - share, block_shift)),
+        kept_blk = _extra_blocks(cnt[:, None] - share, block_shift)
+        level = tl.maximum(top - pair * share - block * (here_blk[:, None] - kept_blk),
                            dest + pair * share + block * _extra_blocks(share, block_shift))
         level = tl.where((pair > 0) & (cnt >= 2)[:, None], level, BIG)
         kind = tl.where(level < value, 1, kind)

@@ -130,7 +130,8 @@ def weights_label(w: RuleWeights) -> str:
     return f"q {w.read}" if (w.pair, w.block) == (1, 0) else f"weights {w.read}/{w.pair}/{w.block}/{w.block_m}"
 
 
-def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout, q: RuleWeights) -> tuple[np.ndarray, np.ndarray]:
+def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout,
+               q: RuleWeights) -> tuple[np.ndarray, np.ndarray]:
     """([calls, T, K] slots, [calls] moves) by the rule by cost: a split expert's entries take its ranks in
     increasing rank order, in entry order (``moeplace.cost_dispatch.pair_slots``)."""
     chosen = cost_rule(counts, layout.masks, layout.ranks, q)

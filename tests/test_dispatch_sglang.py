@@ -81,7 +81,8 @@ def _hooked(server, rule: str, q: int | None = None):
     original = eld.topk_ids_logical_to_physical
     original_placement = el.compute_initial_expert_location_metadata
     HookRegistry.reset()
-    state = bd.install(bd.DispatchConfig(rule, max_tokens=16 if rule == "balanced" else 64, q=None if q is None else bd.RuleWeights(q)))
+    weights = None if q is None else bd.RuleWeights(q)
+    state = bd.install(bd.DispatchConfig(rule, max_tokens=16 if rule == "balanced" else 64, q=weights))
     HookRegistry.apply_hooks()
     yield state, topk, original
     for module, name, fn in ((eld, "topk_ids_logical_to_physical", original),
