@@ -55,7 +55,7 @@ def _or(a, b):
 def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_ptr,
                              rows, k, experts, ranks, max_augment, read, pair, block, block_shift,
                              max_rounds, ENTRIES: tl.constexpr, E_PAD: tl.constexpr, HAS_NUM_ROWS: tl.constexpr,
-                             COST: tl.constexpr):
+                             COST: tl.constexpr, BLOCKS: tl.constexpr):
     RP: tl.constexpr = RANKS_PAD
     i = tl.arange(0, ENTRIES)
     e = tl.arange(0, E_PAD).to(tl.int64)
@@ -148,7 +148,7 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
 
     if COST:   # 3b. the rule by cost's moves, then the entries of the moved experts
         rank_entry = _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks,
-                                 read, pair, block, block_shift, max_rounds, E_PAD, RP)
+                                 read, pair, block, block_shift, max_rounds, E_PAD, RP, BLOCKS)
 
     # 4. slots: valid rows by the rule, padding rows the lowest replica rank, unknown ids -1
     slot = tl.load(slots_ptr + ids * ranks + rank_entry, mask=known, other=-1)
@@ -169,40 +169,43 @@ def _extra_blocks(tokens, block_shift):
 
 
 @triton.jit
-def _after(moved, top, here, there, dest, read, pair, block, block_shift):
+def _after(moved, top, here, there, dest, read, pair, block, block_shift, BLOCKS: tl.constexpr):
     """The higher cost of the two ranks after moving ``moved`` of ``here`` tokens onto ``there``; dest: the
     target's cost with the read it gains where it had none."""
-    left = (top - tl.where(moved == here, read, 0) - pair * moved
-            - block * (_extra_blocks(here, block_shift) - _extra_blocks(here - moved, block_shift)))
-    arrived = dest + pair * moved + block * (_extra_blocks(there + moved, block_shift)
-                                             - _extra_blocks(there, block_shift))
+    left = top - tl.where(moved == here, read, 0) - pair * moved
+    arrived = dest + pair * moved
+    if BLOCKS:
+        left -= block * (_extra_blocks(here, block_shift) - _extra_blocks(here - moved, block_shift))
+        arrived += block * (_extra_blocks(there + moved, block_shift) - _extra_blocks(there, block_shift))
     return tl.maximum(left, arrived)
 
 
 @triton.jit
-def _best_move(top, here, there, dest, read, pair, block, block_shift):
+def _best_move(top, here, there, dest, read, pair, block, block_shift, BLOCKS: tl.constexpr):
     """(value, kind) of the best move of ``here`` tokens onto a rank with ``there``: whole, the levelling share
-    (where pairs cost), or the tokens past the last full row block (where blocks cost); ties to the lower kind."""
-    value = _after(here, top, here, there, dest, read, pair, block, block_shift)
+    (where pairs cost), or the tokens past the last full row block (with BLOCKS); ties to the lower kind."""
+    value = _after(here, top, here, there, dest, read, pair, block, block_shift, BLOCKS)
     kind = tl.zeros_like(value)
     share = tl.minimum(tl.maximum((top - dest) // 2, 1), here - 1)
-    level = tl.where((pair > 0) & (here >= 2), _after(share, top, here, there, dest, read, pair, block, block_shift),
-                     BIG)
+    level = tl.where((pair > 0) & (here >= 2),
+                     _after(share, top, here, there, dest, read, pair, block, block_shift, BLOCKS), BIG)
     kind = tl.where(level < value, 1, kind)
     value = tl.minimum(level, value)
-    past = here - (((here - 1) >> block_shift) << block_shift)
-    shed = tl.where((block > 0) & (here > (1 << block_shift)),
-                    _after(past, top, here, there, dest, read, pair, block, block_shift), BIG)
-    kind = tl.where(shed < value, 2, kind)
-    return tl.minimum(shed, value), kind
+    if BLOCKS:
+        past = here - (((here - 1) >> block_shift) << block_shift)
+        shed = tl.where(here > (1 << block_shift),
+                        _after(past, top, here, there, dest, read, pair, block, block_shift, BLOCKS), BIG)
+        kind = tl.where(shed < value, 2, kind)
+        value = tl.minimum(shed, value)
+    return value, kind
 
 
 @triton.jit
 def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in_rank, ranks, read, pair, block,
-                block_shift, max_rounds, E_PAD: tl.constexpr, RP: tl.constexpr):
+                block_shift, max_rounds, E_PAD: tl.constexpr, RP: tl.constexpr, BLOCKS: tl.constexpr):
     """Step 3 of ``cost_rule_step`` after the balanced rule; returns each entry's rank (see the module docstring).
     A rank costs read * load + pair * tok + block * blocks (row blocks of 2**block_shift rows beyond each expert's
-    first)."""
+    first; BLOCKS: block > 0, a compile-time choice, so the rule without the term compiles as small as before)."""
     jj = tl.arange(0, SPLIT).to(tl.int64)
     split_alloc = tl.zeros([SPLIT, RP], tl.int64)   # tokens of moved expert j on rank r
     split_e = tl.full([SPLIT], -1, tl.int64)
@@ -213,10 +216,12 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
     # an unmoved expert keeps its count: its row blocks, and its tokens past the last full block
     here_blk = _extra_blocks(cnt, block_shift)
     past = cnt - (((cnt - 1) >> block_shift) << block_shift)
-    can_shed = ((block > 0) & (cnt > (1 << block_shift)))[:, None]
-    blocks = tl.sum(tl.where(pick[:, None] == r[None, :], here_blk[:, None], 0), axis=0)   # [RP]
+    can_shed = (cnt > (1 << block_shift))[:, None]
+    blocks = tl.zeros_like(tok)                                                          # [RP]
+    if BLOCKS:
+        blocks = tl.sum(tl.where(pick[:, None] == r[None, :], here_blk[:, None], 0), axis=0)
     rounds = tl.full((), 0, tl.int32)
-    going = ((pair * pairs >= read) | ((block > 0) & (tl.sum(blocks) > 0))) & (rounds < max_rounds)
+    going = ((pair * pairs >= read) | (tl.sum(blocks) > 0)) & (rounds < max_rounds)
     target_bit = ((m[:, None] >> r[None, :]) & 1) != 0          # [E_PAD, RP]
     while going:
         cost = tl.where(in_rank, read * load + pair * tok + block * blocks, -1)
@@ -226,20 +231,25 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
         cost_src = tl.sum(tl.where(at_pick, cost[None, :], 0), axis=1)
         # (_best_move with none of the expert's tokens on the target, the 1-D terms computed once)
         dest = cost[None, :] + read                                                    # [1, RP]
-        whole_cost = pair * cnt + block * here_blk                                  # [E_PAD]: what moves with it
+        whole_cost = pair * cnt                                                        # [E_PAD]: what moves with it
+        if BLOCKS:
+            whole_cost += block * here_blk
         value = tl.maximum((top - read - whole_cost)[:, None], dest + whole_cost[:, None])
         kind = tl.zeros_like(value)
         share = tl.minimum(tl.maximum((top - dest) // 2, 1), cnt[:, None] - 1)             # [E_PAD, RP]
-        kept_blk = _extra_blocks(cnt[:, None] - share, block_shift)
-        level = tl.maximum(top - pair * share - block * (here_blk[:, None] - kept_blk),
-                           dest + pair * share + block * _extra_blocks(share, block_shift))
-        level = tl.where((pair > 0) & (cnt >= 2)[:, None], level, BIG)
+        left = top - pair * share
+        arrived = dest + pair * share
+        if BLOCKS:
+            left -= block * (here_blk[:, None] - _extra_blocks(cnt[:, None] - share, block_shift))
+            arrived += block * _extra_blocks(share, block_shift)
+        level = tl.where((pair > 0) & (cnt >= 2)[:, None], tl.maximum(left, arrived), BIG)
         kind = tl.where(level < value, 1, kind)
         value = tl.minimum(level, value)
-        shed = tl.maximum((top - pair * past - block)[:, None], dest + (pair * past)[:, None])
-        shed = tl.where(can_shed, shed, BIG)         # the source sheds one block, the target gains none (past <= rows)
-        kind = tl.where(shed < value, 2, kind)
-        value = tl.minimum(shed, value)
+        if BLOCKS:   # the source sheds one block, the target gains none (past <= a block's rows)
+            shed = tl.where(can_shed, tl.maximum((top - pair * past)[:, None] - block, dest + (pair * past)[:, None]),
+                            BIG)
+            kind = tl.where(shed < value, 2, kind)
+            value = tl.minimum(shed, value)
         key = _key(value, kind, e[:, None], pick[:, None], r[None, :])
         allowed = (multi & (row_of < 0) & (cost_src == top))[:, None] & target_bit & ~at_pick
         best = tl.min(tl.min(tl.where(allowed, key, BIG), axis=1))
@@ -249,7 +259,7 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
             a_src = tl.sum(tl.where(r[None, :] == src, split_alloc, 0), axis=1)[:, None]   # [SPLIT, 1]
             cost_s = tl.sum(tl.where(r == src, cost, 0))
             dest_s = cost[None, :] + tl.where(split_alloc == 0, read, 0)
-            value_s, kind_s = _best_move(top, a_src, split_alloc, dest_s, read, pair, block, block_shift)
+            value_s, kind_s = _best_move(top, a_src, split_alloc, dest_s, read, pair, block, block_shift, BLOCKS)
             key_s = _key(value_s, kind_s, split_e[:, None], src, r[None, :])
             allowed_s = (jj < used)[:, None] & (a_src > 0) & (cost_s == top) & row_bit & (r[None, :] != src)
             best = tl.minimum(best, tl.min(tl.min(tl.where(allowed_s, key_s, BIG), axis=1)))
@@ -283,11 +293,12 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
             tok = tok - tl.where(r == source, moved, 0) + tl.where(r == tgt, moved, 0)
             load = (load - tl.where((r == source) & (had_src == moved), 1, 0)
                     + tl.where((r == tgt) & (had_tgt == 0), 1, 0))
-            blocks = (blocks
-                      + tl.where(r == source, _extra_blocks(had_src - moved, block_shift)
-                                 - _extra_blocks(had_src, block_shift), 0)
-                      + tl.where(r == tgt, _extra_blocks(had_tgt + moved, block_shift)
-                                 - _extra_blocks(had_tgt, block_shift), 0))
+            if BLOCKS:
+                blocks = (blocks
+                          + tl.where(r == source, _extra_blocks(had_src - moved, block_shift)
+                                     - _extra_blocks(had_src, block_shift), 0)
+                          + tl.where(r == tgt, _extra_blocks(had_tgt + moved, block_shift)
+                                     - _extra_blocks(had_tgt, block_shift), 0))
             rounds += 1
             going = rounds < max_rounds
     for j in range(0, used):   # a moved expert's valid entries: its ranks in increasing order, entry order
@@ -317,4 +328,5 @@ def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, weights=None
         topk_ids, masks, slots, num_rows if num_rows is not None else masks, out,
         rows, k, experts, ranks, max_augment, *w, max_rounds,
         ENTRIES=max(MIN_ENTRIES, triton.next_power_of_2(rows * k)), E_PAD=e_pad,
-        HAS_NUM_ROWS=num_rows is not None, COST=weights is not None, num_warps=1 if e_pad <= 1024 else 4)
+        HAS_NUM_ROWS=num_rows is not None, COST=weights is not None, BLOCKS=weights is not None and weights.block > 0,
+        num_warps=1 if e_pad <= 1024 else 4)
