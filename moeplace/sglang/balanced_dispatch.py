@@ -99,8 +99,9 @@ def _weights_from_env() -> RuleWeights:
     q = _int_or_zero(raw_q)
     if not 1 <= q <= MAX_Q:
         raise ValueError(f"MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q, the (token, expert) pairs one "
-                         f"expert read costs, an integer from 1 to {MAX_Q} (moeplace launch sets it from "
-                         f"the placement's cost model), got {raw_q!r}")
+                         f"expert read costs, an integer from 1 to {MAX_Q}, or MOEPLACE_DISPATCH_WEIGHTS "
+                         f"(read,pair,block,block_m; moeplace launch sets one from the placement's cost model), "
+                         f"got {raw_q!r}")
     return RuleWeights(q)
 
 
