@@ -37,14 +37,13 @@ from typing import Optional
 import torch
 
 from moeplace.balanced import MAX_AUGMENT
-from moeplace.cost_dispatch import MAX_ROUNDS, MAX_WEIGHT, RuleWeights
+from moeplace.cost_dispatch import MAX_ROUNDS, MAX_WEIGHT, RuleWeights, as_weights
 from moeplace_kernels import balanced_dispatch_cuda
 
 MAX_ENTRIES = 8192   # N * K (576 token rows of top-8 is 4608): the token field of the packed rank key is 14 bits
 MAX_EXPERTS = 4096   # the tested bound; CUDA kernel: 8E + 9 min(E, N*K) + N*K*id bytes of shared memory
 MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
 UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
-MAX_Q = MAX_WEIGHT   # rule by cost: a rank's weighted cost stays far inside 32 bits (distinct <= 4096)
 MAX_MOVES = 32       # rule by cost: rows of the CUDA kernel's table of split experts
 BACKENDS = ("auto", "cuda", "triton")
 
@@ -91,19 +90,12 @@ def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tens
 
 def check_weights(weights: RuleWeights | int) -> RuleWeights:
     """``weights`` as RuleWeights, or ValueError (one line) for values the kernels cannot take."""
-    if isinstance(weights, int) and not isinstance(weights, bool):
-        weights = RuleWeights(weights)
+    weights = as_weights(weights)
     if not isinstance(weights, RuleWeights):
         raise ValueError(f"q must be an int from 1 to {MAX_WEIGHT} (or weights, RuleWeights), got {weights!r}")
-    for name, low, high in (("read", 1, MAX_WEIGHT), ("pair", 0, MAX_WEIGHT), ("block", 0, MAX_WEIGHT)):
-        value = getattr(weights, name)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            what = "q" if name == "read" else name
-            raise ValueError(f"{what} must be an int from {low} to {high}, got {value!r}")
-    m = weights.block_m
-    whole_rows = isinstance(m, int) and not isinstance(m, bool)
-    if weights.block and not (whole_rows and 1 <= m <= MAX_ENTRIES and m & (m - 1) == 0):
-        raise ValueError(f"block_m must be a power of two from 1 to {MAX_ENTRIES} where block > 0, got {m!r}")
+    problem = weights.problem(MAX_ENTRIES)
+    if problem:
+        raise ValueError(problem)
     return weights
 
 

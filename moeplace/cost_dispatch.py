@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeplace.balanced import MAX_AUGMENT, fast_rule, mask_bits, replica_layout, step_expert_counts
-from moeplace.costmodel import CostModel, extra_row_blocks
+from moeplace.costmodel import CostModel, blocks_past_first, extra_row_blocks
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps
 
@@ -70,10 +70,22 @@ class RuleWeights:
 
     def extra_blocks(self, tokens: np.ndarray) -> np.ndarray:
         """Row blocks beyond the first of an expert with ``tokens`` on one rank (0 where block is 0)."""
-        tokens = np.asarray(tokens, np.int64)
         if not self.block:
-            return np.zeros_like(tokens)
-        return np.where(tokens > 0, (tokens - 1) // self.block_m, 0)
+            return np.zeros(np.shape(tokens), np.int64)
+        return blocks_past_first(tokens, self.block_m).astype(np.int64)
+
+    def problem(self, max_block_m: int) -> str | None:
+        """Why the kernels cannot take these weights (one line), or None: read 1 to MAX_WEIGHT, pair and block 0
+        to MAX_WEIGHT, block_m a power of two up to ``max_block_m`` where block > 0 (SGLang's row blocks are)."""
+        for name, low in (("read", 1), ("pair", 0), ("block", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_WEIGHT:
+                return f"{'q' if name == 'read' else name} must be an int from {low} to {MAX_WEIGHT}, got {value!r}"
+        m = self.block_m
+        whole_rows = isinstance(m, int) and not isinstance(m, bool)
+        if self.block and not (whole_rows and 1 <= m <= max_block_m and m & (m - 1) == 0):
+            return f"block_m must be a power of two from 1 to {max_block_m} where block > 0, got {m!r}"
+        return None
 
 
 def rule_weights(cost: CostModel) -> RuleWeights | None:
@@ -88,7 +100,7 @@ def rule_weights(cost: CostModel) -> RuleWeights | None:
     return None
 
 
-def _weights(weights: RuleWeights | int | None) -> RuleWeights | None:
+def as_weights(weights: RuleWeights | int | None) -> RuleWeights | None:
     """A plain q is ``RuleWeights(q)``: reads and pairs only."""
     return RuleWeights(weights) if isinstance(weights, (int, np.integer)) else weights
 
@@ -110,7 +122,7 @@ def cost_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: R
     weights: ``rule_weights`` (an int q: reads and pairs only; None: the balanced rule).
     Written for clarity: this is the statement the vectorised version (and a GPU one) must match.
     """
-    w = _weights(weights)
+    w = as_weights(weights)
     counts = np.asarray(counts, np.int64)
     E = counts.shape[0]
     pick = fast_rule(counts[None, :], masks, ranks, max_augment).pick[0]
@@ -188,7 +200,7 @@ class CostDispatch:
 def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: RuleWeights | int | None,
               max_rounds: int = MAX_ROUNDS, max_augment: int | None = MAX_AUGMENT) -> CostDispatch:
     """``cost_rule_step`` for every row of ``counts [S, E]`` at once (the same allocations, vectorised)."""
-    w = _weights(weights)
+    w = as_weights(weights)
     counts = np.asarray(counts, np.int64)
     S, E = counts.shape
     R = ranks

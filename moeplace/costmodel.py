@@ -69,11 +69,15 @@ class CostModel:
                 f"{self.b_us_per_token:.3f} µs/token + {self.c_us:.1f} µs")
 
 
+def blocks_past_first(pairs: np.ndarray, block_m: int) -> np.ndarray:
+    """Elementwise ``max(ceil(pairs / block_m) - 1, 0)``: the row blocks SGLang's fused MoE kernel runs beyond
+    the first of an expert with ``pairs`` on one rank (float: expected pairs are fine)."""
+    return np.maximum(np.ceil(np.asarray(pairs, np.float64) / block_m) - 1, 0)
+
+
 def extra_row_blocks(slot_pairs: np.ndarray, block_m: int) -> np.ndarray:
-    """[...] sum over the last axis of ``max(ceil(pairs / block_m) - 1, 0)``: the row blocks SGLang's fused
-    MoE kernel runs beyond each active expert's first."""
-    blocks = np.ceil(np.asarray(slot_pairs, np.float64) / block_m) - 1
-    return np.maximum(blocks, 0).sum(axis=-1)
+    """[...] ``blocks_past_first`` summed over the last axis: the row blocks beyond each active expert's first."""
+    return blocks_past_first(slot_pairs, block_m).sum(axis=-1)
 
 
 def load_cost_model(path: str | os.PathLike) -> CostModel:

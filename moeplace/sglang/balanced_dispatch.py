@@ -54,7 +54,6 @@ PLACEMENT = "sglang.srt.eplb.expert_location.compute_initial_expert_location_met
 RULES = ("balanced", "cost")
 DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 288}   # rows; why 288: BENCHMARKS.md, "Rule-by-cost kernel"
 MAX_KERNEL_RANKS = 32
-MAX_Q = MAX_WEIGHT
 MAX_BLOCK_M = 8192   # rows of a row block at most: the kernel's ids (moeplace_kernels.balanced_dispatch.MAX_ENTRIES)
 
 
@@ -90,16 +89,15 @@ def _weights_from_env() -> RuleWeights:
     if raw_w:
         parts = [_int_or_zero(v) if v.strip().isdigit() else -1 for v in raw_w.split(",")]
         read, pair, block, block_m = parts if len(parts) == 4 else (-1, -1, -1, -1)
-        if not (1 <= read <= MAX_WEIGHT and 0 <= pair <= MAX_WEIGHT and 0 <= block <= MAX_WEIGHT
-                and (block == 0 or (1 <= block_m <= MAX_BLOCK_M and block_m & (block_m - 1) == 0))):
+        if RuleWeights(read, pair, block, block_m).problem(MAX_BLOCK_M):
             raise ValueError(f"MOEPLACE_DISPATCH_WEIGHTS must be read,pair,block,block_m: integers, read from 1 and "
                              f"pair and block from 0 to {MAX_WEIGHT}, block_m a power of two up to {MAX_BLOCK_M} where "
                              f"block > 0 (moeplace launch sets it from the placement's cost model), got {raw_w!r}")
         return RuleWeights(read, pair, block, block_m if block else 0)
     q = _int_or_zero(raw_q)
-    if not 1 <= q <= MAX_Q:
+    if not 1 <= q <= MAX_WEIGHT:
         raise ValueError(f"MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q, the (token, expert) pairs one "
-                         f"expert read costs, an integer from 1 to {MAX_Q}, or MOEPLACE_DISPATCH_WEIGHTS "
+                         f"expert read costs, an integer from 1 to {MAX_WEIGHT}, or MOEPLACE_DISPATCH_WEIGHTS "
                          f"(read,pair,block,block_m; moeplace launch sets one from the placement's cost model), "
                          f"got {raw_q!r}")
     return RuleWeights(q)
