@@ -22,12 +22,15 @@
 //   6. output: valid rows by the rule, padding rows the lowest replica rank, ids out of range -1.
 //
 // The rule by cost (moeplace_weighted_cost_dispatch; the kernel's kCost instantiation) adds, when the step has
-// at least read / pair valid (token, expert) pairs or, with the row-block term, an expert past its first block:
+// at least read / pair valid (token, expert) pairs or, with the row-block term, an expert past its first block
+// (phase 3's barriers tell every thread; any other step takes the balanced rule's path, barrier for barrier):
 //   5b. moves, up to max_rounds <= kMaxSplit, on all threads: warp 0 leaves each rank's (load, tok) in shared
 //      memory, and (with the row-block term) all threads add each rank's row blocks beyond its experts' first
 //      (the one-replica experts' were counted in phase 3); a rank costs read * load + pair * tok + block *
 //      blocks. A round is one search and at most one move: each warp finds the maximum cost and the ranks at it
-//      (a ballot), each thread takes one list expert (an expert with no tokens on a rank at the maximum is
+//      (a ballot) and ends the moves where no move can win (the cheapest rank plus one pair, and one read unless
+//      an expert is split, reaches the maximum: on most steps the last round ends there, before any barrier);
+//      each thread takes one list expert (an expert with no tokens on a rank at the maximum is
 //      skipped at once) and scores its moves of cost_rule_step (all of its tokens on a rank at the maximum to
 //      another replica, the share that levels the two, or the tokens past its last full row block) as 64-bit
 //      keys whose order is the rule's (the two ranks' higher cost, the kind of move, list position = expert id
@@ -277,11 +280,17 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
   const int blocks =
       static_cast<int>(__reduce_add_sync(kFull, lane < R ? static_cast<unsigned>(rank_blk[lane]) : 0u));
   const bool search = B * pairs >= A || (W > 0 && blocks > 0);   // step 2 of cost_rule_step
+  bool split = false;   // an expert's tokens on two ranks: a move of kind 1 or 2 was made
   int round = 0;
 #pragma unroll 1
   for (; BD_STOP_AFTER != 4 && BD_STOP_AFTER != 5 && search && round < p.max_rounds; ++round) {
     const int cost = lane < R ? A * rank_load[lane] + B * rank_tok[lane] + W * rank_blk[lane] : -1;
     const int top = static_cast<int>(__reduce_max_sync(kFull, static_cast<unsigned>(cost + 1))) - 1;
+    // No move can win when the cheapest rank plus one pair (and one read, unless some expert is split, so that
+    // a target may hold it already) reaches the maximum: every move's target ends at least there. Every
+    // thread computes this alike, so the loop ends everywhere before the round's first barrier.
+    const int low = static_cast<int>(__reduce_min_sync(kFull, lane < R ? static_cast<unsigned>(cost) : ~0u));
+    if (low + B + (split ? 0 : A) >= top) break;
     const unsigned at_top = __ballot_sync(kFull, lane < R && cost == top);   // the ranks a move leaves
     unsigned long long best = ~0ull;
     int best_i = 0, best_home = 0, best_moved = 0, best_here = 0, best_there = 0;
@@ -344,6 +353,7 @@ __device__ int move_by_cost(const Params& p, int listed, const unsigned* list_m,
     __syncthreads();
     chosen = warp_min(lane < kWarps ? warp_best[lane] : ~0ull);
     if (chosen == ~0ull || static_cast<int>(chosen >> 24) >= top) break;
+    split = split || ((chosen >> 22) & 3) != 0;
     if (best == chosen) {   // the one thread that found the move makes it
       const int src = static_cast<int>(chosen >> 5) & 31, r = static_cast<int>(chosen) & 31;
       const int j = best_home >= 32 ? best_home - 32 : round;   // a first move: row `round`, still zeros
@@ -435,6 +445,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
 
   // 3. one-replica experts go to their rank; the others join the list in id order
   int listed = 0;
+  bool past_block = false;   // rule by cost: some active expert runs past its first row block
 #pragma unroll 1
   for (int base = 0; base < E; base += kThreads) {
     const int e = base + tid;
@@ -446,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
     }
     const bool active = c > 0 && m != 0;
     const bool multi = active && (m & (m - 1)) != 0;
+    if constexpr (kCost) past_block = past_block || (p.block > 0 && active && c > p.block_m);
     if (active && !multi) {
       const int r = __ffs(m) - 1;
       atomicAdd(&single_load[r], 1);
@@ -466,8 +478,12 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       list_e[pos] = static_cast<short>(e);
       list_c[pos] = static_cast<short>(c);
     }
-    __syncthreads();
+    if constexpr (kCost) past_block = __syncthreads_or(past_block);   // the same on every thread
+    else __syncthreads();
   }
+  // Rule by cost: whether a move may be searched at all (the pairs bounded by the valid entries); where not,
+  // the step takes the balanced rule's path, without the moves' barriers.
+  const bool may_move = kCost && (past_block || p.pair * valid >= p.read);
   if (stop_here(3, out, entries, listed + single_tok[lane], start)) return;
 
   if (warp == 0) {
@@ -534,44 +550,46 @@ __global__ void __launch_bounds__(kThreads, 1) balanced_dispatch_kernel(Params p
       if (lane == b) load -= 1;
       if (lane == target) load += 1;
     }
-    if constexpr (kCost) {   // the moves' start
+    if (may_move) {   // the moves' start
       rank_load[lane] = load;
       rank_tok[lane] = tok;
       rank_blk[lane] = single_blk[lane];
-    }
-    if constexpr (!kCost) {
+    } else {
       rank_key[lane] = rank_key_of(load, tok, lane);
 #pragma unroll 1
       for (int i = lane; i < listed; i += 32) cnt[list_e[i]] = list_r[i];
+      if (kCost && lane == 0) split_used = 0;
     }
   }
   if constexpr (kCost) {
-    __syncthreads();
-    if (p.block > 0) {   // the list experts' row blocks on the rank the balanced rule gave them
-#pragma unroll 1
-      for (int i = tid; i < listed; i += kThreads)
-        if (list_c[i] > p.block_m) atomicAdd(&rank_blk[list_r[i]], extra_blocks_of(list_c[i], p.block_m));
+    if (may_move) {
       __syncthreads();
-    }
-    const int moves = move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, rank_blk, split_alloc,
-                                   warp_best);
-    if (warp == 0) {
-      int split = 0;                                  // experts whose tokens stay on two ranks or more
+      if (p.block > 0) {   // the list experts' row blocks on the rank the balanced rule gave them
 #pragma unroll 1
-      for (int j = 0; j < moves; ++j) {               // each row's ranks with tokens (rows no move opened: 0)
-        const unsigned ranks = __ballot_sync(kFull, lane < R && split_alloc[j][lane] > 0);
-        if (lane == 0) split_nz[j] = ranks;
-        split += (ranks & (ranks - 1)) != 0;
+        for (int i = tid; i < listed; i += kThreads)
+          if (list_c[i] > p.block_m) atomicAdd(&rank_blk[list_r[i]], extra_blocks_of(list_c[i], p.block_m));
+        __syncthreads();
       }
-      if (lane == 0) split_used = split;
-      __syncwarp();
+      const int moves = move_by_cost(p, listed, list_m, list_c, list_r, rank_load, rank_tok, rank_blk, split_alloc,
+                                     warp_best);
+      if (warp == 0) {
+        int split = 0;                                  // experts whose tokens stay on two ranks or more
 #pragma unroll 1
-      for (int i = lane; i < listed; i += 32) {   // a moved expert all on one rank is written as an unmoved one
-        int r = list_r[i];
-        if (r >= 32 && (split_nz[r - 32] & (split_nz[r - 32] - 1)) == 0) r = __ffs(split_nz[r - 32]) - 1;
-        cnt[list_e[i]] = r;
+        for (int j = 0; j < moves; ++j) {               // each row's ranks with tokens (rows no move opened: 0)
+          const unsigned ranks = __ballot_sync(kFull, lane < R && split_alloc[j][lane] > 0);
+          if (lane == 0) split_nz[j] = ranks;
+          split += (ranks & (ranks - 1)) != 0;
+        }
+        if (lane == 0) split_used = split;
+        __syncwarp();
+#pragma unroll 1
+        for (int i = lane; i < listed; i += 32) {   // a moved expert all on one rank is written as an unmoved one
+          int r = list_r[i];
+          if (r >= 32 && (split_nz[r - 32] & (split_nz[r - 32] - 1)) == 0) r = __ffs(split_nz[r - 32]) - 1;
+          cnt[list_e[i]] = r;
+        }
+        rank_key[lane] = rank_key_of(rank_load[lane], rank_tok[lane], lane);
       }
-      rank_key[lane] = rank_key_of(rank_load[lane], rank_tok[lane], lane);
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");

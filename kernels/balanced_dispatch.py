@@ -45,6 +45,7 @@ MAX_EXPERTS = 4096   # the tested bound; CUDA kernel: 8E + 9 min(E, N*K) + N*K*i
 MAX_RANKS = 32       # a rank is a lane of one warp; masks are 32-bit
 UNLIMITED = 1 << 30  # max_augment=None: augment until the rule stops by itself (the exact optimum)
 MAX_MOVES = 32       # rule by cost: rows of the CUDA kernel's table of split experts
+TRITON_COST_EXPERTS = 1023   # the Triton fallback's rule by cost: its compile grows with the padded expert count
 BACKENDS = ("auto", "cuda", "triton")
 
 
@@ -107,7 +108,11 @@ def _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, weights: Optio
     if topk_ids.numel() == 0:
         return out
     augment = UNLIMITED if max_augment is None else int(max_augment)
-    if _backend_for(topk_ids.device, backend) == "cuda":
+    chosen = _backend_for(topk_ids.device, backend)
+    if chosen == "triton" and weights is not None and slots.shape[0] > TRITON_COST_EXPERTS:
+        raise ValueError(f"the Triton fallback's rule by cost takes at most {TRITON_COST_EXPERTS} experts (past that "
+                         f"its compile takes many minutes), got {slots.shape[0]}; the CUDA kernel takes {MAX_EXPERTS}")
+    if chosen == "cuda":
         library = balanced_dispatch_cuda.load(torch.cuda.get_device_capability(topk_ids.device))
         launch_cuda(library, topk_ids, masks, slots, num_rows, out, augment, weights, max_rounds)
     else:

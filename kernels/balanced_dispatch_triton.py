@@ -17,6 +17,8 @@ rule: each round's candidate moves are one key per (expert, target) [E_PAD, RANK
 yet moved (their tokens are all on their pick), and per (row, target) [SPLIT, RANKS_PAD] for each source rank
 for the moved ones, whose tokens per rank are rows of a [SPLIT, RANKS_PAD] table. A moved expert's valid
 entries then take its ranks in increasing rank order, in entry order (a cumulative sum over the entries).
+That program runs 16 warps (``COST_WARPS``), so each thread's share of those tensors stays small enough to
+compile in seconds, and takes at most 1,023 experts (``balanced_dispatch.TRITON_COST_EXPERTS``).
 """
 
 from __future__ import annotations
@@ -314,6 +316,9 @@ def _cost_moves(ids, valid, rank_entry, e, r, m, cnt, multi, pick, load, tok, in
 
 
 MIN_ENTRIES = 32   # entries are padded to a power of two >= this: few compiled variants
+# The rule by cost's [E_PAD, RANKS_PAD] tensors over 16 warps: 64 values a thread at 512 experts. In one warp
+# they were 1,024, which ptxas took over 8 minutes (and 10 GB) to allocate registers for; 16 warps: 12 s.
+COST_WARPS = 16
 
 
 def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, weights=None, max_rounds: int = 0) -> None:
@@ -329,4 +334,4 @@ def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, weights=None
         rows, k, experts, ranks, max_augment, *w, max_rounds,
         ENTRIES=max(MIN_ENTRIES, triton.next_power_of_2(rows * k)), E_PAD=e_pad,
         HAS_NUM_ROWS=num_rows is not None, COST=weights is not None, BLOCKS=weights is not None and weights.block > 0,
-        num_warps=1 if e_pad <= 1024 else 4)
+        num_warps=COST_WARPS if weights is not None else 1 if e_pad <= 1024 else 4)

@@ -205,6 +205,30 @@ def test_rule_with_row_blocks_between_the_optimum_and_balanced_dispatch(seed, ra
         assert mine >= exact.bound - 1e-6
 
 
+@pytest.mark.parametrize("weights", [RuleWeights(20), RuleWeights(3), RuleWeights(30, 0, 25, 2),
+                                     RuleWeights(20, 1, 12, 4), RuleWeights(9, 1, 5, 1)])
+def test_no_move_wins_once_the_cheapest_rank_plus_a_pair_and_a_read_reaches_the_maximum(weights):
+    """The GPU kernel's early end of the moves: where the cheapest rank plus one pair (and one read, unless an
+    expert's tokens are on two ranks) reaches the busiest rank's cost, the rule's next round moves nothing."""
+    w, ended, searched = weights, 0, 0
+    for seed in range(120):
+        rng = np.random.default_rng(seed)
+        ranks = int(rng.integers(2, 9))
+        counts, masks = random_case(rng, ranks, int(rng.integers(4, 40)), steps=1, density=0.7)
+        counts = counts[0] * int(rng.integers(1, 12))
+        for rounds in range(4):
+            alloc = cost_rule_step(counts, masks, ranks, w, max_rounds=rounds)
+            cost = allocation_cost(alloc, w.read, w.pair, w.block, w.block_m)
+            split = ((alloc > 0).sum(axis=1) > 1).any()
+            after = cost_rule_step(counts, masks, ranks, w, max_rounds=rounds + 1)
+            if cost.min() + w.pair + (0 if split else w.read) >= cost.max():
+                np.testing.assert_array_equal(after, alloc, err_msg=f"seed {seed}, round {rounds}")
+                ended += 1
+            else:
+                searched += 1
+    assert ended >= 10 and searched >= 100   # both sides of the test are exercised
+
+
 def test_a_hot_expert_past_its_block_is_split_at_the_block_boundary():
     """Two ranks, expert 0 (21 tokens, blocks of 16) on both, one pinned expert each: the balanced rule puts
     expert 0 on rank 0, which then runs a second block; the rule moves the 5 tokens past the block to rank 1."""
