@@ -276,7 +276,7 @@ def test_plugin_registers_the_hook_through_sglang():
 def test_plugin_registers_the_cost_rule_through_sglang():
     assert_load_plugins({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "281"},
                         "from moeplace.sglang import balanced_dispatch as bd\n"
-                        "assert bd._DISPATCH.config == bd.DispatchConfig('cost', 288, bd.RuleWeights(281)), "
+                        "assert bd._DISPATCH.config == bd.DispatchConfig('cost', 1024, bd.RuleWeights(281)), "
                         "bd._DISPATCH.config\n"
                         "assert bd.TARGET in HookRegistry._patched, sorted(HookRegistry._patched)\n")
 
