@@ -389,13 +389,21 @@ def check_capture(server: Server, captured: Path, cap: subprocess.CompletedProce
     ok = equal == len(c_idx)
     if not ok:   # where it went wrong: the first captured step out of place, and an in-order walk
         figures["first_unequal_capture_step"] = in_place.index(False)
-        j, matched = start, 0
-        for k in captured_keys:
+        j, matched, skipped = start, 0, []
+        for n, k in enumerate(captured_keys):
             found = next((t for t in range(j, len(traced_keys)) if traced_keys[t] == k), None)
             if found is not None:
+                skipped += [(n, t) for t in range(j, found)]
                 j, matched = found + 1, matched + 1
         figures["in_order_subsequence"] = matched           # captured steps found in order, tracer steps between
         figures["tracer_steps_between"] = j - start - matched
+        # the tracer's steps the capture lacks (the first 8): what they were, so a rare failure explains itself
+        rows = lambda s, i: int(s.token_offsets[i + 1] - s.token_offsets[i])  # noqa: E731
+        figures["tracer_steps_skipped"] = [
+            {"before_capture_step": n, "tracer_verify_step": t, "rows": rows(traced, t_idx[t]),
+             "same_ids_as_previous": t > 0 and traced_keys[t] == traced_keys[t - 1],
+             "trace_step": int(t_idx[t]), "capture_rows_there": rows(cap_steps, c_idx[n])}
+            for n, t in skipped[:8]]
     return Check("capture", ok, f"{equal} of {len(c_idx)} captured verify steps equal the tracer's, in order",
                  figures)
 

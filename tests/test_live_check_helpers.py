@@ -113,3 +113,6 @@ def test_capture_check_says_where_the_capture_left_the_tracers_order(tmp_path, e
         assert check.figures["first_unequal_capture_step"] == extra_at
         assert check.figures["in_order_subsequence"] == window.size
         assert check.figures["tracer_steps_between"] == 1
+        skipped = check.figures["tracer_steps_skipped"]
+        assert [(s["before_capture_step"], s["trace_step"]) for s in skipped] == [(extra_at, 4 + extra_at)]
+        assert skipped[0]["rows"] == 3 and skipped[0]["same_ids_as_previous"] is False
