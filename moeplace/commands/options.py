@@ -17,9 +17,10 @@ DISPATCH_HELP = {
     "static": "a fixed replica per source rank, as SGLang does with DeepEP",
     "balanced": "per step, each expert's tokens to the replica that keeps the busiest rank's distinct experts "
                 "lowest: moeplace's own rule, not one of SGLang's",
-    "cost": "moeplace's rule by the cost model: balanced, then where the token term pays, experts moved or their "
-            "tokens split over their replicas to lower the busiest rank's predicted time (the same as balanced at "
-            "verify batch; spare slots placed as for balanced; the SGLang plugin runs balanced for now)",
+    "cost": "moeplace's rule by the cost model: balanced, then where tokens or row blocks pay, experts moved or "
+            "their tokens split over their replicas to lower the busiest rank's predicted time (the same as "
+            "balanced at verify batch; spare slots placed as for balanced; the SGLang plugin runs it as "
+            "MOEPLACE_DISPATCH=cost, which `moeplace launch` sets)",
 }
 
 
