@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from moeplace.balanced import replica_layout  # noqa: E402
 from moeplace.cost_dispatch import MAX_ROUNDS, RuleWeights, cost_rule_step, pair_slots  # noqa: E402
-from moeplace_kernels.balanced_dispatch import cost_dispatch, dispatch_tables  # noqa: E402
+from moeplace_kernels.balanced_dispatch import TRITON_COST_EXPERTS, cost_dispatch, dispatch_tables  # noqa: E402
 
 from test_balanced_dispatch_kernel import _layout, random_masks, run_in_triton_interpreter, slots_of  # noqa: E402
 
@@ -177,7 +177,7 @@ def test_many_moves_int64_in_place_and_sizes(backend):
              (make_case(7, 16, 4, 576, 8, "any", 1), dict(max_rounds=32)),   # every expert hot
              (make_case(8, 16, 4, 576, 8, "any", RuleWeights(4, 0, 3, 8)), dict(max_rounds=32))]
     for case, options in cases:
-        if backend == "triton" and case["slots"].shape[0] > 1024:
+        if backend == "triton" and case["slots"].shape[0] > TRITON_COST_EXPERTS:
             continue   # refused: test_triton_rule_by_cost_refuses_more_experts_than_it_compiles_for
         got, want = run_case(case, "cuda", backend, **options)
         np.testing.assert_array_equal(got, want, err_msg=str(options))

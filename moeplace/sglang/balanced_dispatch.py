@@ -21,9 +21,8 @@ to 16 moves or splits of an expert's tokens between its replicas where they pay.
 * Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64 for the balanced rule; 1024 for the
   rule by cost, every batch its kernel takes at top-8: SGLang's dynamic rule with as many spare slots measured
   26% slower at 576 tokens, far more than the kernel's time; BENCHMARKS.md, "The replay of the rule with row
-  blocks"), or
-  of more than the kernel's 8192 ids, go to SGLang's own rule, which balances tokens. The threshold is a host fact (the
-  tensor's shape), so a CUDA graph captures one branch or the other.
+  blocks"), or of more than the kernel's 8192 ids, go to SGLang's own rule, which balances tokens. The
+  threshold is a host fact (the tensor's shape), so a CUDA graph captures one branch or the other.
 * CUDA-graph safe: the layer's replica tables are derived on the device on the first (eager) call,
   with no host sync, and cached by the address of SGLang's per-layer map; the output goes to one of
   two preallocated buffers per layer, alternated per call, so the two micro-batches of two-batch
