@@ -1,5 +1,5 @@
-// Balanced dispatch among expert replicas: moeplace's fast rule (moeplace/balanced.py) on the GPU, and the
-// rule by cost (moeplace/cost_dispatch.py), which starts from it.
+// Balanced dispatch among expert replicas: moeplace's fast rule (moeplace/dispatch/balanced.py) on the GPU, and the
+// rule by cost (moeplace/dispatch/by_cost.py), which starts from it.
 //
 // One CTA of kThreads threads per MoE layer and step. The rule itself is sequential (a greedy pass over
 // the active multi-replica experts in id order, then breadth-first augmenting paths over <= 32 ranks)
@@ -43,7 +43,7 @@
 //      expert on the benchmark's steps: the whole move that sheds a read) is written as an unmoved expert on
 //      that rank;
 //   6b. output, only when an expert's tokens are split (otherwise 6 as in the balanced rule): its valid
-//      entries go to its ranks in increasing rank order, in entry order (moeplace.cost_dispatch.pair_slots).
+//      entries go to its ranks in increasing rank order, in entry order (moeplace.dispatch.by_cost.pair_slots).
 //      Each warp takes a contiguous segment of the entries and writes every other entry at once, counting
 //      the split experts' entries (shared atomics) and noting which chunks of 32 hold one; after one barrier
 //      it numbers those entries from the counts of the warps before it (a ballot per split expert in such
@@ -266,7 +266,7 @@ __device__ __forceinline__ unsigned long long warp_min(unsigned long long v) {
   return (static_cast<unsigned long long>(least) << 32) | low;
 }
 
-// Phase 5b, every thread: the rule by cost's moves (moeplace.cost_dispatch.cost_rule_step), each a round of
+// Phase 5b, every thread: the rule by cost's moves (moeplace.dispatch.by_cost.cost_rule_step), each a round of
 // the search and one winner; returns the moves made. Rank r's state is (rank_load[r], rank_tok[r],
 // rank_blk[r]); list expert i's home is list_r[i], or 32 + its row of split_alloc (its tokens per rank) once
 // moved.

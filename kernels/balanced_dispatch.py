@@ -1,10 +1,10 @@
-"""Balanced dispatch on the GPU: moeplace's fast rule (``moeplace.balanced``) inside SGLang's router.
+"""Balanced dispatch on the GPU: moeplace's fast rule (``moeplace.dispatch.balanced``) inside SGLang's router.
 
 Dimension letters: N token rows, K top-k, E logical experts, R ranks (<= 32).
 
 Per MoE layer and forward pass, :func:`balanced_dispatch` turns the router's logical top-k ids into
 physical slot ids, replacing SGLang's ``topk_ids_logical_to_physical``: every active expert's tokens go
-to one of its replicas, chosen by ``moeplace.balanced.fast_rule_step`` (bit for bit, ties included), so
+to one of its replicas, chosen by ``moeplace.dispatch.balanced.fast_rule_step`` (bit for bit, ties included), so
 that the busiest rank reads as few distinct experts as possible. The ids are the same on every rank and
 the rule is a fixed function of them, so every rank picks the same replicas.
 
@@ -18,10 +18,10 @@ Two kernels compute it, each as a single program (the rule is sequential and sma
 ``MOEPLACE_DISPATCH_BACKEND=cuda|triton`` (default ``auto``) or ``backend=`` chooses. BENCHMARKS.md
 ("Balanced dispatch kernel") has the graph-replay times of both against SGLang's ``dynamic`` rule.
 
-:func:`cost_dispatch` runs moeplace's rule by cost (``moeplace.cost_dispatch.cost_rule_step``): the same
+:func:`cost_dispatch` runs moeplace's rule by cost (``moeplace.dispatch.by_cost.cost_rule_step``): the same
 balanced rule, then, on a step of at least ``q`` (token, expert) pairs or, with the row-block term, with an
 expert past its first row block, up to ``max_rounds`` moves or splits of an expert's tokens between its replicas; a split expert's entries go to its ranks in increasing rank
-order, in entry order (``moeplace.cost_dispatch.pair_slots``). Integer arithmetic and fixed ties: every
+order, in entry order (``moeplace.dispatch.by_cost.pair_slots``). Integer arithmetic and fixed ties: every
 rank computes the same slots from the same ids.
 
 Forward-time calls with ``out`` given allocate nothing and never synchronise with the host, so they can
@@ -36,8 +36,8 @@ from typing import Optional
 
 import torch
 
-from moeplace.balanced import MAX_AUGMENT
-from moeplace.cost_dispatch import MAX_ROUNDS, MAX_WEIGHT, RuleWeights, as_weights
+from moeplace.dispatch.balanced import MAX_AUGMENT
+from moeplace.dispatch.by_cost import MAX_ROUNDS, MAX_WEIGHT, RuleWeights, as_weights
 from moeplace_kernels import balanced_dispatch_cuda
 
 MAX_ENTRIES = 8192   # N * K (576 token rows of top-8 is 4608): the token field of the packed rank key is 14 bits
@@ -60,7 +60,7 @@ def balanced_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.
     num_rows: device scalar (int32 or int64) or None: rows >= num_rows are padding, ignored by the
         rule; their entries get the slot on the lowest rank holding the expert
     out: [N, K] preallocated, dtype of ``topk_ids``; may be ``topk_ids`` itself (in place)
-    max_augment: augmenting paths per step (``moeplace.balanced.MAX_AUGMENT``); None: no cap
+    max_augment: augmenting paths per step (``moeplace.dispatch.balanced.MAX_AUGMENT``); None: no cap
     """
     return _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, None, 0, backend)
 
@@ -69,9 +69,9 @@ def cost_dispatch(topk_ids: torch.Tensor, masks: torch.Tensor, slots: torch.Tens
                   num_rows: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                   max_augment: Optional[int] = MAX_AUGMENT, max_rounds: int = MAX_ROUNDS, *,
                   backend: str = "auto") -> torch.Tensor:
-    """Physical slot ids [N, K] of ``topk_ids`` by the rule by cost (``moeplace.cost_dispatch``).
+    """Physical slot ids [N, K] of ``topk_ids`` by the rule by cost (``moeplace.dispatch.by_cost``).
 
-    weights: ``moeplace.cost_dispatch.RuleWeights`` (``rule_weights`` of a cost model), or an int q, the
+    weights: ``moeplace.dispatch.by_cost.RuleWeights`` (``rule_weights`` of a cost model), or an int q, the
     (token, expert) pairs one expert read costs (``RuleWeights(q)``); read 1 to MAX_WEIGHT, pair and block 0
     to MAX_WEIGHT, block_m a power of two up to MAX_ENTRIES where block > 0 (SGLang's row blocks always are).
     max_rounds: moves after the balanced rule, 0 to MAX_MOVES. The rest as :func:`balanced_dispatch`. Where no step can search a move (fewer pairs than one
@@ -123,7 +123,7 @@ def _dispatch(topk_ids, masks, slots, num_rows, out, max_augment, weights: Optio
 
 
 def dispatch_tables(layout, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(masks [E] int32, slots [E, R] int32) on ``device`` from a ``moeplace.balanced.ReplicaLayout``.
+    """(masks [E] int32, slots [E, R] int32) on ``device`` from a ``moeplace.dispatch.balanced.ReplicaLayout``.
 
     Masks of 32 ranks keep bit 31 as the sign bit of int32 (the kernels read them unsigned).
     """

@@ -1,6 +1,6 @@
 """Balanced dispatch in Triton: the same fast rule as ``balanced_dispatch.cu``, for GPUs where the CUDA
 kernel cannot be built, and for Triton's CPU interpreter (``TRITON_INTERPRET=1``: the CI checks the rule
-there). Every pick follows ``moeplace.balanced.fast_rule_step`` exactly, ties included.
+there). Every pick follows ``moeplace.dispatch.balanced.fast_rule_step`` exactly, ties included.
 
 Dimension letters: N token rows, K top-k, E logical experts, R ranks (<= 32).
 
@@ -12,7 +12,7 @@ is the minimum of ``id * 2048 + tokens`` over the experts after the last one, an
 masks of each level rank's experts. That is several reductions per expert, which is why the CUDA
 kernel is the default (BENCHMARKS.md, "Balanced dispatch kernel").
 
-With ``COST`` the kernel runs the rule by cost (``moeplace.cost_dispatch.cost_rule_step``) after the balanced
+With ``COST`` the kernel runs the rule by cost (``moeplace.dispatch.by_cost.cost_rule_step``) after the balanced
 rule: each round's candidate moves are one key per (expert, target) [E_PAD, RANKS_PAD] for the experts not
 yet moved (their tokens are all on their pick), and per (row, target) [SPLIT, RANKS_PAD] for each source rank
 for the moved ones, whose tokens per rank are rows of a [SPLIT, RANKS_PAD] table. A moved expert's valid
@@ -106,7 +106,7 @@ def balanced_dispatch_kernel(ids_ptr, masks_ptr, slots_ptr, num_rows_ptr, out_pt
     load = tl.where(in_rank, state >> 20, 0)
     tok = (state >> 6) & 16383
 
-    # 3. augmenting paths (breadth first from the ranks of maximum load; see moeplace.balanced)
+    # 3. augmenting paths (breadth first from the ranks of maximum load; see moeplace.dispatch.balanced)
     done = tl.full((), 0, tl.int32)
     searching = done < max_augment
     while searching:
@@ -323,7 +323,7 @@ COST_WARPS = 16
 
 def launch(topk_ids, masks, slots, num_rows, out, max_augment: int, weights=None, max_rounds: int = 0) -> None:
     """Run the kernel on checked inputs (see ``balanced_dispatch.balanced_dispatch``); with ``weights``
-    (``moeplace.cost_dispatch.RuleWeights``), the rule by cost (``balanced_dispatch.cost_dispatch``)."""
+    (``moeplace.dispatch.by_cost.RuleWeights``), the rule by cost (``balanced_dispatch.cost_dispatch``)."""
     rows, k = topk_ids.shape
     experts, ranks = slots.shape
     e_pad = triton.next_power_of_2(experts + 1)   # one bin past the experts for ignored entries

@@ -1,4 +1,4 @@
-"""Balanced dispatch with spare slots on steps the placement was not fitted on (issue 19).
+"""Balanced dispatch with spare slots on steps the placement was not fitted on.
 
     python scripts/bench_balanced.py [--gptoss PATH] [--quick] [--json OUT]
 
@@ -12,7 +12,7 @@ For every trace, fit size and spare-slot count R in {E/8, E/4, E/2, E} (those th
 * DeepSeek: DeepSeek EPLB without spare slots under SGLang's dynamic rule (what SGLang runs today);
 * bound: E[ceil(distinct experts in the step / ranks)]; fitted: moeplace's figure on its fitted steps.
 
-Balanced dispatch is scored by its per-step optimum (Hall's formula, ``moeplace.algorithms.hall``), which
+Balanced dispatch is scored by its per-step optimum (Hall's formula, ``moeplace.dispatch.exact``), which
 the fast rule reached on every step measured (section 3 checks it on one placement here).
 
 Traces: the full GPT-OSS-20B routing (../shared/traces-real, 9-token verify windows): the examples are split
@@ -43,11 +43,11 @@ from pathlib import Path
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
-from moeplace.balanced import replica_layout, step_expert_counts
-from moeplace.metrics import balanced_loads
-from moeplace.model import ModelSpec
-from moeplace.optimize import FITTED_SAMPLE_STEPS, evenly_spaced
+from moeplace.analysis.optimize import FITTED_SAMPLE_STEPS, evenly_spaced
+from moeplace.dispatch.balanced import replica_layout, step_expert_counts
+from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.loads import balanced_loads
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps

@@ -46,7 +46,7 @@ CLI = "from moeplace.cli import main; main()"
 SEARCH_ALONE = r"""
 import sys, time
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.optimize import split_steps
+from moeplace.analysis.optimize import split_steps
 from moeplace.trace.load import open_trace
 trace = open_trace(sys.argv[1])
 fit, _ = split_steps(trace.load("all", 20000), 0.3)
@@ -57,10 +57,10 @@ print(f"search {time.perf_counter() - start:.2f} s")
 PHASES = r"""
 import resource, sys, time
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.analysis.optimize import split_steps
+from moeplace.analysis.report import evaluate
 from moeplace.commands.costing import resolve_costing
-from moeplace.optimize import split_steps
-from moeplace.placement import Placement
-from moeplace.report import evaluate
+from moeplace.files.placement import Placement
 from moeplace.trace.load import open_trace
 def cpu():
     return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)

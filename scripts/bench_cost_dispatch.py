@@ -5,7 +5,7 @@
 For SYNTHETIC Kimi-K2-shaped routing and GPT-OSS-20B verify windows (the shipped sample, or --gptoss: a
 trace or the full routing's top-k ids .npz), 8 ranks, bf16 experts. Placements are fitted on the first
 70% of the trace's steps; batches of 1, 4, 8, 16, 32 and 64 requests verifying 9 tokens are built from
-the last 30% (``moeplace.dispatch_eval``). Rows:
+the last 30% (``moeplace.dispatch.evaluation``). Rows:
 
 * SGLang without spare slots: DeepSeek EPLB (every rule is the same with one replica each);
 * SGLang's ``dynamic``, ``static`` and LPLB (``lp``, on expected loads) on DeepSeek EPLB with E/4 spares;
@@ -34,14 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.balanced import replica_layout, step_expert_counts
+from moeplace.analysis.optimize import split_steps
 from moeplace.commands.costing import Costing
-from moeplace.cost_dispatch import allocation_cost, cost_rule, exact_split, rule_weights
-from moeplace.dispatch_eval import BATCH_REQUESTS, SGLANG_RULES, VERIFY_TOKENS, Row, batch_costs, verify_batches
-from moeplace.expert_shape import ExpertShape
-from moeplace.metrics import layer_distinct_total
-from moeplace.model import ModelSpec
-from moeplace.optimize import split_steps
+from moeplace.dispatch.balanced import replica_layout, step_expert_counts
+from moeplace.dispatch.by_cost import allocation_cost, cost_rule, exact_split, rule_weights
+from moeplace.dispatch.evaluation import BATCH_REQUESTS, SGLANG_RULES, VERIFY_TOKENS, Row, batch_costs, verify_batches
+from moeplace.dispatch.loads import layer_distinct_total
+from moeplace.model.expert_shape import ExpertShape
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 from moeplace.trace.synthetic import synthetic_steps
 
@@ -50,7 +50,7 @@ SAMPLE = ROOT / "traces" / "gptoss20b-sample.mptrace"
 RANKS = 8
 KIMI_LAYERS = 60
 # Today's balanced kernel under graph replay (BENCHMARKS.md "Balanced dispatch kernel": 2.91 / 4.26 / 5.07 µs
-# at 9 / 36 / 72 tokens) and issue 22's ceiling for the new rule at 576 tokens (8 µs, a goal, not measured).
+# at 9 / 36 / 72 tokens) and the kernel's ceiling for the new rule at 576 tokens (8 µs, a goal, not measured).
 KERNEL_US = "9:2.9,36:4.3,72:5.1,576:8"
 
 

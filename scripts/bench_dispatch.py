@@ -25,8 +25,8 @@ kernel: SPEC holds nvcc flags (``-DBD_THREADS=256``) and/or another source of th
 (a ``.cu`` path, e.g. an earlier version from git), each checked like the others; with ``cost`` in
 ``--kernels``, a row of its rule by cost too.
 
-Every moeplace output is compared with ``moeplace.balanced.fast_rule`` (the cost rows with
-``moeplace.cost_dispatch.cost_rule``, split experts' entries in ``pair_slots``' order; ids that differ: a
+Every moeplace output is compared with ``moeplace.dispatch.balanced.fast_rule`` (the cost rows with
+``moeplace.dispatch.by_cost.cost_rule``, split experts' entries in ``pair_slots``' order; ids that differ: a
 column; 0 is right). A variant that fails is reported in its row and the others still run. Also reported:
 augmenting paths per batch (mean, max, share at the cap of 16) and the mean over batches of the
 largest number of distinct experts a rank reads, under each rule, beside the exact per-step optimum.
@@ -37,7 +37,7 @@ largest number of distinct experts a rank reads, under each rule, beside the exa
     python3 scripts/bench_dispatch.py --kernels cuda,cost --tokens 9,36,72,144,288,576 --out cost.md
 
 ``--exact-only N`` (no GPU needed) instead scores the rule by cost on the first N batches of each size
-against the exact optimum (``moeplace.cost_dispatch.exact_split``, HiGHS: its proven lower bound), in units
+against the exact optimum (``moeplace.dispatch.by_cost.exact_split``, HiGHS: its proven lower bound), in units
 of (token, expert) pairs: the busiest rank's ``q * distinct + tokens``, without the launch term c (so the
 gap is no smaller than with it). The batches are the ones the timing run uses (same seeds).
 """
@@ -57,9 +57,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moeplace.atomic import atomic_write_text  # noqa: E402
-from moeplace.balanced import MAX_AUGMENT, ReplicaLayout, fast_rule, replica_layout  # noqa: E402
-from moeplace.cost_dispatch import RuleWeights, cost_rule  # noqa: E402
+from moeplace.dispatch.balanced import MAX_AUGMENT, ReplicaLayout, fast_rule, replica_layout  # noqa: E402
+from moeplace.dispatch.by_cost import RuleWeights, cost_rule  # noqa: E402
+from moeplace.files.atomic import atomic_write_text  # noqa: E402
 
 TOKENS_PER_STEP = 9
 
@@ -79,7 +79,7 @@ class Batches:
 
 
 def one_layer_model(args):
-    from moeplace.model import ModelSpec
+    from moeplace.model.spec import ModelSpec
 
     return ModelSpec("SYNTHETIC kimi-k2-shaped, one layer", 1, (0,), args.experts, args.topk)
 
@@ -99,7 +99,7 @@ def make_layout(args) -> tuple[np.ndarray, ReplicaLayout]:
 
 def make_batches(args, layout: ReplicaLayout, tokens: int) -> Batches:
     """Held-out synthetic steps grouped into ``args.calls`` batches of ``tokens`` rows."""
-    from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
+    from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
     from moeplace.trace.synthetic import synthetic_steps
 
     model = one_layer_model(args)
@@ -133,7 +133,7 @@ def weights_label(w: RuleWeights) -> str:
 def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout,
                q: RuleWeights) -> tuple[np.ndarray, np.ndarray]:
     """([calls, T, K] slots, [calls] moves) by the rule by cost: a split expert's entries take its ranks in
-    increasing rank order, in entry order (``moeplace.cost_dispatch.pair_slots``)."""
+    increasing rank order, in entry order (``moeplace.dispatch.by_cost.pair_slots``)."""
     chosen = cost_rule(counts, layout.masks, layout.ranks, q)
     ends = np.cumsum(chosen.full_alloc(counts), axis=2)                   # [calls, E, R]
     out = np.empty_like(ids)
@@ -150,7 +150,7 @@ def cost_slots(ids: np.ndarray, counts: np.ndarray, layout: ReplicaLayout,
 
 def exactness(args, layout: ReplicaLayout) -> list[dict]:
     """The rule by cost against ``exact_split``'s proven bound on the first ``args.exact_only`` batches of each size."""
-    from moeplace.cost_dispatch import allocation_cost, exact_split
+    from moeplace.dispatch.by_cost import allocation_cost, exact_split
 
     q, R = args.cost_q, args.ranks
     out = []
@@ -364,7 +364,7 @@ def measure(args) -> tuple[list[dict], dict]:
         for name, fn in variants:
             row = dict(common, kernel=name, us=None, max_distinct=None, wrong=None)
             rows.append(row)
-            try:   # one failing variant must not cost the others' figures in a device call
+            try:   # one failing variant must not cost the others' figures in one run
                 fn()
                 torch.cuda.synchronize()
                 got = np.stack([o.cpu().numpy() for o in outs])
@@ -439,7 +439,7 @@ def main() -> None:
                     help="the rule by cost's pairs per expert read (its rows, and --exact-only)")
     ap.add_argument("--cost-weights", type=parse_weights, metavar="READ,PAIR,BLOCK,BLOCK_M",
                     help="the rule by cost's weights with the row-block term instead of --cost-q, e.g. "
-                         "3096,1,1724,64 (moeplace.cost_dispatch.rule_weights of the derived Kimi-shaped model)")
+                         "3096,1,1724,64 (moeplace.dispatch.by_cost.rule_weights of the derived Kimi-shaped model)")
     ap.add_argument("--exact-only", type=int, default=0, metavar="N",
                     help="no timing: the rule by cost against the exact optimum on N batches of each size (CPU)")
     ap.add_argument("--exact-time", type=float, default=10.0, help="seconds the MILP may take per batch")

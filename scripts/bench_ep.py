@@ -73,7 +73,7 @@ def pair_slots(steps, layer: int, phy2log: np.ndarray | None, ranks: int, dispat
 
     phy2log: [P] this layer's map, or None for TP-MoE (every rank holds every expert: the logical id).
     """
-    from moeplace.metrics import token_slots
+    from moeplace.dispatch.loads import token_slots
     _, _, ids = steps.layer(layer)
     if phy2log is None:
         return ids.astype(np.int64)
@@ -572,7 +572,7 @@ def fail(message: str) -> None:
 
 
 def write_json(path: str, doc: dict) -> None:
-    from moeplace.atomic import atomic_write_text
+    from moeplace.files.atomic import atomic_write_text
     atomic_write_text(path, json.dumps(doc))
 
 
@@ -622,7 +622,7 @@ def cpu_check(args) -> int:
 
 def prepare_tiny(out: Path, ranks: int, hidden: int, inter: int) -> None:
     """A small synthetic trace (32 experts, top-4, 2 layers, tiny experts) prepared as ``prepare`` does."""
-    from moeplace.model import ModelSpec
+    from moeplace.model.spec import ModelSpec
     from moeplace.trace.synthetic import synthetic_steps
     model = ModelSpec("SYNTHETIC tiny", 3, (1, 2), 32, 4)
     _, steps = synthetic_steps(40, tokens_per_step=9, model=model, seed=2)

@@ -27,11 +27,11 @@ from pathlib import Path
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.costmodel import CostModel
-from moeplace.model import ModelSpec
-from moeplace.optimize import split_steps
-from moeplace.placement import Placement, check_placement
-from moeplace.report import comparison_rows, evaluate, format_table
+from moeplace.analysis.optimize import split_steps
+from moeplace.analysis.report import comparison_rows, evaluate, format_table
+from moeplace.cost.model import CostModel
+from moeplace.files.placement import Placement, check_placement
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 from moeplace.trace.synthetic import KIMI_K2, synthetic_steps
 

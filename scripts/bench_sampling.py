@@ -5,7 +5,7 @@
 
 Makes one SYNTHETIC Kimi-K2-shaped trace of ``steps + tail`` verify steps (``moeplace trace synth``'s
 generator), cut in two files: the first ``steps`` for optimize, the last ``tail`` never seen by any
-fit. For each size, ``moeplace.optimize.optimize`` (stepaware, 8 ranks, defaults otherwise) runs in a
+fit. For each size, ``moeplace.analysis.optimize.optimize`` (stepaware, 8 ranks, defaults otherwise) runs in a
 fresh process on the first file with ``max_steps=size``; its wall time and peak RSS are recorded,
 and its placement and the DeepSeek EPLB baseline fitted beside it are then measured on the unseen
 tail in this process. The largest size is the reference the others are compared to. CPU seconds
@@ -24,17 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from moeplace.costmodel import CostModel
-from moeplace.placement import load_placement
-from moeplace.report import evaluate
+from moeplace.analysis.report import evaluate
+from moeplace.cost.model import CostModel
+from moeplace.files.placement import load_placement
 from moeplace.trace.load import open_trace
 from moeplace.trace.store import write_chunks
 from moeplace.trace.synthetic import KIMI_K2, SyntheticRouting, synthetic_chunks
 
 RUN = r"""
 import json, resource, sys, time
-from moeplace.optimize import optimize
-from moeplace.placement import save_placement, Placement
+from moeplace.analysis.optimize import optimize
+from moeplace.files.placement import save_placement, Placement
 from moeplace.trace.load import open_trace
 trace, size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 start = time.perf_counter()

@@ -423,7 +423,7 @@ def time_peers(timed: dict, rounds: int, per: int = 1) -> dict:
 
 def peers_table(peers, copy_gbs: float) -> list[str]:
     """Markdown: one row per case, µs and TB/s of each kernel, then each moeplace kernel's time
-    over FlashMLA's (the issue's goal: composed <= 1.05 from 16k, <= 1.15 at 4k)."""
+    over FlashMLA's (the goal: composed <= 1.05 from 16k, <= 1.15 at 4k)."""
     kernels = list(dict.fromkeys(k for k, _, _, _ in peers))
     labels = list(dict.fromkeys(c for _, c, _, _ in peers))
     times = {(k, c): (us, ctx) for k, c, ctx, us in peers}

@@ -15,10 +15,10 @@ weight sets so no expert is read twice from L2 within one replay, and the time i
 
     # on the GPU (writes raw timings)
     python3 scripts/calibrate_cost.py measure --sglang-wheel '.whl/sglang-*.whl' --out calib.json
-    # here (fits, writes moeplace/data/cost_h200_*.json)
-    python scripts/calibrate_cost.py fit calib.json --out-dir moeplace/data
+    # here (fits, writes moeplace/cost/measured/cost_h200_*.json)
+    python scripts/calibrate_cost.py fit calib.json --out-dir moeplace/cost/measured
 
-``CONFIG_SWEEPS`` (``--only`` their labels) measure each expert slice of issue 22's EP x TP layouts at each
+``CONFIG_SWEEPS`` (``--only`` their labels) measure each expert slice of the EP x TP layouts at each
 kernel config SGLang runs it with, through ``StaticStep`` (launches captured once per step size).
 """
 
@@ -38,8 +38,8 @@ import numpy as np
 
 # moeplace from this checkout, also on a GPU machine where it is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moeplace.cost_derive import sglang_sorted_rows  # noqa: E402
-from moeplace.costmodel import extra_row_blocks  # noqa: E402
+from moeplace.cost.derive import sglang_sorted_rows  # noqa: E402
+from moeplace.cost.model import extra_row_blocks  # noqa: E402
 
 COPIES = 4
 L2_FLUSH_BYTES = 2 * 60 << 20   # twice the H200's L2: reads of at least this leave no weight cached for the next replay
@@ -109,7 +109,7 @@ def align_layout(ids: np.ndarray, num_local: int, block_m: int) -> tuple[np.ndar
     ids: [T, K] local slots, -1 for pairs of other ranks. Pairs are grouped by bucket ``id + 1`` (bucket
     0: the -1 pairs, whose blocks the kernel fills with zeros), each bucket padded to whole blocks of
     ``block_m``; a pad holds the sentinel ``T*K``. The buffer has SGLang's size
-    (``moeplace.cost_derive.sglang_sorted_rows``); the kernel's grid covers all of it (blocks past the
+    (``moeplace.cost.derive.sglang_sorted_rows``); the kernel's grid covers all of it (blocks past the
     padded total exit at once, their expert ids are -1).
     """
     flat = ids.reshape(-1)
@@ -298,7 +298,7 @@ class StaticStep:
 
     SGLang's sorted-token buffer, and so the kernels' grids, depend only on the step's pairs
     (``step_tokens`` x top-k), the rank's slots and BLOCK_SIZE_M, never on which slots get the pairs
-    (``moeplace.cost_derive.sglang_sorted_rows``). So a workload is timed by writing its layout
+    (``moeplace.cost.derive.sglang_sorted_rows``). So a workload is timed by writing its layout
     (sorted ids, expert ids, padded total) into the captured graph's buffers and replaying it: no
     capture per workload. A graph per weight-copy count (``copies_for``).
     """
@@ -401,11 +401,11 @@ def sweep_grid(name: str) -> list[tuple[int, int]]:
 
 
 # SGLang's default bf16 config switches from 16-row to 64-row blocks once a step's tokens exceed the rank's
-# local experts (``get_default_config``: M > E). One sweep per (expert slice, config) that issue 22's
+# local experts (``get_default_config``: M > E). One sweep per (expert slice, config) that the EP x TP
 # layouts (EP8, EP4xTP2, EP2xTP4, TP8 on 8 GPUs) meet at 9-576 tokens and no file above covers: label ->
 # (hidden, intermediate of the slice, local slots, top-k, EP groups, step tokens). Each runs every point at one
 # step size (the smallest batch of its config), so its c is that step's; the cost model moves it to other
-# steps and slot counts by the launch grid (``moeplace.cost_derive.measured_line``).
+# steps and slot counts by the launch grid (``moeplace.cost.derive.measured_line``).
 CONFIG_SWEEPS = {
     "kimi-i2048-bm16": (7168, 2048, 60, 8, 8, 36),      # EP8 with 96 spare slots at 36 tokens (36 <= 60)
     "kimi-i2048-bm64": (7168, 2048, 48, 8, 8, 72),
@@ -433,7 +433,7 @@ def config_sweep_points(slots: int, step_pairs: int, groups: int) -> list[tuple[
     return [(d, max(d, n)) for d in ds for n in ns if n >= d or n == ns[-1]]
 
 
-ROW_BLOCK_STEP_TOKENS = 576   # the largest batch issue 22 evaluates
+ROW_BLOCK_STEP_TOKENS = 576   # the largest batch the layout replay evaluates
 
 
 def row_block_counts(slots: int, step_pairs: int, block_m: int, inter: int, config: dict) -> list[list[int]]:
@@ -665,7 +665,7 @@ def fit(args) -> None:
                 "kernel": (f"sglang {raw['sglang']} fused_moe_kernel via invoke_fused_moe_kernel (Triton "
                            f"{raw['triton']}), SGLang's config lookup; gate/up GEMM + SiLU-and-mul + down GEMM"),
                 "shape": {"hidden": s["hidden"], "expert_intermediate": s["inter"], "local_slots": s["n_local"]},
-                # sweeps that know their top-k ran SGLang's buffer (moeplace.cost_derive.Measured)
+                # sweeps that know their top-k ran SGLang's buffer (moeplace.cost.derive.Measured)
                 **({"align_layout": "sglang", "top_k": s["top_k"]} if "top_k" in s else {}),
                 "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
                         f"kernel config for a {tokens}-token step ({verify_cfg})"
@@ -674,7 +674,7 @@ def fit(args) -> None:
                         + (f"; r from the points with experts of several row blocks, run at a "
                            f"{max(p['config_m'] for p in same)}-token step (its own c)" if blocks else "")),
                 "step_tokens": tokens,
-                # the fixed cost measured at each step size the points ran at (moeplace.cost_derive.measured_line)
+                # the fixed cost measured at each step size the points ran at (moeplace.cost.derive.measured_line)
                 **({"c_us_at_step_tokens": low["c_at_steps"]} if blocks else {}),
                 "kernel_config": [verify_cfg[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K")],
                 **({"tuned_file": sweep["tuned_file"]} if "tuned_file" in sweep else {}),
@@ -700,7 +700,7 @@ def main() -> None:
     m.add_argument("--budget-s", type=float, default=180, help="start no new sweep after this many seconds")
     f = sub.add_parser("fit")
     f.add_argument("calib")
-    f.add_argument("--out-dir", default="moeplace/data")
+    f.add_argument("--out-dir", default="moeplace/cost/measured")
     args = p.parse_args()
     {"measure": measure, "fit": fit}[args.cmd](args)
 

@@ -7,7 +7,7 @@ then predicts each EP placement's and TP-MoE's ms per step with four cost models
   block layout, whose launch grid over-counts SGLang's when a rank has more slots than the step has
   pairs (within 3.4% of the replay's measured times, which used the same layout; BENCHMARKS.md,
   "Cost model calibration and replay");
-* ``derived``: what the commands use (``moeplace.cost_derive.derive_cost_model``; a measured rank
+* ``derived``: what the commands use (``moeplace.cost.derive.derive_cost_model``; a measured rank
   shape uses its file's line moved to SGLang's launch grid);
 * ``terms``: the derived terms alone, as an unmeasured shape would get them (``formula_cost``);
 * ``terms, own file left out``: the same, calibrated without the file of the shape predicted (for
@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from replay_placement import ALGORITHMS, GPTOSS, RANKS, TRACES, load_trace  # noqa: E402
 
-from moeplace.advise import ep_layer_cost, tp_layer_cost  # noqa: E402
 from moeplace.algorithms import PlacementProblem, solve  # noqa: E402
-from moeplace.cost_derive import calibrate, derive_cost_model, formula_cost, gpu_calibration  # noqa: E402
-from moeplace.costmodel import CostModel  # noqa: E402
-from moeplace.expert_shape import ExpertShape  # noqa: E402
+from moeplace.analysis.advise import ep_layer_cost, tp_layer_cost  # noqa: E402
+from moeplace.cost.derive import calibrate, derive_cost_model, formula_cost, gpu_calibration  # noqa: E402
+from moeplace.cost.model import CostModel  # noqa: E402
+from moeplace.model.expert_shape import ExpertShape  # noqa: E402
 
 SHAPES = {"gptoss": ExpertShape(2880, 2880, "bf16", "GPT-OSS-20B"), "kimi": ExpertShape(7168, 2048, "bf16", "Kimi K2")}
 

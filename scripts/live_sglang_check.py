@@ -489,7 +489,7 @@ def check_kv_sort(plain: Server, sorted_: Server, healthy: bool, before: dict) -
 
 
 def check_launch(server: Server, placement: Path, refusal: subprocess.CompletedProcess, refusal_s: float) -> Check:
-    from moeplace.placement import load_placement
+    from moeplace.files.placement import load_placement
 
     placement_map = np.asarray(load_placement(placement).phy2log)
     shard = next(iter(sorted((server.work / f"traces-{server.name}").glob("*.mptrace"))), None)
@@ -846,7 +846,7 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
         for srv in [*servers.values(), dp]:
             srv.kill()
 
-    from moeplace.placement import load_placement
+    from moeplace.files.placement import load_placement
     from moeplace.trace.store import TraceReader
 
     problems = []

@@ -1,7 +1,7 @@
 """Replay routing steps on the GPU under each placement: measured MoE ms per step vs the cost model.
 
 Per step and MoE layer, each EP rank runs its own expert subset with the token counts SGLang's
-dispatch would give it (``moeplace.advise.slot_token_counts``: the ``dynamic`` rule, or moeplace's
+dispatch would give it (``moeplace.analysis.advise.slot_token_counts``: the ``dynamic`` rule, or moeplace's
 ``balanced`` rule on the placements made for it); the layer takes as long as its slowest rank, and
 the step is the sum over layers. TP-MoE (every rank holds 1/N of every expert) is replayed the same
 way: one rank runs every activated expert at 1/N width.
@@ -22,7 +22,7 @@ placement with E/4 and E/2 spare slots.
 ``measure --jobs gptoss`` / ``--jobs kimi`` times one trace's workloads, so two GPUs can share the
 work (``report --times a.json,b.json`` merges them).
 
-Issue 22: ``prepare --batch-tokens 9,36,72,144,288,576`` replays batches of 1 to 64 requests verifying 9 tokens,
+Layouts by batch: ``prepare --batch-tokens 9,36,72,144,288,576`` replays batches of 1 to 64 requests verifying 9 tokens,
 built from the held-out steps (each job times its batch's kernel config; ``--steps 9=24,576=8`` sets the steps
 per size, ``--kimi-layers`` the synthetic layers); ``--cost-rule`` adds moeplace's rule by cost on the balanced
 placement with E/4 spares (``cost+r..``); ``--layouts`` adds EP groups with MoE TP inside (``ep4xtp2``,
@@ -30,7 +30,7 @@ placement with E/4 spares (``cost+r..``); ``--layouts`` adds EP groups with MoE 
 row). Placements are fitted with advise's cost models. ``measure`` captures a job's launches once and writes
 each workload into the graph's buffers (``calibrate_cost.StaticStep``), and skips ranks another rank of the
 layer dominates (``dominated``; the first ``--check-steps`` of each size are timed in full to check that).
-``report`` ends with issue 22's goals: the rule by cost against every other rule, and the layout ``advise``
+``report`` ends with the layout questions: the rule by cost against every other rule, and the layout ``advise``
 would name (its cost models on the replayed steps and placements) against the fastest measured:
 
     python scripts/replay_placement.py prepare --out out/rp22 --batch-tokens 9,36,72,144,288,576 --cost-rule --layouts
@@ -76,7 +76,7 @@ def placement_specs(num_experts: int) -> list[tuple[str, str, int, str]]:
 
 
 def extra_specs(num_experts: int, ranks: int, cost_rule: bool, layouts: bool) -> list[tuple[str, str, int, str, int]]:
-    """(tag, algorithm, spare slots, rule, EP groups) of issue 22's rows: the cost rule with E/4 spare slots
+    """(tag, algorithm, spare slots, rule, EP groups) of the layout rows: the cost rule with E/4 spare slots
     (on the balanced placement), and EP groups with MoE TP inside, without spares (stepaware and DeepSeek EPLB,
     the two ``advise`` compares) and with E/4 spares under the cost rule."""
     quarter = num_experts // 4
@@ -93,15 +93,15 @@ def rank_cost(hidden: int, inter: int, slots: int, top_k: int, moe_tp: int, step
     """The cost model ``advise`` uses for one GPU holding ``slots`` experts, each 1/moe_tp of ``hidden x inter``
     (bf16), at steps of ``step_tokens`` tokens (``Costing.group``: SGLang's kernel config and grid for them)."""
     from moeplace.commands.costing import Costing
-    from moeplace.expert_shape import ExpertShape
+    from moeplace.model.expert_shape import ExpertShape
     return Costing(ExpertShape(hidden, inter, "bf16", "replay"), top_k).group(slots, moe_tp, step_tokens)
 
 
 def layout_members(tags: list[str], num_experts: int, ranks: int, groups: dict[str, int]) -> dict[str, list[str]]:
-    """advise's layout name (``moeplace.layouts.Layout.name``) -> the replayed rows it is costed with: without
+    """advise's layout name (``moeplace.analysis.layouts.Layout.name``) -> the replayed rows it is costed with: without
     spare slots DeepSeek EPLB and stepaware under SGLang's dynamic rule, with E/4 spares the cost rule on
     stepaware's placement for it, TP-MoE the ``tp`` row."""
-    from moeplace.layouts import Layout
+    from moeplace.analysis.layouts import Layout
     quarter = num_experts // 4
     out: dict[str, list[str]] = {}
     for tag in tags:
@@ -132,7 +132,7 @@ def stale_jobs(jobs: dict) -> list[str]:
 def load_trace(name: str, gptoss_path: str, test_steps: int | None = None, kimi_layers: int = 12):
     """(train steps, test steps, label) of one trace; test steps come after the training ones.
     kimi_layers: the synthetic Kimi-shaped layers drawn (of 60; the report scales to 60)."""
-    from moeplace.model import ModelSpec
+    from moeplace.model.spec import ModelSpec
     from moeplace.trace.load import open_trace
     from moeplace.trace.synthetic import synthetic_steps
     cfg = TRACES[name]
@@ -160,7 +160,7 @@ def fit_placements(train, ranks: int, effort: float, log=print, only: list[str] 
     cost(groups, slots per group): the cost model each placement is fitted with, as ``advise`` fits its
     layouts (default: the library's)."""
     from moeplace.algorithms import PlacementProblem, solve
-    from moeplace.cost_dispatch import PLACED_AS
+    from moeplace.dispatch.by_cost import PLACED_AS
     out = {}
     for tag, alg, red, dispatch, groups in [(*spec, ranks) for spec in placement_specs(train.model.num_experts)] \
             + list(extra):
@@ -226,7 +226,7 @@ def index_workloads(index: WorkIndex, name: str, test, placements: dict, ranks: 
     of the layer dominates (``dominated``) is not timed (id -1); the steps before it time every rank, so
     the report can check the rule. cost_models: tag -> the cost model the ``cost`` rule balances.
     """
-    from moeplace.advise import rank_work, slot_token_counts, work_key
+    from moeplace.analysis.advise import rank_work, slot_token_counts, work_key
     L, E, K = test.model.num_moe_layers, test.model.num_experts, test.model.top_k
     batch = "" if step_tokens == 9 else f"-b{step_tokens}"
     work, jobs, shapes = {}, {}, {}
@@ -296,7 +296,7 @@ def batch_steps(spec: str, tokens: list[int], default: int) -> dict[int, int]:
 
 def prepare(args) -> None:
     """Placements and per-(step, layer, rank) work keys for every trace; unique keys per GPU job."""
-    from moeplace.dispatch_eval import verify_batches
+    from moeplace.dispatch.evaluation import verify_batches
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     index = WorkIndex()
@@ -432,7 +432,7 @@ def predicted_us(name: str, test, tag: str, phy2log: np.ndarray | None, ranks: i
     hidden, inter: the expert shape (default: the trace's, from TRACES); step_tokens: the steps' tokens;
     groups: EP groups of an EP x TP row (default ``ranks``).
     """
-    from moeplace.advise import ep_layer_cost, tp_layer_cost
+    from moeplace.analysis.advise import ep_layer_cost, tp_layer_cost
     hidden, inter = hidden or TRACES[name]["hidden"], inter or TRACES[name]["inter"]
     E, K = test.model.num_experts, test.model.top_k
     layers = layers if layers is not None else range(test.model.num_moe_layers)
@@ -446,7 +446,7 @@ def predicted_us(name: str, test, tag: str, phy2log: np.ndarray | None, ranks: i
 
 def load_test(work_dir: Path, name: str):
     """The replayed test steps of one trace, as ``prepare`` saved them."""
-    from moeplace.model import ModelSpec
+    from moeplace.model.spec import ModelSpec
     from moeplace.trace.steps import RoutingSteps
     t = np.load(work_dir / f"{name}_test.npz")
     model = ModelSpec.from_json(json.loads(str(t["model"])))
@@ -561,8 +561,8 @@ def bound_us(steps, cost, ranks: int) -> np.ndarray:
     """[S] the mean-rank bound under ``cost``: every activated expert read once, its pairs' row blocks run once
     (splitting an expert over replicas saves at most a block per extra read, and r < a) and every pair run
     once, spread evenly over the ranks (no rule and no placement does better under that model)."""
-    from moeplace.balanced import step_expert_counts
-    from moeplace.metrics import layer_distinct_total
+    from moeplace.dispatch.balanced import step_expert_counts
+    from moeplace.dispatch.loads import layer_distinct_total
     out = np.zeros(steps.num_steps)
     for layer in range(steps.model.num_moe_layers):
         step_of_row, _, ids = steps.layer(layer)
@@ -576,7 +576,7 @@ SGLANG_ROWS = ("contiguous", "deepseek", "stepaware")     # SGLang's dynamic rul
 
 
 def goal_lines(trace: str, batches: dict) -> list[str]:
-    """Issue 22's goals on one trace, from the replay's measured ms per step: the rule by cost against every
+    """The layout questions on one trace, from the replay's measured ms per step: the rule by cost against every
     other rule, and ``advise``'s layout (its cost model on the replayed steps and placements) against the
     fastest layout measured."""
     sizes = sorted(batches)
@@ -628,7 +628,7 @@ def goal_lines(trace: str, batches: dict) -> list[str]:
 
 
 def layout_order(name: str) -> tuple[int, int]:
-    """EP R first, TP-MoE last (``moeplace.layouts.candidate_layouts``' order), each without spares first."""
+    """EP R first, TP-MoE last (``moeplace.analysis.layouts.candidate_layouts``' order), each without spares first."""
     base = name.split("+")[0]
     ep = 1 if base.startswith("TP") else int(base[2:].split("x")[0])
     return (-ep, "+" in name)
@@ -643,7 +643,7 @@ def main() -> None:
     a.add_argument("--effort", type=float, default=2e8)
     a.add_argument("--ranks", type=int, default=RANKS, help="EP ranks the placements are made for")
     a.add_argument("--only", default="")
-    a.add_argument("--batch-tokens", default="9", help="tokens per replayed step, a comma list (issue 22: "
+    a.add_argument("--batch-tokens", default="9", help="tokens per replayed step, a comma list ("
                    "9,36,72,144,288,576; batches of 9-token requests built from the held-out steps)")
     a.add_argument("--cost-rule", action="store_true", help="add the cost rule's row (E/4 spare slots)")
     a.add_argument("--layouts", action="store_true", help="add EP groups with MoE TP inside (EP R/2, EP R/4)")

@@ -1,4 +1,4 @@
-"""CPU-side logic of issue 6: per-rank work lists, the cost fit, EP vs TP-MoE verdicts."""
+"""CPU-side logic of advise: per-rank work lists, the cost fit, EP vs TP-MoE verdicts."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeplace.advise import (BatchVerdict, flip_batch, rank_work, resample_batches, slot_token_counts, step_costs,
-                             verdict, work_key)
+from moeplace.trace.resample import resample_batches
+
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.costmodel import CostModel
-from moeplace.metrics import layer_rank_loads
-from moeplace.model import ModelSpec
+from moeplace.analysis.advise import BatchVerdict, flip_batch, rank_work, slot_token_counts, step_costs, verdict, work_key
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.loads import layer_rank_loads
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.synthetic import synthetic_steps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -63,7 +64,7 @@ def test_linear_range_finds_the_break():
 def test_emulated_rank_runs_every_pair_of_the_step_in_sglangs_layout():
     """A rank with 3, 0 and 17 pairs on its 4 slots, in a step of 9 tokens x top-8: the other 52 pairs
     are -1 and fill SGLang's bucket 0 first; the buffer has SGLang's size (72 + 5 x 15 rows, to 4)."""
-    from moeplace.cost_derive import sglang_sorted_rows
+    from moeplace.cost.derive import sglang_sorted_rows
     ids = calibrate_cost.rank_pairs([3, 0, 17], 72)
     assert ids.shape == (72, 1) and (ids[:3] == 0).all() and (ids[3:20] == 2).all() and (ids[20:] == -1).all()
     sorted_ids, experts, padded = calibrate_cost.align_layout(ids, num_local=4, block_m=16)

@@ -19,11 +19,11 @@ from moeplace.algorithms import ALGORITHMS, PlacementProblem, get_algorithm, sol
 from moeplace.algorithms.baselines import separate_replicas
 from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, greedy_place, item_activity,
                                            order_replicas, replica_counts, swap_deltas)
+from moeplace.analysis.optimize import split_steps
+from moeplace.dispatch.loads import balancedness, layer_rank_loads
 from moeplace.errors import MoeplaceError
-from moeplace.metrics import balancedness, layer_rank_loads
-from moeplace.model import ModelSpec
-from moeplace.optimize import split_steps
-from moeplace.placement import Placement, check_placement
+from moeplace.files.placement import Placement, check_placement
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps

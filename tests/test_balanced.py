@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.balanced_replicas import add_replicas, masks_to_phy2log, replica_gains
-from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
-from moeplace.balanced import (MAX_AUGMENT, exact_assign, fast_rule, fast_rule_step, rank_loads,
+from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.balanced import (MAX_AUGMENT, exact_assign, fast_rule, fast_rule_step, rank_loads,
                                replica_layout, step_expert_counts)
+from moeplace.dispatch.loads import balanced_loads, layer_rank_loads, token_slots
 from moeplace.errors import MoeplaceError
-from moeplace.metrics import balanced_loads, layer_rank_loads, token_slots
-from moeplace.placement import Placement, check_placement
+from moeplace.files.placement import Placement, check_placement
 from moeplace.trace.steps import RoutingSteps
 from test_algorithms import tiny_model, tiny_steps
 
@@ -257,9 +257,10 @@ def test_step_counts_include_count_only_steps():
 def test_replica_optimum_is_the_uncapped_rules_and_the_fitted_column_uses_it(seed):
     """Hall's formula and the uncapped rule agree step by step; ``max_distinct_means`` (optimize's fitted
     column) gives balanced rows that optimum and every other row what ``evaluate`` measures."""
-    from moeplace.costmodel import CostModel
-    from moeplace.metrics import max_distinct_means, replica_optimum
-    from moeplace.report import evaluate
+    from moeplace.cost.model import CostModel
+    from moeplace.dispatch.loads import replica_optimum
+    from moeplace.analysis.metrics import max_distinct_means
+    from moeplace.analysis.report import evaluate
 
     rng = np.random.default_rng(seed)
     model = tiny_model(16, top_k=4, num_moe_layers=2)

@@ -1,4 +1,4 @@
-"""The balanced-dispatch kernels against ``moeplace.balanced.fast_rule_step``, bit for bit.
+"""The balanced-dispatch kernels against ``moeplace.dispatch.balanced.fast_rule_step``, bit for bit.
 
 GPU tests carry ``@pytest.mark.gpu`` and skip without CUDA: both kernels (CUDA and Triton) over random
 layouts (1 to 32 ranks, up to 4096 experts, 1 to R replicas, layouts that need many augmenting paths),
@@ -22,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from moeplace.balanced import fast_rule_step, replica_layout  # noqa: E402
+from moeplace.dispatch.balanced import fast_rule_step, replica_layout  # noqa: E402
 from moeplace_kernels import balanced_dispatch_cuda  # noqa: E402
 from moeplace_kernels.balanced_dispatch import (balanced_dispatch, dispatch_tables,  # noqa: E402
                                                 select_backend)
@@ -102,7 +102,7 @@ def run_case(case: dict, device: str, backend: str, dtype=torch.int32, max_augme
 
 
 def _layout(masks: np.ndarray, slots: np.ndarray):
-    from moeplace.balanced import ReplicaLayout
+    from moeplace.dispatch.balanced import ReplicaLayout
 
     return ReplicaLayout(masks, slots)
 

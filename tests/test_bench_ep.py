@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.cost_derive import sglang_row_blocks, sglang_sorted_rows
-from moeplace.model import ModelSpec
+from moeplace.cost.derive import sglang_row_blocks, sglang_sorted_rows
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.synthetic import synthetic_steps
 
 ROOT = Path(__file__).resolve().parents[1]

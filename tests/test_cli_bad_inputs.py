@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from moeplace.algorithms import PlacementProblem
 from moeplace.algorithms.baselines import contiguous
 from moeplace.cli import main
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement, save_placement
+from moeplace.files.placement import Placement, save_placement
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 from moeplace.trace.steps import RoutingSteps
 

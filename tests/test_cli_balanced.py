@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from moeplace.optimize import TODAY
-from moeplace.placement import check_placement, load_placement
+from moeplace.analysis.optimize import TODAY
+from moeplace.files.placement import check_placement, load_placement
 from test_cli_optimize import FAST, SAMPLE, assert_nothing_written, assert_one_line_error, run_main, topk_npz
 
 GPTOSS_EXPERT_GB = 24 * 3 * 2880 * 2880 * 2 / 1e9   # one spare slot a GPU: 24 layers of bf16 2880x2880 experts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from moeplace.placement import load_placement
+from moeplace.files.placement import load_placement
 from test_cli_optimize import FAST, SAMPLE, run_main
 
 

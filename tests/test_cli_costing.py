@@ -11,8 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from moeplace.cli import cli
-from moeplace.cost_derive import derive_cost_model
-from moeplace.expert_shape import ExpertShape
+from moeplace.cost.derive import derive_cost_model
+from moeplace.model.expert_shape import ExpertShape
 
 REPO = Path(__file__).parents[1]
 SAMPLE = REPO / "traces" / "gptoss20b-sample.mptrace"

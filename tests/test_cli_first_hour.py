@@ -1,4 +1,4 @@
-"""Issue 20, "a user's first hour": each item through the real entry point, asserting the behaviour that the
+"""A user's first hour: each item through the real entry point, asserting the behaviour that the
 earlier code got wrong (an input overwritten, a file left by a failure, a misleading baseline, in-sample
 scores, silent guesses, progress garbling a log, SIGTERM leaving a temp file, ...). Bad inputs that only
 need one clean line are swept in test_cli_bad_inputs.py."""
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import moeplace.commands.common as common
-from moeplace.atomic import all_or_nothing, atomic_write_text
 from moeplace.commands.optimize import FIT_GAP, quality_warnings
 from moeplace.errors import MoeplaceError
-from moeplace.placement import save_placement
+from moeplace.files.atomic import all_or_nothing, atomic_write_text
+from moeplace.files.placement import save_placement
 from moeplace.trace.store import write_trace
 from test_cli_optimize import FAST, SAMPLE, run_main, topk_npz
 
@@ -171,7 +171,7 @@ def test_compare_says_what_it_scores_and_takes_holdout(tmp_path, capsys):
     assert data["scored_on"] == "the last 902 of the trace's 3,007 verify steps (--holdout 0.3)"
 
 
-# ----------------------------------------------------------------------------- 5 and issue 19: the fitted column
+# ----------------------------------------------------------------------------- 5: the fitted column
 
 def test_optimize_table_has_a_fitted_column_beside_the_held_out_one(tmp_path, capsys):
     code, out, err = run_main(capsys, "optimize", SAMPLE, "--mode", "verify", *FAST, "-o", tmp_path / "p.json")
@@ -233,14 +233,14 @@ def test_npz_without_expert_count_says_what_was_inferred(tmp_path, capsys):
     ids[0, 0, 0] = 999
     np.savez(tmp_path / "t.npz", topk_ids=ids)
     code, out, err = run_main(capsys, "report", tmp_path / "t.npz", "--ranks", "8", "--cost-model",
-                              REPO / "moeplace" / "data" / "cost_h200_bf16.json")
+                              REPO / "moeplace" / "cost" / "measured" / "cost_h200_bf16.json")
     assert code == 0, err
     assert "1000 experts" in out
     warned = stderr_lines(err, "warning: ")
     assert len(warned) == 1 and "does not say num_experts: 1000 taken from its largest expert id, 999" in warned[0]
     # a file that says its expert count is taken as it is, without a word
     code, _, err = run_main(capsys, "report", topk_npz(tmp_path / "u.npz", 16, 10, layers=2), "--ranks", "8",
-                            "--cost-model", REPO / "moeplace" / "data" / "cost_h200_bf16.json")
+                            "--cost-model", REPO / "moeplace" / "cost" / "measured" / "cost_h200_bf16.json")
     assert code == 0 and "warning" not in err
 
 
@@ -365,9 +365,9 @@ def test_the_distribution_plot_shows_the_lower_bound():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeplace.costmodel import CostModel
-    from moeplace.placement import Placement
-    from moeplace.report import distribution_figure, evaluate
+    from moeplace.cost.model import CostModel
+    from moeplace.files.placement import Placement
+    from moeplace.analysis.report import distribution_figure, evaluate
     from moeplace.trace.load import open_trace
 
     trace = open_trace(SAMPLE)

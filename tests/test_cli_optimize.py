@@ -15,7 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from moeplace.cli import cli, main
-from moeplace.placement import check_placement, load_placement
+from moeplace.files.placement import check_placement, load_placement
 
 SAMPLE = Path(__file__).resolve().parent.parent / "traces" / "gptoss20b-sample.mptrace"
 FAST = ["--max-steps", "600", "--effort", "2e7"]
@@ -320,7 +320,7 @@ def test_spare_slots_that_outgrow_the_gpu_are_warned_about(redundant, warns):
     """Kimi K2's fp8 experts take 126.9 GB of an H200's 150.8 GB at 8 ranks; each spare slot a GPU adds
     2.64 GB, so 96 spares (12 a GPU, 158.6 GB) cannot load and 48 (142.7 GB) can. The line gives both."""
     from moeplace.commands.costing import Costing, memory_warning, slot_gb
-    from moeplace.expert_shape import known_expert_shape
+    from moeplace.model.expert_shape import known_expert_shape
     from moeplace.trace.synthetic import KIMI_K2
 
     costing = Costing(known_expert_shape(KIMI_K2), KIMI_K2.top_k)
@@ -335,8 +335,8 @@ def test_spare_slots_that_outgrow_the_gpu_are_warned_about(redundant, warns):
 def test_no_memory_warning_without_a_known_shape_or_gpu():
     """A generic expert shape, or a --cost-model file (its GPU unknown), gives no memory line."""
     from moeplace.commands.costing import Costing, memory_warning
-    from moeplace.costmodel import CostModel
-    from moeplace.expert_shape import GENERIC, known_expert_shape
+    from moeplace.cost.model import CostModel
+    from moeplace.model.expert_shape import GENERIC, known_expert_shape
     from moeplace.trace.synthetic import KIMI_K2
 
     assert memory_warning(KIMI_K2, 8, 384, Costing(GENERIC, 8)) is None
@@ -347,7 +347,7 @@ def test_advise_names_its_own_option_in_the_memory_line():
     """advise has --redundant, not --replica-memory: the same check says so (every EP x TP split holds the
     same bytes per GPU, so the line is given once for all layouts with spare slots)."""
     from moeplace.commands.costing import Costing, memory_warning
-    from moeplace.expert_shape import known_expert_shape
+    from moeplace.model.expert_shape import known_expert_shape
     from moeplace.trace.synthetic import KIMI_K2
 
     costing = Costing(known_expert_shape(KIMI_K2), KIMI_K2.top_k)

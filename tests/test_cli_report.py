@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from moeplace.cli import cli
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement, save_placement, save_sglang
+from moeplace.files.placement import Placement, save_placement, save_sglang
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 
 REPO = Path(__file__).parents[1]
@@ -275,8 +275,8 @@ def test_help_does_not_import_torch_or_sglang():
 # ----------------------------------------------------------------------------- report module
 
 def test_evaluate_compare_and_format():
-    from moeplace.costmodel import CostModel
-    from moeplace.report import comparison_rows, evaluate, format_table, hottest_experts
+    from moeplace.cost.model import CostModel
+    from moeplace.analysis.report import comparison_rows, evaluate, format_table, hottest_experts
     from moeplace.trace import modes as M
     from moeplace.trace.steps import RoutingSteps
 
@@ -315,8 +315,8 @@ def test_write_plots_side_by_side(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from moeplace.costmodel import CostModel
-    from moeplace.report import evaluate, plot_context, write_plots
+    from moeplace.cost.model import CostModel
+    from moeplace.analysis.report import evaluate, plot_context, write_plots
 
     seen = []
     save = Figure.savefig

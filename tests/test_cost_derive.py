@@ -14,13 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplace.cost_derive import (FP8_BLOCK, LARGE_M, SMALL_M, STEP_TOKENS, Measured, calibrate, column_blocks,
+from moeplace.cost.derive import (FP8_BLOCK, LARGE_M, SMALL_M, STEP_TOKENS, Measured, calibrate, column_blocks,
                                   derive_cost_model, formula_cost, gpu_calibration, measured_line, packaged_measurements,
                                   sglang_default_config, sglang_row_blocks, sglang_sorted_rows)
 from moeplace.errors import MoeplaceError
-from moeplace.expert_shape import GENERIC, KNOWN_MODELS, MXFP4_NOTE, ExpertShape, known_expert_shape
-from moeplace.model import ModelSpec
-from moeplace.model_config import expert_shape_from_hf_config
+from moeplace.model.config import expert_shape_from_hf_config
+from moeplace.model.expert_shape import GENERIC, KNOWN_MODELS, MXFP4_NOTE, ExpertShape, known_expert_shape
+from moeplace.model.spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -70,7 +70,7 @@ def test_per_byte_cost_holds_across_bf16_and_fp8():
 
 
 VERIFY_FILES = sorted(n for n, m in FILES.items() if m.fits_terms)     # measured at a verify step
-CONFIG_FILES = sorted(n for n, m in FILES.items() if not m.fits_terms)  # one per (slice, kernel config), issue 22
+CONFIG_FILES = sorted(n for n, m in FILES.items() if not m.fits_terms)  # one per (slice, kernel config)
 
 
 @pytest.mark.parametrize("name", VERIFY_FILES)
@@ -133,7 +133,7 @@ def test_c_is_the_measured_one_at_every_measured_step(name):
 
 def test_kimi_ep_doubles_its_cost_per_expert_past_its_slots():
     """SGLang's default config at 72 tokens on 48 slots (64-row blocks) reads an expert 1.6x slower than at
-    9 tokens (16-row blocks): the step the first issue-22 replay measured at about 2x the old prediction."""
+    9 tokens (16-row blocks): the step the first layout replay measured at about 2x the old prediction."""
     kimi = FILES["cost_h200_bf16.json"].shape
     small, large = derive_cost_model(kimi, 48, 8, step_tokens=36), derive_cost_model(kimi, 48, 8, step_tokens=72)
     assert small.provenance["kernel_config"][0] == 16 and large.provenance["kernel_config"][0] == 64
@@ -339,7 +339,7 @@ def test_config_without_expert_size_is_one_line():
         expert_shape_from_hf_config({"hidden_size": 64}, "x")
 
 
-# Every GPU rank shape issue 22's layouts meet on 8 GPUs (EP8, EP4xTP2, EP2xTP4, TP8, without and with E/4
+# Every GPU rank shape the EP x TP layouts meet on 8 GPUs (EP8, EP4xTP2, EP2xTP4, TP8, without and with E/4
 # spare slots): Kimi K2 (7168 x 2048, 384 experts, top-8) and GPT-OSS-20B (2880 x 2880, 32 experts, top-4).
 MODELLED = [(7168, 2048 // tp, (384 + spares) // (8 // tp), 8) for tp in (1, 2, 4, 8) for spares in (0, 96, 192)
             if tp < 8 or spares == 0] + \

@@ -13,16 +13,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
 from moeplace.commands.costing import Costing
-from moeplace.cost_derive import derive_cost_model
-from moeplace.cost_dispatch import (READ_UNIT, RuleWeights, allocation_cost, cost_rule, cost_rule_step,
+from moeplace.cost.derive import derive_cost_model
+from moeplace.dispatch.balanced import fast_rule, replica_layout, step_expert_counts
+from moeplace.dispatch.by_cost import (READ_UNIT, RuleWeights, allocation_cost, cost_rule, cost_rule_step,
                                     exact_split, pair_slots, rule_weights)
-from moeplace.costmodel import CostModel
-from moeplace.dispatch_eval import verify_batches
-from moeplace.expert_shape import ExpertShape
-from moeplace.model import ModelSpec
-from moeplace.optimize import split_steps
+from moeplace.analysis.optimize import split_steps
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.evaluation import verify_batches
+from moeplace.model.expert_shape import ExpertShape
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
@@ -327,7 +327,7 @@ def test_within_two_percent_of_the_optimum_on_kimi_shaped_batches(kimi, tokens):
 
 
 def test_no_torch_or_sglang():
-    code = ("import sys, moeplace.cost_dispatch, moeplace.lplb, moeplace.dispatch_eval\n"
+    code = ("import sys, moeplace.dispatch.by_cost, moeplace.dispatch.lplb, moeplace.dispatch.evaluation\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sglang')))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

@@ -1,4 +1,4 @@
-"""The rule-by-cost kernels against ``moeplace.cost_dispatch.cost_rule_step`` and ``pair_slots``, bit for bit.
+"""The rule-by-cost kernels against ``moeplace.dispatch.by_cost.cost_rule_step`` and ``pair_slots``, bit for bit.
 
 The oracle: ``cost_rule_step`` on the valid rows' counts gives each expert's tokens per rank; a valid entry
 of expert e takes the rank where its position among e's valid entries (entry order) falls in the cumulative
@@ -21,8 +21,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from moeplace.balanced import replica_layout  # noqa: E402
-from moeplace.cost_dispatch import MAX_ROUNDS, RuleWeights, cost_rule_step, pair_slots  # noqa: E402
+from moeplace.dispatch.balanced import replica_layout  # noqa: E402
+from moeplace.dispatch.by_cost import MAX_ROUNDS, RuleWeights, cost_rule_step, pair_slots  # noqa: E402
 from moeplace_kernels.balanced_dispatch import TRITON_COST_EXPERTS, cost_dispatch, dispatch_tables  # noqa: E402
 
 from test_balanced_dispatch_kernel import _layout, random_masks, run_in_triton_interpreter, slots_of  # noqa: E402
@@ -105,8 +105,8 @@ def moves_made(case: dict, max_rounds: int = MAX_ROUNDS) -> int:
 
 def test_oracle_is_pair_slots_on_a_placement():
     """``expected_cost`` gives ``pair_slots``' slots on a placement (8 ranks, 96 spare slots, hot experts)."""
-    from moeplace.costmodel import CostModel
-    from moeplace.model import ModelSpec
+    from moeplace.cost.model import CostModel
+    from moeplace.model.spec import ModelSpec
     from moeplace.trace.steps import RoutingSteps
 
     rng = np.random.default_rng(3)
@@ -258,7 +258,7 @@ _INTERP_SCRIPT = textwrap.dedent("""
     import sys, numpy as np, torch
     sys.path.insert(0, {tests!r})
     from hypothesis import given, settings, strategies as st, HealthCheck
-    from moeplace.cost_dispatch import RuleWeights
+    from moeplace.dispatch.by_cost import RuleWeights
     from test_cost_dispatch_kernel import make_case, run_case, moves_made
     moved = 0
     for seed, (E, R, N, K, style, q, dtype, rounds) in enumerate([

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeplace.advise import resample_batches
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.balanced import step_expert_counts
-from moeplace.costmodel import CostModel
-from moeplace.dispatch_eval import RULES, Row, batch_costs, rule_loads, verify_batches
-from moeplace.metrics import static_dispatch_table
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.balanced import step_expert_counts
+from moeplace.dispatch.evaluation import RULES, Row, batch_costs, rule_loads, verify_batches
+from moeplace.dispatch.loads import static_dispatch_table
+from moeplace.trace.resample import resample_batches
 from test_cost_dispatch import kimi_shaped
 
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.balanced import fast_rule_step, replica_layout
-from moeplace.model_config import model_spec_from_folder
-from moeplace.placement import Placement, save_sglang
+from moeplace.dispatch.balanced import fast_rule_step, replica_layout
+from moeplace.files.placement import Placement, save_sglang
+from moeplace.model.config import model_spec_from_folder
 from moeplace.trace.synthetic import synthetic_steps
 from test_plugin import assert_load_plugins
 from test_sglang_export import TINY_DSV3, publish
@@ -94,7 +94,7 @@ def _hooked(server, rule: str, q: int | None = None):
 
 
 def expected(placement: Placement, moe_index: int, ids: np.ndarray) -> np.ndarray:
-    """What the rule must give: moeplace.balanced on the placement we wrote."""
+    """What the rule must give: moeplace.dispatch.balanced on the placement we wrote."""
     layout = replica_layout(placement.phy2log[moe_index], placement.model.num_experts, RANKS)
     counts = np.bincount(ids[ids >= 0], minlength=placement.model.num_experts)
     pick = fast_rule_step(counts, layout.masks, RANKS)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from moeplace.errors import MoeplaceError
-from moeplace.hf_resolve import hf_hub_cache, looks_like_repo_id, model_name, resolve_model_dir
+from moeplace.model.hf_resolve import hf_hub_cache, looks_like_repo_id, model_name, resolve_model_dir
 
 CONFIG = {"num_hidden_layers": 2, "num_local_experts": 8, "num_experts_per_tok": 2}
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40

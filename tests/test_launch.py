@@ -15,10 +15,10 @@ from click.testing import CliRunner
 
 from moeplace.cli import main
 from moeplace.errors import FormatError
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement, save_placement, save_sglang
+from moeplace.files.placement import Placement, save_placement, save_sglang
+from moeplace.model.config import model_spec_from_folder, model_spec_from_hf_config
+from moeplace.model.spec import ModelSpec
 from moeplace.sglang.launch import parse_sglang_args
-from moeplace.model_config import model_spec_from_folder, model_spec_from_hf_config
 
 # A DeepSeek-V3-shaped toy: 4 layers, layer 0 dense, 16 routed experts, top-4.
 DSV3_CONFIG = {
@@ -394,7 +394,7 @@ def test_placement_for_sglangs_rule_adds_no_environment(model_dir: Path, placeme
     assert "MOEPLACE_DISPATCH" not in stdout
 
 
-# ----------------------------------------------------------------------------- EP x TP splits (issue 22)
+# ----------------------------------------------------------------------------- EP x TP splits
 
 @pytest.fixture
 def split_file(tmp_path: Path) -> Path:

@@ -8,14 +8,16 @@ import json
 import numpy as np
 import pytest
 
-from moeplace.advise import ep_layer_cost, resample_batches, tp_layer_cost
+from moeplace.trace.resample import resample_batches
+
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.analysis.advise import ep_layer_cost, tp_layer_cost
 from moeplace.commands.costing import Costing
-from moeplace.cost_derive import derive_cost_model
-from moeplace.costmodel import CostModel
+from moeplace.cost.derive import derive_cost_model
+from moeplace.cost.model import CostModel
 from moeplace.errors import MoeplaceError
-from moeplace.expert_shape import ExpertShape
-from moeplace.layouts import (Layout, LayoutCosts, candidate_layouts, check_split, fastest, layout_flips,
+from moeplace.model.expert_shape import ExpertShape
+from moeplace.analysis.layouts import (Layout, LayoutCosts, candidate_layouts, check_split, fastest, layout_flips,
                               layout_step_costs)
 from test_cli_optimize import SAMPLE, run_main
 from test_cost_dispatch import kimi_shaped
@@ -115,7 +117,7 @@ def test_advise_prints_the_layouts(capsys):
 
 
 def test_optimize_places_for_the_ep_groups(tmp_path, capsys):
-    from moeplace.placement import check_placement, load_placement
+    from moeplace.files.placement import check_placement, load_placement
     from test_cli_optimize import FAST
 
     out = tmp_path / "p.json"

@@ -96,7 +96,7 @@ def test_capture_check_says_where_the_capture_left_the_tracers_order(tmp_path, e
 
     import numpy as np
 
-    from moeplace.model import ModelSpec
+    from moeplace.model.spec import ModelSpec
     from moeplace.trace.store import write_trace
     from moeplace.trace.synthetic import synthetic_steps
 

@@ -8,10 +8,10 @@ import pytest
 from scipy.optimize import linprog
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.balanced import step_expert_counts
-from moeplace.dispatch_eval import verify_batches
-from moeplace.lplb import barrier_solve, expected_loads, lp_inputs, lp_problem, slot_probabilities
-from moeplace.placement import replica_table
+from moeplace.dispatch.balanced import step_expert_counts
+from moeplace.dispatch.evaluation import verify_batches
+from moeplace.dispatch.lplb import barrier_solve, expected_loads, lp_inputs, lp_problem, slot_probabilities
+from moeplace.files.placement import replica_table
 from test_cost_dispatch import kimi_shaped
 
 

@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.analysis.metrics import LayerSums, accumulate, gap_closed, summarize
+from moeplace.cost.model import CostModel, load_cost_model
+from moeplace.dispatch.loads import balancedness, layer_distinct_total, layer_rank_loads, static_dispatch_table
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.metrics import (LayerSums, accumulate, balancedness, gap_closed, layer_distinct_total,
-                              layer_rank_loads, static_dispatch_table, summarize)
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement, placement_problems
+from moeplace.files.placement import Placement, placement_problems
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
 
@@ -363,7 +363,7 @@ def test_load_invariants(problem):
 def test_cost_model_formula_and_files(tmp_path):
     cm = CostModel(2.0, 0.5, 1.0)
     np.testing.assert_allclose(cm.cost(np.array([[0, 3]]), np.array([[0, 4]])), [[1.0, 9.0]])
-    for f in (Path(__file__).parents[1] / "moeplace" / "data").glob("cost_*.json"):
+    for f in (Path(__file__).parents[1] / "moeplace" / "cost" / "measured").glob("cost_*.json"):
         m = load_cost_model(f)
         assert m.a_us_per_expert > 0 and all(math.isfinite(v) for v in (m.b_us_per_token, m.c_us))
     path = tmp_path / "c.json"

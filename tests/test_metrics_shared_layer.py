@@ -9,11 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_metrics import naive_loads, random_placement, random_steps
 
-from moeplace.costmodel import CostModel
-from moeplace.metrics import (DISPATCH_RULES, LayerSums, accumulate, accumulate_all, layer_activity,
-                              layer_distinct_total, layer_rank_loads, single_copy_loads, static_dispatch_table)
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement
+from moeplace.analysis.metrics import LayerSums, accumulate, accumulate_all, layer_activity, single_copy_loads
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.loads import DISPATCH_RULES, layer_distinct_total, layer_rank_loads, static_dispatch_table
+from moeplace.files.placement import Placement
+from moeplace.model.spec import ModelSpec
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)

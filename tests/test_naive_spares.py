@@ -1,4 +1,4 @@
-"""The naive spare-slot layout (issue 19's baseline): DeepSeek EPLB without spare slots, then one more replica
+"""The naive spare-slot layout (the spare-slot baseline): DeepSeek EPLB without spare slots, then one more replica
 of each of the R hottest experts, on the ranks with fewest extras, nearest first after the expert's own rank.
 
 Checked against a plain re-statement of that definition (``naive_reference``), against DeepSeek EPLB for
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.baselines import hot_expert_spares
 from moeplace.errors import MoeplaceError
-from moeplace.placement import Placement, check_placement
+from moeplace.files.placement import Placement, check_placement
 from test_algorithms import tiny_model, tiny_steps
 
 PROPERTY = settings(max_examples=60, deadline=None, derandomize=True,

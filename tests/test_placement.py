@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from moeplace.errors import FormatError, MoeplaceError, PlacementError
-from moeplace.model import ModelSpec
-from moeplace.placement import (Placement, check_placement, load_placement, placement_problems, replica_table,
+from moeplace.model.spec import ModelSpec
+from moeplace.files.placement import (Placement, check_placement, load_placement, placement_problems, replica_table,
                                 save_placement, save_sglang, sglang_physical_to_logical)
 
 MODEL = ModelSpec("toy", 5, (1, 2, 4), 8, 2)  # layers 0 and 3 dense

@@ -99,8 +99,8 @@ def test_no_internal_references(doc):
 
 
 def test_help_and_provenance_have_no_internal_references():
-    from moeplace.cost_derive import packaged_measurements
-    from moeplace.costmodel import CostModel
+    from moeplace.cost.derive import packaged_measurements
+    from moeplace.cost.model import CostModel
 
     texts = [CliRunner().invoke(cli, [name, "--help"]).output
              for name in ("report", "optimize", "compare", "advise", "launch", "capture")]
@@ -113,3 +113,32 @@ def test_readme_keeps_kernel_and_kv_detail_on_their_own_pages():
     assert "docs/kv-sort.md" in README and "docs/verify-kernel.md" in README and "docs/walkthrough.md" in README
     assert "release_pages" not in README and "need_sort" not in README    # allocator internals: docs/kv-sort.md
     assert "TB/s" not in README                                           # kernel figures: docs/verify-kernel.md
+
+
+# How the work was organised (issue numbers, work periods, calls to a GPU machine) is no part of the product.
+WORK_WORDS = re.compile(r"\bissues?[ -]?#?\d+|\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|"
+                        r"eleventh|twelfth|this|last|next|previous|earlier|later) session\b|\bdevice calls?\b",
+                        re.IGNORECASE)
+SOURCE_SUFFIXES = {".py", ".md", ".sh", ".cfg", ".toml", ".cu", ".inc", ".txt"}
+
+
+def repository_texts() -> list[Path]:
+    """Every source, script and document of the repository (not the virtual environments or build output)."""
+    skip = {".git", "build", "dist", "__pycache__"}
+    return [p for p in sorted(REPO.rglob("*")) if p.is_file() and p.suffix in SOURCE_SUFFIXES
+            and not any(part in skip or part.startswith(".venv") or part.endswith(".egg-info")
+                        for part in p.relative_to(REPO).parts)]
+
+
+def test_no_words_about_how_the_work_was_organised():
+    found = [f"{p.relative_to(REPO)}:{n}: {line.strip()[:120]}"
+             for p in repository_texts() for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+             if WORK_WORDS.search(line) and "WORK_WORDS" not in line and "issues?[ -]" not in line]
+    assert found == []
+
+
+def test_the_work_words_pattern_catches_what_it_must():
+    for text in ("as in issue 19's layout", "the third session measured", "issue-22 rows", "one device call"):
+        assert WORK_WORDS.search(text), text
+    for text in ("every load issued up front", "start_new_session=True", "a request's session of steps"):
+        assert not WORK_WORDS.search(text), text

@@ -107,7 +107,7 @@ def _fed(real_dumps: Path):
 
 
 def test_per_token_ids_equal_what_the_router_chose(real_dumps):
-    from moeplace.sglang.recorder_dump import read_recorder_dump
+    from moeplace.trace.recorder_dump import read_recorder_dump
 
     header, steps = read_recorder_dump(real_dumps / "per_token")
     z, p2l = _fed(real_dumps)
@@ -125,7 +125,7 @@ def test_per_token_ids_equal_what_the_router_chose(real_dumps):
 
 
 def test_per_pass_two_ranks_counts(real_dumps):
-    from moeplace.sglang.recorder_dump import read_recorder_dump
+    from moeplace.trace.recorder_dump import read_recorder_dump
 
     header, steps = read_recorder_dump(real_dumps / "per_pass")
     z, p2l = _fed(real_dumps)
@@ -142,7 +142,7 @@ def test_per_pass_two_ranks_counts(real_dumps):
 
 
 def test_stat_circular_buffer_keeps_last_passes(real_dumps):
-    from moeplace.sglang.recorder_dump import read_recorder_dump
+    from moeplace.trace.recorder_dump import read_recorder_dump
 
     header, steps = read_recorder_dump(next((real_dumps / "stat").glob("*.pt")))
     z, p2l = _fed(real_dumps)
@@ -156,7 +156,7 @@ def test_stat_circular_buffer_keeps_last_passes(real_dumps):
 
 
 def test_bad_files_give_one_line_errors(tmp_path, real_dumps):
-    from moeplace.sglang.recorder_dump import read_recorder_dump
+    from moeplace.trace.recorder_dump import read_recorder_dump
 
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a torch file")
@@ -181,7 +181,7 @@ def test_bad_files_give_one_line_errors(tmp_path, real_dumps):
 @pytest.mark.parametrize("mode", ["per_token", "per_pass"])
 def test_a_recording_without_passes_is_one_line(tmp_path, real_dumps, mode):
     """Seen live: `capture` started recording after the traffic had ended; the dump held no record."""
-    from moeplace.sglang.recorder_dump import read_recorder_dump
+    from moeplace.trace.recorder_dump import read_recorder_dump
 
     data = torch.load(next((real_dumps / mode).glob("*.pt")), weights_only=True)
     data["records"] = []
@@ -192,7 +192,7 @@ def test_a_recording_without_passes_is_one_line(tmp_path, real_dumps, mode):
 
 
 def test_roundtrip_through_trace_file(tmp_path, real_dumps):
-    from moeplace.sglang.recorder_dump import read_recorder_dump
+    from moeplace.trace.recorder_dump import read_recorder_dump
     from moeplace.trace.store import TraceReader, write_trace
 
     header, steps = read_recorder_dump(real_dumps / "per_token")

@@ -9,14 +9,17 @@ import json
 import numpy as np
 import pytest
 
-from moeplace.advise import ep_layer_cost, rank_work, resample_batches, slot_token_counts, tp_layer_cost
+from moeplace.trace.resample import resample_batches
+
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.balanced import step_expert_counts
-from moeplace.costmodel import CostModel, extra_row_blocks, load_cost_model
-from moeplace.dispatch_eval import RULES, Row, batch_costs, rule_extra_blocks, rule_loads, verify_batches
+from moeplace.analysis.advise import ep_layer_cost, rank_work, slot_token_counts, tp_layer_cost
+from moeplace.analysis.metrics import LayerSums, accumulate, summarize
+from moeplace.cost.model import CostModel, extra_row_blocks, load_cost_model
+from moeplace.dispatch.balanced import step_expert_counts
+from moeplace.dispatch.evaluation import RULES, Row, batch_costs, rule_extra_blocks, rule_loads, verify_batches
+from moeplace.dispatch.loads import token_slots
 from moeplace.errors import FormatError
-from moeplace.metrics import LayerSums, accumulate, summarize, token_slots
-from moeplace.placement import Placement
+from moeplace.files.placement import Placement
 from test_cost_dispatch import kimi_shaped
 
 MODEL = CostModel(20.0, 0.01, 60.0, r_us_per_block=12.0, block_m=4)   # small blocks: the test batches fill many

@@ -2,7 +2,7 @@
 
 The oracle is SGLang itself: ``compute_initial_expert_location_metadata`` with a real ``ServerArgs``
 published into SGLang's runtime context and a real ``ModelConfig`` of a tiny DeepSeek-V3 config.json.
-Its derived logical->physical maps must equal ``moeplace.placement.replica_table``.
+Its derived logical->physical maps must equal ``moeplace.files.placement.replica_table``.
 
 Dimension letters: L MoE layers, H hidden layers, E logical experts, P physical slots, R ranks, X max replicas.
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement, load_placement, replica_table, save_sglang, sglang_physical_to_logical
+from moeplace.files.placement import Placement, load_placement, replica_table, save_sglang, sglang_physical_to_logical
+from moeplace.model.config import model_spec_from_folder
+from moeplace.model.spec import ModelSpec
 from moeplace.sglang.launch import _VALUE_OPTIONS, parse_sglang_args
-from moeplace.model_config import model_spec_from_folder
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("sglang.srt.eplb.expert_location")

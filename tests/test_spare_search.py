@@ -1,4 +1,4 @@
-"""The spare-slot search for balanced dispatch (issue 19): the exchange search's exact gains against brute
+"""The spare-slot search for balanced dispatch: the exchange search's exact gains against brute
 force, the smoothed steps, the cross-validated smoothing, and placements that hold on steps the fit did not
 see, against the naive layout built here.
 
@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.balanced_replicas import SMOOTHING_SHARES, choose_smoothing
-from moeplace.algorithms.hall import step_optimum, subset_counts, subset_sizes
 from moeplace.algorithms.replica_exchange import StepTables, _exchange_gains, exchange_masks
 from moeplace.algorithms.smoothed_steps import independent_steps, with_smoothed_steps
-from moeplace.balanced import replica_layout, step_expert_counts
-from moeplace.model import ModelSpec
+from moeplace.dispatch.balanced import replica_layout, step_expert_counts
+from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.synthetic import synthetic_steps
 
 PROPERTY = settings(max_examples=30, deadline=None, derandomize=True,

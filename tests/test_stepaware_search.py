@@ -15,7 +15,7 @@ import moeplace.algorithms.stepaware as stepaware
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.stepaware import TIE_BREAK, _loads, _objective, move_changes, search_moot, swap_search
 from moeplace.cli import cli
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.store import write_trace
 from moeplace.trace.synthetic import synthetic_steps
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_metrics import random_steps
 
-from moeplace.model import ModelSpec
-from moeplace.optimize import split_steps
+from moeplace.analysis.optimize import split_steps
+from moeplace.model.spec import ModelSpec
 
 FIELDS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
 

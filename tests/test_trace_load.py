@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.load import open_trace, read_logical_count_json, read_topk_npz
 from moeplace.trace.steps import RoutingSteps, concat_steps
@@ -335,7 +335,7 @@ def test_synthetic_steps_shape_determinism_and_label():
 
 
 def test_synthetic_skew_and_coactivation_do_what_they_say():
-    from moeplace.metrics import layer_distinct_total
+    from moeplace.dispatch.loads import layer_distinct_total
     from moeplace.trace.synthetic import synthetic_steps
 
     model = ModelSpec.all_moe("s", 2, 64, 4)

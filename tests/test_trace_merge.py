@@ -7,7 +7,7 @@ import pytest
 
 from moeplace.cli import main
 from moeplace.commands.trace import merge_traces
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps, concat_steps
 from moeplace.trace.store import ShardWriter, TraceHeader, TraceReader
 

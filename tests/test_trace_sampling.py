@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from moeplace.analysis.optimize import DEFAULT_SAMPLE_STEPS
 from moeplace.cli import cli
-from moeplace.optimize import DEFAULT_SAMPLE_STEPS
 from moeplace.trace.load import open_trace
 from moeplace.trace.store import split_chunks, write_chunks
 from moeplace.trace.synthetic import SHAPES, SyntheticRouting, synthetic_chunks

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
 from moeplace.trace.store import UNFINISHED, CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_chunks, write_trace

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.cli import cli
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.load import open_trace
 from moeplace.trace.steps import concat_steps
@@ -89,7 +89,7 @@ def test_chunks_stay_near_the_chunk_budget() -> None:
 
 def test_shapes_are_their_models() -> None:
     """The shape table against the numbers in each model's config.json (as model_config reads them)."""
-    from moeplace.model_config import model_spec_from_hf_config
+    from moeplace.model.config import model_spec_from_hf_config
 
     configs = {
         "kimi-k2": {"num_hidden_layers": 61, "n_routed_experts": 384, "num_experts_per_tok": 8, "first_k_dense_replace": 1},

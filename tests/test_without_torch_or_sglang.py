@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from moeplace.model import ModelSpec
-from moeplace.placement import Placement, save_placement
+from moeplace.files.placement import Placement, save_placement
+from moeplace.model.spec import ModelSpec
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "gptoss20b-sample.mptrace"
 BLOCKER = """

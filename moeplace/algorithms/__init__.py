@@ -11,9 +11,9 @@ from typing import Callable
 
 import numpy as np
 
-from moeplace.costmodel import CostModel
+from moeplace.cost.model import CostModel
 from moeplace.errors import MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
 

@@ -1,4 +1,4 @@
-"""Where spare slots go when SGLang dispatches by moeplace's balanced rule (``moeplace.balanced``).
+"""Where spare slots go when SGLang dispatches by moeplace's balanced rule (``moeplace.dispatch.balanced``).
 
 Dimension letters: S steps, E logical experts, R ranks, X subsets of ranks (2^R).
 
@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from moeplace.algorithms.deepseek import rebalance_experts
-from moeplace.algorithms.hall import by_size, step_optimum, subset_counts, subset_sizes
 from moeplace.algorithms.replica_exchange import exchange_masks
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
-from moeplace.balanced import mask_bits, replica_layout, step_expert_counts
+from moeplace.dispatch.balanced import mask_bits, replica_layout, step_expert_counts
+from moeplace.dispatch.exact import by_size, step_optimum, subset_counts, subset_sizes
 from moeplace.errors import MoeplaceError
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps, _ranges

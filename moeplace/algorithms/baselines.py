@@ -87,7 +87,7 @@ def deepseek_hierarchical(problem: PlacementProblem) -> np.ndarray:
 
 
 def naive_spares(problem: PlacementProblem) -> np.ndarray:
-    """The naive spare-slot layout (issue 19): DeepSeek EPLB without spare slots, then one more replica of
+    """The naive spare-slot layout: DeepSeek EPLB without spare slots, then one more replica of
     each of the ``redundant`` hottest experts of each layer (``hot_expert_spares``). phy2log [L, P]."""
     weight = problem.steps.expert_token_counts()
     E, R = problem.model.num_experts, problem.ranks

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplace.algorithms.hall import subset_counts, subset_sizes
+from moeplace.dispatch.exact import subset_counts, subset_sizes
 
 MIN_GAIN = 1e-6   # an exchange must lower the weighted sum of optima (weights of mean 1) by more than this
 

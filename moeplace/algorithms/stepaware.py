@@ -29,7 +29,7 @@ import numpy as np
 
 from moeplace.algorithms import PlacementProblem, balanced_replicas
 from moeplace.algorithms.deepseek import rebalance_experts
-from moeplace.metrics import balancedness, static_dispatch_table
+from moeplace.dispatch.loads import balancedness, static_dispatch_table
 from moeplace.parallel import layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps
 

@@ -5,16 +5,18 @@ from __future__ import annotations
 import click
 import numpy as np
 
-from moeplace.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check, resample_batches
+from moeplace.trace.resample import resample_batches
+
+from moeplace.analysis.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check
 from moeplace.commands.common import echo_json, open_source
 from moeplace.commands.costing import memory_warning, resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, trace_options
-from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
+from moeplace.analysis.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
                               layout_flips)
-from moeplace.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
-from moeplace.report import steps_phrase
+from moeplace.analysis.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
+from moeplace.analysis.report import steps_phrase
 
 FIT_STEPS = 2000      # fitted steps the placements are fit on (evenly spaced)
 EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is averaged over (evenly spaced)

@@ -26,7 +26,7 @@ import click
 from moeplace.commands.common import Progress
 from moeplace.commands.options import FiniteFloatRange, out_option
 from moeplace.errors import MoeplaceError
-from moeplace.outputs import check_outputs
+from moeplace.files.outputs import check_outputs
 
 ENDPOINTS = ("start_expert_distribution_record", "stop_expert_distribution_record", "dump_expert_distribution_record")
 SERVER_INFO = ("server_info", "get_server_info")   # SGLang 0.5.23's name, then the deprecated one
@@ -140,7 +140,7 @@ def check_server(url: str, timeout: float = CONTROL_TIMEOUT) -> dict:
 
 def find_new_dumps(dump_dir: Path, since: float, wait: float = 10.0) -> list[Path]:
     """Recorder dumps in ``dump_dir`` written after ``since`` (epoch seconds), waiting up to ``wait`` s."""
-    from moeplace.sglang.recorder_dump import DUMP_PREFIX
+    from moeplace.trace.recorder_dump import DUMP_PREFIX
 
     deadline = time.monotonic() + wait
     while True:
@@ -160,7 +160,7 @@ def capture_trace(url: str, seconds: float, out: str | os.PathLike, dump_dir: st
     to read the dump with (the last two checked before recording starts, so that no capture is
     thrown away at the last step).
     """
-    from moeplace.sglang.recorder_dump import read_recorder_dump, require_torch
+    from moeplace.trace.recorder_dump import read_recorder_dump, require_torch
     from moeplace.trace.store import shard_path, write_trace
 
     url = check_url(url)

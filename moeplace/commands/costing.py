@@ -14,14 +14,14 @@ from typing import TYPE_CHECKING
 import click
 import numpy as np
 
-from moeplace.cost_derive import DEFAULT_GPU, GPU_MEMORY_GB, STEP_TOKENS, derive_cost_model
-from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.cost.derive import DEFAULT_GPU, GPU_MEMORY_GB, STEP_TOKENS, derive_cost_model
+from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.expert_shape import GENERIC, ExpertShape, known_expert_shape
-from moeplace.model import ModelSpec
+from moeplace.model.expert_shape import GENERIC, ExpertShape, known_expert_shape
+from moeplace.model.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from moeplace.layouts import Layout
+    from moeplace.analysis.layouts import Layout
     from moeplace.trace.load import Trace
 
 
@@ -46,14 +46,14 @@ class Costing:
 
     def group(self, local_slots: int, moe_tp: int, step_tokens: int = STEP_TOKENS,
               config_tokens: int | None = None) -> CostModel:
-        """One GPU of an EP group with MoE TP ``moe_tp`` inside (``moeplace.layouts``): ``local_slots``
+        """One GPU of an EP group with MoE TP ``moe_tp`` inside (``moeplace.analysis.layouts``): ``local_slots``
         slots, each 1/moe_tp of an expert (a --cost-model file stands for whole experts only)."""
         if moe_tp == 1:
             return self.ep(local_slots, step_tokens, config_tokens)
         return self.tp(moe_tp, local_slots, step_tokens, config_tokens)
 
     def layout(self, layout: Layout, num_experts: int, step_tokens: int = STEP_TOKENS) -> CostModel:
-        """One GPU of ``layout`` (``moeplace.layouts``) for steps of ``step_tokens`` tokens: SGLang's kernel
+        """One GPU of ``layout`` (``moeplace.analysis.layouts``) for steps of ``step_tokens`` tokens: SGLang's kernel
         config and launch grid for that step on that GPU's slots."""
         return self.group(layout.local_slots(num_experts), layout.moe_tp, step_tokens)
 
@@ -66,15 +66,15 @@ class Costing:
 
 def trace_batch(src: Trace, mode: str) -> int:
     """The trace's tokens per step (the median over its steps of ``mode``; a verify step's 9 where it has
-    none): the batch SGLang's kernel config is chosen for (``moeplace.cost_derive``). Reads no ids."""
+    none): the batch SGLang's kernel config is chosen for (``moeplace.cost.derive``). Reads no ids."""
     tokens = src.step_tokens(mode)
     return max(1, int(np.median(tokens))) if tokens.size else STEP_TOKENS
 
 
 def expert_shape_from_model_ref(model_ref: str, model: ModelSpec) -> ExpertShape:
     """The expert shape in ``model_ref``'s config.json; refuse a config for another expert count."""
-    from moeplace.hf_resolve import resolve_model_dir
-    from moeplace.model_config import expert_shape_from_hf_config, model_spec_from_hf_config, read_hf_config
+    from moeplace.model.hf_resolve import resolve_model_dir
+    from moeplace.model.config import expert_shape_from_hf_config, model_spec_from_hf_config, read_hf_config
 
     folder = resolve_model_dir(model_ref)
     config = read_hf_config(folder)

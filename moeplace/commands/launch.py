@@ -38,7 +38,7 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
       moeplace launch --placement placement.json --dry-run -- \\
           --model-path /models/DeepSeek-V3 --tp 8 --ep 8 --ep-num-redundant-experts 32
     """
-    from moeplace.placement import save_sglang
+    from moeplace.files.placement import save_sglang
     from moeplace.sglang.launch import exec_sglang, plan_launch, require_sglang
 
     plan = plan_launch(placement_path, sglang_args, model=model, sglang_file=sglang_file)

@@ -7,20 +7,20 @@ import os
 import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from moeplace.atomic import all_or_nothing
 from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
+from moeplace.files.atomic import all_or_nothing
 from moeplace.commands.costing import (Costing, cost_model_line, memory_warning, resolve_costing, slot_gb,
                                       trace_batch)
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
                                        trace_options)
+from moeplace.analysis.layouts import check_split
+from moeplace.analysis.optimize import holdout_cut
+from moeplace.analysis.optimize import optimize as run_optimize
+from moeplace.analysis.report import comparison_rows, evaluate, format_table, plot_context, steps_phrase, write_plots
 from moeplace.errors import MoeplaceError
-from moeplace.layouts import check_split
-from moeplace.model import ModelSpec
-from moeplace.optimize import holdout_cut
-from moeplace.optimize import optimize as run_optimize
-from moeplace.outputs import check_outputs
-from moeplace.placement import Placement, load_placement, save_placement, save_sglang
-from moeplace.report import comparison_rows, evaluate, format_table, plot_context, steps_phrase, write_plots
+from moeplace.files.outputs import check_outputs
+from moeplace.files.placement import Placement, load_placement, save_placement, save_sglang
+from moeplace.model.spec import ModelSpec
 
 # The written placement's held-out E[max distinct] more than this share away from its fitted one is
 # warned about. Rows that are not fitted at all (contiguous) moved by at most 1.8% between the two

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import click
 
-from moeplace.metrics import DISPATCH_RULES
+from moeplace.dispatch.loads import DISPATCH_RULES
 from moeplace.trace.load import DEFAULT_WINDOW
 from moeplace.trace.modes import MODE_SELECTIONS
 
@@ -102,7 +102,7 @@ def trace_options(f: Callable) -> Callable:
         click.option("--cost-model", "cost_model_path", type=click.Path(exists=True, dir_okay=False),
                      help="Cost-model JSON (a_us_per_expert, b_us_per_token, c_us; optionally r_us_per_block "
                           "with block_m, the cost of each row block past an expert's first) to use instead of the "
-                          "one derived for the model's experts (H200 measurements, moeplace/data)."),
+                          "one derived for the model's experts (H200 measurements, moeplace/cost/measured)."),
         click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
                      help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
         click.option("--top-k", type=click.IntRange(min=1), default=None,

@@ -9,9 +9,9 @@ from moeplace.algorithms.baselines import contiguous
 from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
 from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
-from moeplace.outputs import check_outputs
-from moeplace.placement import Placement, load_placement
-from moeplace.report import (comparison_rows, evaluate, format_table, hottest_experts, plot_context, steps_phrase,
+from moeplace.files.outputs import check_outputs
+from moeplace.files.placement import Placement, load_placement
+from moeplace.analysis.report import (comparison_rows, evaluate, format_table, hottest_experts, plot_context, steps_phrase,
                              write_plots)
 from moeplace.trace.steps import RoutingSteps
 

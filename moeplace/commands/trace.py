@@ -17,8 +17,8 @@ import numpy as np
 from moeplace.commands.common import Progress, model_config_file, warn_damage
 from moeplace.commands.options import FiniteFloatRange, out_option, seed_option
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.model import ModelSpec
-from moeplace.outputs import check_outputs, check_writable, nearest_existing
+from moeplace.files.outputs import check_outputs, check_writable, nearest_existing
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.load import DEFAULT_WINDOW, open_trace
 from moeplace.trace.steps import RoutingSteps, concat_steps
@@ -356,8 +356,8 @@ def synth_model(shape: str, model_ref: str | None) -> tuple[ModelSpec, str]:
     """The model layout for ``trace synth`` and what it is of (a Hugging Face id or a folder's name)."""
     if model_ref is None:
         return SHAPES[shape][1], SHAPES[shape][0]
-    from moeplace.hf_resolve import model_name, resolve_model_dir
-    from moeplace.model_config import model_spec_from_folder
+    from moeplace.model.hf_resolve import model_name, resolve_model_dir
+    from moeplace.model.config import model_spec_from_folder
 
     folder = resolve_model_dir(model_ref)
     origin = model_name(folder)

@@ -3,10 +3,10 @@
 ``MOEPLACE_DISPATCH=balanced`` replaces SGLang's ``topk_ids_logical_to_physical`` (an AROUND hook through
 ``HookRegistry``; ``topk.py`` imported the name, the registry patches it there too). Per MoE layer and
 forward pass, all of the step's tokens for an expert go to one of its replicas, chosen so that the
-busiest rank reads as few distinct experts as possible (``moeplace.balanced``; the GPU kernel is
+busiest rank reads as few distinct experts as possible (``moeplace.dispatch.balanced``; the GPU kernel is
 ``moeplace_kernels.balanced_dispatch``).
 
-``MOEPLACE_DISPATCH=cost`` runs moeplace's rule by cost instead (``moeplace.cost_dispatch``): the balanced
+``MOEPLACE_DISPATCH=cost`` runs moeplace's rule by cost instead (``moeplace.dispatch.by_cost``): the balanced
 rule, then, on a batch of at least ``q`` (token, expert) pairs or with an expert past its first row block, up
 to 16 moves or splits of an expert's tokens between its replicas where they pay. It needs one of
 ``MOEPLACE_DISPATCH_Q``, q: how many pairs one expert read costs, or ``MOEPLACE_DISPATCH_WEIGHTS``,
@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moeplace.cost_dispatch import MAX_WEIGHT, RuleWeights
+from moeplace.dispatch.by_cost import MAX_WEIGHT, RuleWeights
 
 logger = logging.getLogger("moeplace.dispatch")
 
@@ -185,12 +185,12 @@ class BalancedDispatch:
 
 
 def dispatch_on_host(topk_ids, layer: _Layer, num_rows=None, q: RuleWeights | int | None = None):
-    """The same rule for CPU tensors (SGLang's CPU backend, tests), through ``moeplace.balanced`` (or, with
-    ``q``, ``moeplace.cost_dispatch``: a split expert's valid entries take its ranks in increasing rank order,
+    """The same rule for CPU tensors (SGLang's CPU backend, tests), through ``moeplace.dispatch.balanced`` (or, with
+    ``q``, ``moeplace.dispatch.by_cost``: a split expert's valid entries take its ranks in increasing rank order,
     in entry order, as the kernel's)."""
     import torch
 
-    from moeplace.cost_dispatch import cost_rule_step
+    from moeplace.dispatch.by_cost import cost_rule_step
 
     ids = topk_ids.numpy().astype(np.int64)
     valid_rows = ids.shape[0] if num_rows is None else int(num_rows)

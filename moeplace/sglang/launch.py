@@ -32,14 +32,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from moeplace.errors import MoeplaceError, PlacementError
-from moeplace.hf_resolve import model_name, resolve_model_dir
-from moeplace.model import ModelSpec
-from moeplace.model_config import model_spec_from_folder
-from moeplace.outputs import check_outputs
-from moeplace.placement import Placement, check_placement, load_placement, save_sglang
+from moeplace.files.outputs import check_outputs
+from moeplace.files.placement import Placement, check_placement, load_placement, save_sglang
+from moeplace.model.config import model_spec_from_folder
+from moeplace.model.hf_resolve import model_name, resolve_model_dir
+from moeplace.model.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from moeplace.cost_dispatch import RuleWeights
+    from moeplace.dispatch.by_cost import RuleWeights
 
 # srt/arg_groups/overrides.py _A2A_EP_SPANNING_BACKENDS: these force ep_size = tp_size.
 EP_SPANNING_A2A_BACKENDS = frozenset({
@@ -286,8 +286,8 @@ def cost_rule_weights(placement: Placement) -> RuleWeights | None:
     (``cost_dispatch.rule_weights``, row blocks included where the model has them; None when only reads cost:
     the rule by cost is then the balanced rule). Raises MoeplaceError (one line) when the placement carries no
     usable cost model."""
-    from moeplace.costmodel import CostModel
-    from moeplace.cost_dispatch import rule_weights
+    from moeplace.cost.model import CostModel
+    from moeplace.dispatch.by_cost import rule_weights
 
     model = placement.metrics.get("cost_model")
     try:

@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.store import ShardWriter, TraceHeader
 
 logger = logging.getLogger("moeplace.tracer")

@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
 from moeplace.trace.store import SHARD_SUFFIX, TraceHeader, TraceReader
@@ -143,7 +143,7 @@ def open_trace(path: str | os.PathLike, window: int = DEFAULT_WINDOW, top_k: int
     elif path.suffix == ".json":
         header, steps = read_logical_count_json(path, top_k)
     elif path.suffix == ".pt":
-        from moeplace.sglang.recorder_dump import read_recorder_dump  # needs torch
+        from moeplace.trace.recorder_dump import read_recorder_dump  # needs torch
 
         header, steps = read_recorder_dump(path)
     else:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeplace.errors import MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 
 
 @dataclass

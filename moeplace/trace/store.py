@@ -28,7 +28,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator
 import numpy as np
 
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
 FORMAT_VERSION = 1

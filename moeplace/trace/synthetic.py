@@ -21,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps, concat_steps
 from moeplace.trace.store import CHUNK_BYTES, MAX_CHUNK_STEPS, TraceHeader

@@ -8,9 +8,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from moeplace.costmodel import CostModel
-from moeplace.metrics import LayerSums, accumulate_all, gap_closed, static_dispatch_table, summarize
-from moeplace.placement import Placement
+from moeplace.analysis.metrics import LayerSums, accumulate_all, gap_closed, summarize
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.loads import static_dispatch_table
+from moeplace.files.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 
 
@@ -126,7 +127,7 @@ def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[st
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from moeplace.atomic import all_or_nothing, atomic_open
+    from moeplace.files.atomic import all_or_nothing, atomic_open
 
     written = []
     with all_or_nothing():

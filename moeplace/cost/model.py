@@ -7,7 +7,7 @@ row blocks of ``block_m`` (its kernel config's BLOCK_SIZE_M); an expert with mor
 one more block per ``block_m``, each a pass over its weights' tiles again: ``r`` per block beyond an
 expert's first (0.3-0.7 of ``a`` on the H200, BENCHMARKS.md). A step of at most ``block_m`` tokens has
 none (an expert gets at most one pair per token). The commands derive a, b, c for the model's
-experts (``moeplace.cost_derive``) or read them from a file (``--cost-model``). The defaults here
+experts (``moeplace.cost.derive``) or read them from a file (``--cost-model``). The defaults here
 are an early rough fit (H200, bf16 Kimi-K2-shaped experts: 41, 142, 274, 406, 539 µs for 1, 4, 8,
 12, 16 distinct experts; ``b`` assumed), kept for library callers that give no model.
 """

@@ -1,17 +1,17 @@
 """What one routed expert weighs: its shape and the format its weights are read in.
 
 A rank's MoE time at verify batch is set by the bytes of the distinct experts it reads
-(``moeplace.cost_derive``), so the cost model needs, per expert: the hidden size H, the expert's
+(``moeplace.cost.derive``), so the cost model needs, per expert: the hidden size H, the expert's
 intermediate size I (SiLU-gated: gate/up ``[2I, H]`` plus down ``[H, I]``, 3*H*I weights) and the
 bytes per weight as SGLang's fused MoE kernel reads them. That comes from the model's ``config.json``
-(``moeplace.model_config``), or from the table below when a trace names a known model.
+(``moeplace.model.config``), or from the table below when a trace names a known model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 
 # Bytes per weight as the kernel reads them, scales included: fp8 with one fp32 scale per 128x128
 # block (DeepSeek V3, Kimi K2); int4 weight-only with one bf16 scale per group of 32 (Kimi K2 Thinking).

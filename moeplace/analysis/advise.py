@@ -4,11 +4,11 @@ Dimension letters: S steps, T token rows, L MoE layers, K top-k, E logical exper
 R ranks, B tokens per step.
 
 EP: rank r runs the distinct experts of its slots that the step activates; the step waits for the
-slowest rank, so a layer costs ``max_r cost(distinct[r], tokens[r])`` (``moeplace.costmodel``).
+slowest rank, so a layer costs ``max_r cost(distinct[r], tokens[r])`` (``moeplace.cost.model``).
 TP-MoE: every rank holds 1/R of every expert, so every rank runs every expert the step activates, on
 all of the step's (token, expert) pairs: perfectly balanced, but each activated expert is read by
 every rank. A layer costs ``tp.cost(distinct_total, pairs_total)`` with a cost model for experts of
-intermediate size / R (``moeplace.cost_derive``). Communication (EP dispatch and combine, TP
+intermediate size / R (``moeplace.cost.derive``). Communication (EP dispatch and combine, TP
 all-reduce) is not in either cost.
 """
 
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplace.costmodel import CostModel
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.balanced import step_expert_counts
+from moeplace.dispatch.loads import layer_distinct_total, layer_rank_loads, max_step_tokens, token_slot_pairs
 from moeplace.errors import MoeplaceError
-from moeplace.balanced import step_expert_counts
-from moeplace.metrics import layer_distinct_total, layer_rank_loads, max_step_tokens, token_slot_pairs
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
 BATCH_GRID = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024)
@@ -82,39 +82,6 @@ def step_costs(steps: RoutingSteps, placements: dict[str, np.ndarray], ranks: in
             out[name] += ep_layer_cost(steps, layer, phy2log[layer], ranks, ep_cost, dispatch)
         out["tp"] += tp_layer_cost(steps, layer, tp_cost)
     return out
-
-
-def resample_batches(steps: RoutingSteps, batch: int, num_steps: int, seed: int = 0) -> RoutingSteps:
-    """``num_steps`` steps of ``batch`` tokens each, built from whole steps of ``steps``.
-
-    A batch of B tokens is the concatenation of random steps (verify windows of different requests),
-    cut to B rows, so tokens of one request keep their shared experts. Needs token-row steps.
-    """
-    return resample_requests(steps, batch, num_steps, seed)[0]
-
-
-def resample_requests(steps: RoutingSteps, batch: int, num_steps: int,
-                      seed: int = 0) -> tuple[RoutingSteps, np.ndarray]:
-    """``resample_batches`` and, for each of its token rows, the request (the drawn step, 0, 1, ...
-    within its batch) it comes from: [num_steps * batch]."""
-    lengths = np.diff(steps.token_offsets)
-    usable = np.flatnonzero(lengths > 0)
-    if usable.size == 0:
-        raise MoeplaceError("the trace has no token-row steps to build batches from")
-    rng = np.random.default_rng(seed)
-    rows, requests = [], []
-    for _ in range(num_steps):
-        picked: list[np.ndarray] = []
-        have = 0
-        while have < batch:
-            s = usable[rng.integers(usable.size)]
-            picked.append(np.arange(steps.token_offsets[s], steps.token_offsets[s + 1]))
-            have += picked[-1].size
-        rows.append(np.concatenate(picked)[:batch])
-        requests.append(np.repeat(np.arange(len(picked)), [r.size for r in picked])[:batch])
-    ids = steps.topk_ids[np.concatenate(rows)]
-    batches = RoutingSteps.from_topk(steps.model, ids, np.full(num_steps, batch), steps.modes[usable[0]])
-    return batches, np.concatenate(requests)
 
 
 @dataclass(frozen=True)

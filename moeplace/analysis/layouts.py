@@ -9,11 +9,11 @@ every one of those experts' intermediate dimension (``fused_moe_triton/layer.py`
 With ``--moe-a2a-backend none`` every GPU sees every token and runs its group's activated experts, at
 1/(N/G) width, on the pairs routed to its group; the partial outputs are summed. So a layer costs its
 slowest group's GPU: ``a' * distinct_g + b' * pairs_g + c'`` with a cost model for experts of
-intermediate ``I / (N/G)`` and ``P / G`` local slots (``moeplace.cost_derive``). EP N is G = N; TP-MoE
+intermediate ``I / (N/G)`` and ``P / G`` local slots (``moeplace.cost.derive``). EP N is G = N; TP-MoE
 is G = 1, where every GPU runs every activated expert on every pair. Communication (EP dispatch and
 combine, the all-reduce) is not counted.
 
-A layout with spare slots uses moeplace's rule by cost (``moeplace.cost_dispatch``: balanced dispatch
+A layout with spare slots uses moeplace's rule by cost (``moeplace.dispatch.by_cost``: balanced dispatch
 at verify batch) on stepaware's placement for it; without, the better of DeepSeek EPLB and stepaware.
 """
 
@@ -24,12 +24,12 @@ from typing import Callable
 
 import numpy as np
 
-from moeplace.advise import crossing, ep_layer_cost
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.cost_dispatch import PLACED_AS
-from moeplace.costmodel import CostModel
+from moeplace.analysis.advise import crossing, ep_layer_cost
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.by_cost import PLACED_AS
 from moeplace.errors import MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 
 SPARE_RULE = "cost"

@@ -5,7 +5,7 @@ Dimension letters: S batches (steps), L MoE layers, E logical experts, P physica
 A batch of B tokens is the verify windows of several requests, drawn from the trace's own steps
 (``advise.resample_requests``). Each rule gives every rank its distinct experts and (token, expert)
 pairs per layer, and the row blocks beyond an expert's first where a batch has more tokens than a block
-holds; a layer costs its slowest rank (``moeplace.costmodel``, derived for the rank's slots and the batch:
+holds; a layer costs its slowest rank (``moeplace.cost.model``, derived for the rank's slots and the batch:
 SGLang's kernel config and launch grid follow B), a batch the sum over layers.
 
 Rules (``RULES``):
@@ -14,9 +14,9 @@ Rules (``RULES``):
 * ``static``: SGLang with DeepEP: a fixed replica per source rank; request j of a batch is served by
   rank j % R (DP attention spreads requests over the ranks);
 * ``lplb``: SGLang's ``--ep-dispatch-algorithm lp`` on the batch's token counts, scored on its expected
-  loads (``moeplace.lplb``; SGLang runs it only for DeepSeek-family models);
-* ``balanced``: moeplace's balanced rule as the GPU runs it (``moeplace.balanced``);
-* ``cost``: the rule by cost (``moeplace.cost_dispatch``), with the cost model of the batch.
+  loads (``moeplace.dispatch.lplb``; SGLang runs it only for DeepSeek-family models);
+* ``balanced``: moeplace's balanced rule as the GPU runs it (``moeplace.dispatch.balanced``);
+* ``cost``: the rule by cost (``moeplace.dispatch.by_cost``), with the cost model of the batch.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Callable
 
 import numpy as np
 
-from moeplace.advise import resample_requests
-from moeplace.balanced import fast_rule, replica_layout, step_expert_counts
-from moeplace.cost_dispatch import cost_rule, rule_weights
-from moeplace.costmodel import CostModel
-from moeplace.lplb import expected_loads, lp_problem, slot_probabilities
-from moeplace.metrics import layer_rank_loads, static_dispatch_table, token_slot_pairs
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.balanced import fast_rule, replica_layout, step_expert_counts
+from moeplace.dispatch.by_cost import cost_rule, rule_weights
+from moeplace.dispatch.loads import layer_rank_loads, static_dispatch_table, token_slot_pairs
+from moeplace.dispatch.lplb import expected_loads, lp_problem, slot_probabilities
+from moeplace.trace.resample import resample_requests
 from moeplace.trace.steps import RoutingSteps
 
 RULES = ("dynamic", "static", "lplb", "balanced", "cost")

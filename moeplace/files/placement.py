@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from moeplace.atomic import atomic_write_text
 from moeplace.errors import FormatError, MoeplaceError, PlacementError
-from moeplace.model import ModelSpec
+from moeplace.files.atomic import atomic_write_text
+from moeplace.model.spec import ModelSpec
 
 PLACEMENT_FORMAT = "moeplace-placement"
 PLACEMENT_VERSION = 1
@@ -228,7 +228,7 @@ def _read_placement_data(path: Path) -> Any:
     if not path.is_file():
         raise FormatError(path, "no such file")
     if path.suffix == ".pt":
-        from moeplace.sglang.recorder_dump import load_pt   # only .pt placement files need torch
+        from moeplace.trace.recorder_dump import load_pt   # only .pt placement files need torch
 
         data = load_pt(path, f"{path}: reading an SGLang .pt placement")
         if isinstance(data, dict) and "physical_to_logical_map" in data:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from moeplace.errors import FormatError
-from moeplace.expert_shape import ExpertShape, served_weights
-from moeplace.model import ModelSpec
+from moeplace.model.expert_shape import ExpertShape, served_weights
+from moeplace.model.spec import ModelSpec
 
 # Keys naming the routed-expert count, in the order SGLang's model families use them.
 EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")

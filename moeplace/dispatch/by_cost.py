@@ -5,10 +5,10 @@ Dimension letters: S steps, E logical experts, M experts with more than one repl
 
 **The per-step problem.** Expert e has ``counts[e]`` tokens this step and a replica on each rank of
 ``masks[e]``. Choose ``alloc[e, r] >= 0`` tokens of e on each replica rank r, summing to ``counts[e]``.
-Rank r then costs ``a * distinct_r + b * tokens_r + c`` (``moeplace.costmodel``: distinct_r the experts
+Rank r then costs ``a * distinct_r + b * tokens_r + c`` (``moeplace.cost.model``: distinct_r the experts
 with ``alloc[e, r] > 0``, tokens_r their (token, expert) pairs; c, SGLang's launch grid, is the same on
-every rank of a step, ``moeplace.cost_derive``). Minimise the largest. At verify batch ``a`` dominates
-and the answer is balanced dispatch's (``moeplace.balanced``: one replica per expert, fewest distinct
+every rank of a step, ``moeplace.cost.derive``). Minimise the largest. At verify batch ``a`` dominates
+and the answer is balanced dispatch's (``moeplace.dispatch.balanced``: one replica per expert, fewest distinct
 experts on the busiest rank); at large batch every replica is read anyway and the token term decides,
 as SGLang's LPLB assumes.
 
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moeplace.balanced import MAX_AUGMENT, fast_rule, mask_bits, replica_layout, step_expert_counts
-from moeplace.costmodel import CostModel, blocks_past_first, extra_row_blocks
+from moeplace.cost.model import CostModel, blocks_past_first, extra_row_blocks
+from moeplace.dispatch.balanced import MAX_AUGMENT, fast_rule, mask_bits, replica_layout, step_expert_counts
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps
 
@@ -61,7 +61,7 @@ WHOLE, LEVEL, BLOCK = 0, 1, 2    # the kinds of move, in their tie order
 @dataclass(frozen=True)
 class RuleWeights:
     """A rank's integer cost under the rule: ``read * distinct + pair * tokens + block * extra_blocks``, the
-    extra row blocks counted in blocks of ``block_m`` rows (``moeplace.costmodel``; block 0: not counted)."""
+    extra row blocks counted in blocks of ``block_m`` rows (``moeplace.cost.model``; block 0: not counted)."""
 
     read: int
     pair: int = 1

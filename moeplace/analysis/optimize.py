@@ -9,19 +9,19 @@ import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.stepaware import search_moot
-from moeplace.cost_dispatch import PLACED_AS
-from moeplace.costmodel import CostModel
+from moeplace.analysis.metrics import max_distinct_means
+from moeplace.analysis.report import Evaluation, evaluate, steps_phrase
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.by_cost import PLACED_AS
 from moeplace.errors import MoeplaceError
+from moeplace.files.placement import Placement
 from moeplace.parallel import layer_workers
-from moeplace.placement import Placement
-from moeplace.metrics import max_distinct_means
-from moeplace.report import Evaluation, evaluate, steps_phrase
 from moeplace.trace.load import Trace
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import steps_from_counts
 
 BASELINES = ("contiguous", "deepseek")
-SPARE_BASELINE = "naive-spares"   # also a row under balanced dispatch with spare slots (issue 19's naive layout)
+SPARE_BASELINE = "naive-spares"   # also a row under balanced dispatch with spare slots (the naive layout, algorithms.baselines.naive_spares)
 SGLANG_RULES = ("dynamic", "static")   # SGLang's own dispatch among replicas; balanced is moeplace's
 TODAY = "deepseek, no spares, dynamic"   # the reference row when spares are asked for (SGLang without moeplace)
 # The fitted column: E[max distinct] on at most this many of the fitted steps, evenly spaced. It is there

@@ -2,7 +2,7 @@
 
 Dimension letters: S steps, E logical experts, R ranks, X subsets of ranks (2^R; bit r of the index: rank r).
 
-Under balanced dispatch (``moeplace.balanced``) the best a step can do has a closed form (Hall's theorem
+Under balanced dispatch (``moeplace.dispatch.balanced``) the best a step can do has a closed form (Hall's theorem
 for this flow): with ``f[X]`` the number of the step's active experts whose replicas all lie in the rank
 set X, the optimum is the largest ``ceil(f[X] / |X|)`` over non-empty X.
 """

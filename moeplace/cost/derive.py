@@ -1,6 +1,6 @@
 """A rank's MoE cost model derived from its experts' shape, calibrated once per GPU on the measured files.
 
-Each packaged ``moeplace/data/cost_<gpu>_*.json`` is a line ``a * distinct + b * tokens + c`` (µs)
+Each packaged ``moeplace/cost/measured/cost_<gpu>_*.json`` is a line ``a * distinct + b * tokens + c`` (µs)
 measured on one rank shape (``scripts/calibrate_cost.py``: SGLang's fused Triton MoE with its
 default kernel config, 9-token verify steps, CUDA-graph replay). Those lines are explained here by a
 few physical terms, fitted once per GPU, so that any expert shape and weight format gets a model:
@@ -38,13 +38,13 @@ shapes modelled, tests/test_cost_derive.py asks SGLang's own lookup), and so doe
 16-row-block line while the step's tokens are at most the rank's slots, a 64-row-block one above
 (an expert costs 1.4-1.8x more to read there, Kimi K2 slices). The config sweeps
 (``cost_h200_bf16_*_bm16/_bm64.json``, ``calibrate_cost.py``'s ``CONFIG_SWEEPS``) give a measured line
-for each expert slice of issue 22's layouts at each config it runs, measured at that config's
+for each expert slice of the EP x TP layouts at each config it runs, measured at that config's
 smallest batch (``Measured.step_tokens``) with SGLang's layout; they feed the large-block terms but
 not the others (those stay the verify-step files'). A rank shape with a measured line for its
 (hidden, intermediate, weight format, config) uses it, the file of the nearest slot count, moved to
 the step's and the rank's grid (``measured_line``): spare slots change only the grid. A config sweep also
 measured its c at the config's largest batch (576 tokens for 64-row blocks, as many tokens as slots for
-16-row ones) and ``r``, what each row block past an expert's first costs (``moeplace.costmodel``): c goes
+16-row ones) and ``r``, what each row block past an expert's first costs (``moeplace.cost.model``): c goes
 linearly in the step between its two measured steps, since at 64-row blocks it grows faster than the grid
 (SGLang's kernel writes zeros to the buffer rows of other ranks' pairs), and a line or derived model
 without its own r takes the measured files' median r / a for its block size. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
@@ -61,9 +61,9 @@ from statistics import median
 
 import numpy as np
 
-from moeplace.costmodel import CostModel, load_cost_model
+from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.expert_shape import ExpertShape
+from moeplace.model.expert_shape import ExpertShape
 
 STEP_TOKENS = 9          # tokens of the verify step the files were measured for (1 + 8 drafts)
 DEFAULT_GPU = "NVIDIA H200"
@@ -189,9 +189,9 @@ class Calibration:
 
 
 def packaged_measurements() -> list[Measured]:
-    """Every ``moeplace/data/cost_*.json`` with the rank shape its provenance names."""
+    """Every ``moeplace/cost/measured/cost_*.json`` with the rank shape its provenance names."""
     out = []
-    for path in sorted(resources.files("moeplace").joinpath("data").iterdir(), key=lambda p: p.name):
+    for path in sorted(resources.files("moeplace.cost").joinpath("measured").iterdir(), key=lambda p: p.name):
         if not (path.name.startswith("cost_") and path.name.endswith(".json")):
             continue
         cost = load_cost_model(str(path))

@@ -1,4 +1,4 @@
-"""The replay's issue-22 rows, prepared and reported on the CPU (the timing itself needs the H200): batches
+"""The replay's layout rows, prepared and reported on the CPU (the timing itself needs the H200): batches
 of several sizes, the cost rule, EP groups with MoE TP inside; fake workload times stand in for the GPU."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_prepare_and_report_batches_cost_rule_and_layouts(tmp_path):
     text = run("report", "--work", str(work), "--times", str(tmp_path / "t.json"))
     assert "batches of 36 tokens" in text
     assert "| ep4xtp2 | EP4 x MoE TP 2, 96 redundant, cost |" in text and "| cost | EP, 96 redundant, cost |" in text
-    # issue 22's goals from the same run: the rules table and advise's choice against the fastest layout
+    # the layout questions from the same run: the rules table and advise's choice against the fastest layout
     assert "rules (measured MoE ms per step)" in text and "advise's choice measured vs fastest" in text
     assert "| EP8 | EP8+96 | EP4xTP2 | EP4xTP2+96 | EP2xTP4 | EP2xTP4+96 | TP8 |" in text
 

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.model import ModelSpec
+from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.store import TraceHeader
