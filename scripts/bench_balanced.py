@@ -1,5 +1,11 @@
 """Balanced dispatch with spare slots on steps the placement was not fitted on.
 
+Question: How far below SGLang today does moeplace's spare-slot placement under balanced dispatch bring the busiest
+    rank's distinct experts, on held-out requests?
+Baseline: the naive spare layout under balanced dispatch, DeepSeek EPLB without spares under SGLang's dynamic rule,
+    and the per-step bound, on the same held-out steps.
+Output: a table on stdout; --json FILE writes every figure.
+
     python scripts/bench_balanced.py [--gptoss PATH] [--quick] [--json OUT]
 
 For every trace, fit size and spare-slot count R in {E/8, E/4, E/2, E} (those that split over 8 ranks),
@@ -48,12 +54,11 @@ from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
 from moeplace.dispatch.loads import balanced_loads
 from moeplace.model.spec import ModelSpec
-from moeplace.trace.load import open_trace
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
 
-ROOT = Path(__file__).resolve().parents[1]
-GPTOSS = ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
+from bench_inputs import GPTOSS, example_steps, gptoss_steps
+
 RANKS = 8
 WINDOW = 9
 SHAPES = (("SYNTHETIC 384/top-8", 384, 8), ("SYNTHETIC 128/top-8", 128, 8), ("SYNTHETIC 64/top-6", 64, 6))
@@ -92,17 +97,13 @@ def bound(active: list[np.ndarray]) -> float:
 def gptoss_cases(path: Path, fits: tuple[int, ...], splits: int) -> list[Case]:
     """Each split: the examples in two random halves; fitted on the first ``fit`` steps of one half
     (all of it for the last fit size), held out: the other half."""
-    trace = open_trace(path, window=WINDOW)
-    steps = trace.load("verify")
-    with np.load(path) as z:
-        offsets = z["example_offsets"]
-    windows = np.diff(offsets) // WINDOW          # read_topk_npz's windows per example (partial ones dropped)
-    first = np.concatenate([[0], np.cumsum(windows)])
+    steps = gptoss_steps(path)
+    examples = example_steps(path)
     cases = []
     for split in range(splits):
-        order = np.random.default_rng(split).permutation(windows.size)
-        halves = order[:windows.size // 2], order[windows.size // 2:]
-        fit_pool, held = (np.concatenate([np.arange(first[x], first[x + 1]) for x in half]) for half in halves)
+        order = np.random.default_rng(split).permutation(len(examples))
+        halves = order[:len(examples) // 2], order[len(examples) // 2:]
+        fit_pool, held = (np.concatenate([examples[x] for x in half]) for half in halves)
         for n in fits:
             cases.append(Case("gpt-oss-20b", steps.take(np.sort(fit_pool[:n])), steps.take(np.sort(held)), split))
     return cases

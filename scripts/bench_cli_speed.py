@@ -1,6 +1,10 @@
 """How long the CLI takes end to end: wall time, CPU time and peak memory of each command, each beside the
 same command from a baseline tree (the code before a change), run alternately in this one process.
 
+Question: How long does each command take end to end, and did a change make it slower?
+Baseline: the same command from a baseline tree (the code before a change), run alternately in this one process.
+Output: a table on stdout; --json FILE writes every run; --work DIR keeps the traces.
+
     python scripts/bench_cli_speed.py [--work DIR] [--baseline-tree DIR] [--repeat 2] [--baseline-timeout 300]
                                       [--cases kimi,kimi-balanced,...] [--json out.json]
 

@@ -1,5 +1,10 @@
 """Replica dispatch by cost at 9 to 576 tokens per step: predicted MoE time of every rule, held-out batches.
 
+Question: What MoE time per step does each dispatch rule among replicas predict, at 9 to 576 tokens per step?
+Baseline: SGLang's best rule (dynamic, static, LPLB) on DeepSeek EPLB with E/4 spare slots, and the mean-rank
+    bound, on the same held-out batches.
+Output: tables on stdout; --json FILE writes every figure.
+
     python scripts/bench_cost_dispatch.py [--gptoss PATH] [--b-us-per-token B] [--quick] [--json OUT]
 
 For SYNTHETIC Kimi-K2-shaped routing and GPT-OSS-20B verify windows (the shipped sample, or --gptoss: a
@@ -41,30 +46,24 @@ from moeplace.dispatch.by_cost import allocation_cost, cost_rule, exact_split, r
 from moeplace.dispatch.evaluation import BATCH_REQUESTS, SGLANG_RULES, VERIFY_TOKENS, Row, batch_costs, verify_batches
 from moeplace.dispatch.loads import layer_distinct_total
 from moeplace.model.expert_shape import ExpertShape
-from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
-from moeplace.trace.synthetic import synthetic_steps
 
-ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "traces" / "gptoss20b-sample.mptrace"
+from bench_inputs import KIMI_MOE_LAYERS, SAMPLE, gptoss_steps, kimi_shaped
+
 RANKS = 8
-KIMI_LAYERS = 60
 # Today's balanced kernel under graph replay (BENCHMARKS.md "Balanced dispatch kernel": 2.91 / 4.26 / 5.07 µs
 # at 9 / 36 / 72 tokens) and the kernel's ceiling for the new rule at 576 tokens (8 µs, a goal, not measured).
 KERNEL_US = "9:2.9,36:4.3,72:5.1,576:8"
 
 
 def kimi_trace(layers: int, steps: int):
-    model = ModelSpec(f"SYNTHETIC kimi-k2-shaped, {layers} of 60 MoE layers", layers + 1, tuple(range(1, layers + 1)),
-                      384, 8)
-    return (synthetic_steps(steps, tokens_per_step=VERIFY_TOKENS, model=model)[1],
-            ExpertShape(7168, 2048, "bf16", "Kimi-K2-shaped"), KIMI_LAYERS / layers)
+    return (kimi_shaped(layers, steps), ExpertShape(7168, 2048, "bf16", "Kimi-K2-shaped"), KIMI_MOE_LAYERS / layers)
 
 
 def gptoss_trace(path: Path):
     src = open_trace(path, window=VERIFY_TOKENS)
-    steps = src.load("verify" if src.count("verify") else "all")
-    return steps, ExpertShape(2880, 2880, "bf16", "GPT-OSS-20B"), 1.0
+    return (gptoss_steps(path, "verify" if src.count("verify") else "all"), ExpertShape(2880, 2880, "bf16", "GPT-OSS-20B"),
+            1.0)
 
 
 def placements(fit, effort: float) -> dict[str, np.ndarray]:

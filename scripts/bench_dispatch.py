@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Balanced-dispatch kernel: µs per MoE layer per step under CUDA-graph replay, against SGLang's rule.
 
+Question: How many µs does the dispatch kernel add per MoE layer and step inside SGLang's router?
+Baseline: SGLang's own replica dispatch on the same layout and ids, in the same CUDA graph set-up and process.
+Output: --out FILE.md (default bench_dispatch.md), a markdown table, with a .json beside it.
+
 The layout is made by moeplace itself: one Kimi-K2-shaped layer (SYNTHETIC routing: 384 experts,
 top-8) placed by ``stepaware`` for balanced dispatch on 8 ranks with 96 spare slots, fitted on
 ``--fit-steps`` synthetic verify steps. The ids come from held-out synthetic steps of the same routing

@@ -1,5 +1,9 @@
 """Expert parallelism measured across GPUs with NCCL: each placement and dispatch rule in real distributed time.
 
+Question: How long does a verify step's MoE take across real GPUs (NCCL) under each placement and dispatch rule?
+Baseline: the contiguous and DeepSeek EPLB placements under SGLang's dynamic rule, timed in the same processes.
+Output: prepare --out DIR (placements and steps); run --out DIR writes the timings as JSON there.
+
 One process per GPU (torch.distributed, NCCL). Each GPU holds only the expert slots its placement
 gives it, bf16, laid out as SGLang's fused MoE Triton kernel expects them (``w13 [slots, 2I, H]``,
 ``w2 [slots, H, I]``). A verify step (9 tokens) goes through what SGLang 0.5.23 does with

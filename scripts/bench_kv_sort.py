@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """How contiguous are a request's KV slots, with and without SGLang's free-list sort (``need_sort``)?
 
+Question: How contiguous are a request's KV slots with and without SGLang's free-list sort?
+Baseline: SGLang's real allocator without the sort, under the same seeded churn.
+Output: a table on stdout; --json FILE writes the figures.
+
 Runs SGLang 0.5.23's real ``TokenToKVPoolAllocator`` (page size 1, CPU tensors, no KV pool behind it:
 the allocator only hands out slot ids) under a seeded serving churn, the way SGLang's scheduler calls it:
 

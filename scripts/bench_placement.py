@@ -1,5 +1,10 @@
 """Placement quality and speed: stepaware against DeepSeek EPLB and SGLang's contiguous layout.
 
+Question: How far below DeepSeek EPLB does stepaware bring E[max distinct] on held-out steps, and how fast is it?
+Baseline: DeepSeek EPLB and SGLang's contiguous layout fitted on the same steps (and SGLang's own rebalance_experts
+    for the runtime).
+Output: tables on stdout; --json FILE writes all figures.
+
     python scripts/bench_placement.py [--gptoss PATH] [--json OUT]
 
 1. Real GPT-OSS-20B routing (../shared/traces-real), 9-token windows as verify steps, 8 ranks,
@@ -35,7 +40,8 @@ from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
 from moeplace.trace.synthetic import KIMI_K2, synthetic_steps
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_inputs import GPTOSS
+
 ALGOS = ("contiguous", "deepseek", "stepaware")
 
 
@@ -76,8 +82,7 @@ def floor_tradeoff(model: ModelSpec, steps, label: str, floors=(0.98, 0.9, 0.0))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gptoss", type=Path,
-                    default=ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz")
+    ap.add_argument("--gptoss", type=Path, default=GPTOSS)
     ap.add_argument("--kimi-steps", type=int, default=10_000)
     ap.add_argument("--json", type=Path, help="also write all figures here")
     args = ap.parse_args()

@@ -1,5 +1,9 @@
 """How many steps does optimize need? Time, peak memory and placement quality against --max-steps.
 
+Question: How many steps does optimize need: time, peak memory and placement quality against --max-steps?
+Baseline: the largest --max-steps, and DeepSeek EPLB fitted beside each size, scored on the same unseen tail.
+Output: a table on stdout; --json FILE writes the figures; --work DIR keeps the traces.
+
     python scripts/bench_sampling.py [--steps 200000] [--tail 20000] [--sizes 5000,10000,20000,50000,200000]
                                      [--work DIR] [--json out.json]
 

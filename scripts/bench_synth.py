@@ -1,5 +1,9 @@
 """Synthetic trace generation: the streamed alias-table sampler against the previous generator.
 
+Question: How fast and how lean is the synthetic trace generator?
+Baseline: the previous generator, kept in this file as it was, run in the same process on the same routing law.
+Output: a table on stdout; --json FILE writes the figures.
+
     python scripts/bench_synth.py [--steps 3000] [--json out.json]
 
 Both make Kimi-K2-shaped steps (60 MoE layers, 384 experts, top-8, 9 tokens a step) with the same

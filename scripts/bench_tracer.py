@@ -1,5 +1,9 @@
 """GPU overhead of the live tracer on a Kimi-K2-shaped router, under CUDA-graph replay.
 
+Question: What GPU time does the live tracer add per step under CUDA-graph replay?
+Baseline: the same emulated router without the tracer, interleaved in the same process.
+Output: a table on stdout, also written to DIR/bench_tracer.json with --out DIR.
+
 Shape: 9 tokens (batch 1 x 9 verify rows), 384 experts, top-8, 60 MoE layers. The router is emulated
 with the tensor ops of SGLang's torch-native top-k (softmax, topk, int32 ids); the tracer's hook is
 the real ``RoutingTracer.on_router`` (one staging ``copy_`` per layer) and ``end_pass`` (one

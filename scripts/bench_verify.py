@@ -1,5 +1,10 @@
 """Benchmark MLA tree-verify: moeplace's kernels vs FlashMLA and SGLang 0.5.23's, on one GPU.
 
+Question: How fast is moeplace's MLA tree-verify attention against FlashMLA and SGLang's kernels?
+Baseline: FlashMLA's SM90 dense decode on the same KV (a causal chain over the drafts) and SGLang's kernels, timed
+    in the same process, and the copy bandwidth measured in the same run.
+Output: --out FILE.md (default bench_verify.md), markdown tables.
+
 Peers timed in the same process at the same contexts (8 heads x 9-token binary tree unless
 --heads/--drafts say otherwise; the KV in shuffled 64-token pages, so every peer reads the same
 pool, and the composed path can):

@@ -1,5 +1,12 @@
 """Calibrate moeplace's MoE cost model: time one EP rank's fused-MoE work on a GPU, then fit it.
 
+Question: What does one EP rank's fused-MoE work cost on this GPU, as a line in distinct experts, tokens and row
+    blocks?
+Baseline: the copy bandwidth and a plain per-expert cuBLAS path, measured in the same run as ceilings to read the
+    fit against.
+Output: measure --out FILE.json (raw timings); fit FILE.json --out-dir moeplace/cost/measured writes
+    cost_<gpu>_*.json.
+
 A rank's work in one step is a list of per-slot token counts ("counts": tokens sent to each local
 expert it must run). It is run the way SGLang 0.5.23's Triton MoE path runs it with
 ``--moe-a2a-backend none``: every (token, k) pair of the step goes into ``moe_align_block_size``'s

@@ -1,5 +1,9 @@
 """How the derived cost model predicts the GPU replay: MoE ms per verify step, placement by placement.
 
+Question: How closely does the derived cost model predict the GPU replay's measured MoE time per step?
+Baseline: the packaged file measured on the same rank shape (``file``), computed in the same run.
+Output: a table on stdout.
+
 Rebuilds the held-out steps and placements of ``scripts/replay_placement.py`` (same sizes and seeds),
 then predicts each EP placement's and TP-MoE's ms per step with four cost models:
 

@@ -1,5 +1,10 @@
 """Prove every moeplace plugin feature inside live SGLang servers on this GPU machine.
 
+Question: Does every plugin feature work inside a live SGLang server, and what does it cost or gain there?
+Baseline: the same server and requests with the feature's variable unset (SGLang's own Triton attention backend for
+    verify).
+Output: --out FILE.json (default result.json), one check per feature with its figures.
+
 Starts real SGLang 0.5.23 servers as subprocesses (DeepSeek-V3-shaped dummy model, TP 1, CUDA graphs,
 NGRAM speculative decoding with 9-token drafts), drives them with requests, stops them the way
 operators do (SIGTERM, SIGINT) and checks, in the servers themselves:

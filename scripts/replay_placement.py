@@ -1,5 +1,10 @@
 """Replay routing steps on the GPU under each placement: measured MoE ms per step vs the cost model.
 
+Question: What MoE time per verify step does each placement and dispatch rule measure on the GPU, against the cost
+    model's prediction?
+Baseline: DeepSeek EPLB (and SGLang's best rule with spare slots) replayed in the same process on the same steps.
+Output: prepare --out DIR; measure --out FILE.json (timings); report --times FILE.json prints the tables.
+
 Per step and MoE layer, each EP rank runs its own expert subset with the token counts SGLang's
 dispatch would give it (``moeplace.analysis.advise.slot_token_counts``: the ``dynamic`` rule, or moeplace's
 ``balanced`` rule on the placements made for it); the layer takes as long as its slowest rank, and
@@ -50,9 +55,9 @@ from typing import Callable
 
 import numpy as np
 
+from bench_inputs import GPTOSS, gptoss_steps, kimi_shaped   # scripts/ is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
-# The GPT-OSS-20B routing sits beside the checkout (as for bench_placement.py); --gptoss for elsewhere.
-GPTOSS = ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
 RANKS = 8
 ALGORITHMS = ("contiguous", "deepseek", "stepaware")
 # trace -> expert shape (bf16), redundant slots of the dynamic-rule rows of check_derived_cost.py,
@@ -132,21 +137,15 @@ def stale_jobs(jobs: dict) -> list[str]:
 def load_trace(name: str, gptoss_path: str, test_steps: int | None = None, kimi_layers: int = 12):
     """(train steps, test steps, label) of one trace; test steps come after the training ones.
     kimi_layers: the synthetic Kimi-shaped layers drawn (of 60; the report scales to 60)."""
-    from moeplace.model.spec import ModelSpec
-    from moeplace.trace.load import open_trace
-    from moeplace.trace.synthetic import synthetic_steps
     cfg = TRACES[name]
     n_test = test_steps or cfg["test_steps"]
     if name == "gptoss":
-        steps = open_trace(gptoss_path, window=9).load("all")
+        steps = gptoss_steps(gptoss_path, "all")
         cut = int(steps.num_steps * 0.8)
         train = steps.take(np.linspace(0, cut - 1, cfg["fit_steps"]).astype(np.int64))
         test = steps.take(np.linspace(cut, steps.num_steps - 1, n_test).astype(np.int64))
         return train, test, "GPT-OSS-20B real trace (verify windows of 9 tokens)"
-    # kimi_layers of Kimi K2's 60 MoE layers (the synthetic layers are drawn alike); report scales to 60.
-    model = ModelSpec(f"SYNTHETIC kimi-k2-shaped, {kimi_layers} of 60 MoE layers", kimi_layers + 1,
-                      tuple(range(1, kimi_layers + 1)), 384, 8)
-    _, steps = synthetic_steps(cfg["fit_steps"] + n_test, tokens_per_step=9, model=model)
+    steps = kimi_shaped(kimi_layers, cfg["fit_steps"] + n_test)     # the report scales to 60 layers
     n = cfg["fit_steps"]
     return (steps.take(np.arange(n)), steps.take(np.arange(n, steps.num_steps)),
             f"SYNTHETIC Kimi-K2-shaped trace (9 tokens per step; {kimi_layers} layers replayed, scaled to 60)")
