@@ -32,7 +32,7 @@ def slot_token_counts(steps: RoutingSteps, layer: int, phy2log: np.ndarray, rank
                       dispatch: str = "dynamic", cost: CostModel | None = None) -> np.ndarray:
     """[S, P] tokens each physical slot runs in each step at one layer, as SGLang dispatches them.
 
-    phy2log: [P] this layer's map. Same rules as ``metrics.layer_rank_loads`` (dynamic: token row
+    phy2log: [P] this layer's map. Same rules as ``dispatch.loads.layer_rank_loads`` (dynamic: token row
     ``row % replicas``; static: a fixed replica per source rank; balanced and cost: moeplace's per-step
     rules, the latter by ``cost``); token-row steps only.
     """

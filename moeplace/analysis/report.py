@@ -32,7 +32,7 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
 
     cost_model: one for all placements, or one per placement name (placements that differ in slots
     per rank cost differently); dispatch likewise. workers: processes for the layers of steps held in
-    memory (``metrics.accumulate_all``).
+    memory (``analysis.metrics.accumulate_all``).
     """
     items = list(placements.items())
     costs = [cost_model[name] if isinstance(cost_model, Mapping) else cost_model for name, _ in items]

@@ -29,7 +29,7 @@ def open_source(trace: str, window: int, top_k: int | None) -> Trace:
 
 def trace_inputs(trace: str, cost_model_path: str | None = None, model_ref: str | None = None
                  ) -> dict[str, str | Path | None]:
-    """The files a trace command reads, named as its options are (for ``outputs.check_outputs``)."""
+    """The files a trace command reads, named as its options are (for ``files.outputs.check_outputs``)."""
     return {"TRACE": trace, "--cost-model": cost_model_path, "--model": model_config_file(model_ref)}
 
 

@@ -23,7 +23,7 @@ with no floating-point ties.
 * the **fast rule** (``cost_rule_step`` states it for one step; ``cost_rule`` computes the same for many
   steps at once):
 
-  1. the balanced rule (``balanced.fast_rule``, with its GPU cap on augmenting paths);
+  1. the balanced rule (``dispatch.balanced.fast_rule``, with its GPU cap on augmenting paths);
   2. a step with fewer pairs than one read costs (``pair * pairs < read``) where no expert runs past its
      first row block keeps it: one more read on the busiest rank then costs more than all of the step's
      tokens, so the model's optimum also has the fewest distinct experts there, and what moving tokens

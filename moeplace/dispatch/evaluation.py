@@ -3,14 +3,14 @@
 Dimension letters: S batches (steps), L MoE layers, E logical experts, P physical slots, R ranks.
 
 A batch of B tokens is the verify windows of several requests, drawn from the trace's own steps
-(``advise.resample_requests``). Each rule gives every rank its distinct experts and (token, expert)
+(``trace.resample.resample_requests``). Each rule gives every rank its distinct experts and (token, expert)
 pairs per layer, and the row blocks beyond an expert's first where a batch has more tokens than a block
 holds; a layer costs its slowest rank (``moeplace.cost.model``, derived for the rank's slots and the batch:
 SGLang's kernel config and launch grid follow B), a batch the sum over layers.
 
 Rules (``RULES``):
 
-* ``dynamic``: SGLang with ``--moe-a2a-backend none``: token row % replicas (``metrics.layer_rank_loads``);
+* ``dynamic``: SGLang with ``--moe-a2a-backend none``: token row % replicas (``dispatch.loads.layer_rank_loads``);
 * ``static``: SGLang with DeepEP: a fixed replica per source rank; request j of a batch is served by
   rank j % R (DP attention spreads requests over the ranks);
 * ``lplb``: SGLang's ``--ep-dispatch-algorithm lp`` on the batch's token counts, scored on its expected

@@ -206,7 +206,7 @@ def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: 
 def replica_optimum(active: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
     """[S] the best max distinct experts per rank that the replicas of ``phy2log`` allow in each step
     (``active [S, E]``: the steps' active experts, bool or 0/1 float32): Hall's formula
-    (``algorithms.hall``), exact, without running a rule."""
+    (``dispatch.exact``), exact, without running a rule."""
     masks = replica_layout(phy2log, active.shape[1], ranks).masks
     return step_optimum(subset_counts(active, masks, ranks), subset_sizes(ranks))
 

@@ -283,7 +283,7 @@ def dispatch_mismatch(placement: Placement, layout: SglangLayout) -> str | None:
 
 def cost_rule_weights(placement: Placement) -> RuleWeights | None:
     """The rule by cost's integer weights under the cost model the placement was made with
-    (``cost_dispatch.rule_weights``, row blocks included where the model has them; None when only reads cost:
+    (``dispatch.by_cost.rule_weights``, row blocks included where the model has them; None when only reads cost:
     the rule by cost is then the balanced rule). Raises MoeplaceError (one line) when the placement carries no
     usable cost model."""
     from moeplace.cost.model import CostModel
