@@ -15,8 +15,8 @@ Two kernels compute it, each as a single program (the rule is sequential and sma
 * ``triton`` (``balanced_dispatch_triton.py``): the fallback, and what runs in Triton's CPU interpreter
   (``TRITON_INTERPRET=1``) for the CI.
 
-``MOEPLACE_DISPATCH_BACKEND=cuda|triton`` (default ``auto``) or ``backend=`` chooses. BENCHMARKS.md
-("Balanced dispatch kernel") has the graph-replay times of both against SGLang's ``dynamic`` rule.
+``MOEPLACE_DISPATCH_BACKEND=cuda|triton`` (default ``auto``) or ``backend=`` chooses. BENCHMARKS.md#balanced-dispatch-kernel
+has the graph-replay times of both against SGLang's ``dynamic`` rule.
 
 :func:`cost_dispatch` runs moeplace's rule by cost (``moeplace.dispatch.by_cost.cost_rule_step``): the same
 balanced rule, then, on a step of at least ``q`` (token, expert) pairs or, with the row-block term, with an

@@ -10,7 +10,7 @@ order), per entry [ENTRIES] (id and chosen rank). Triton has no warp ballots and
 where the CUDA kernel walks a list, this one takes a reduction per step: the next multi-replica expert
 is the minimum of ``id * 2048 + tokens`` over the experts after the last one, and a BFS level ORs the
 masks of each level rank's experts. That is several reductions per expert, which is why the CUDA
-kernel is the default (BENCHMARKS.md, "Balanced dispatch kernel").
+kernel is the default (BENCHMARKS.md#balanced-dispatch-kernel).
 
 With ``COST`` the kernel runs the rule by cost (``moeplace.dispatch.by_cost.cost_rule_step``) after the balanced
 rule: each round's candidate moves are one key per (expert, target) [E_PAD, RANKS_PAD] for the experts not

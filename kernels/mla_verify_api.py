@@ -116,10 +116,10 @@ def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileC
         return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
     block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
     # Hopper: 64-token KV steps, 2 stages, one wave of programs (see _split_plan). The sweep of
-    # HOPPER_CANDIDATES (BENCHMARKS.md, H200) found deeper KV pipelines (32/16-token steps with
+    # HOPPER_CANDIDATES (BENCHMARKS.md#verify-attention-against-flashmla, H200) found deeper KV pipelines (32/16-token steps with
     # 3-7 stages, slot ids prefetched or loaded asynchronously) slower at 16k+ contexts.
     # Without a tail tile, carrying the next step's slot ids is 1.1-1.7x faster (the loop waits
-    # on that load otherwise); with one, the tail's registers make it slower (BENCHMARKS.md).
+    # on that load otherwise); with one, the tail's registers make it slower (BENCHMARKS.md#verify-attention-against-flashmla).
     return TileConfig(block_m, tail_m, row_blocks, block_n=64, programs_per_sm=1,
                       idx_prefetch=tail_m == 0)
 
@@ -152,7 +152,7 @@ def hopper_candidates(num_heads: int = 8, max_draft: int = 9) -> list[TileConfig
 class Sm90Config:
     """Launch settings of the Hopper kernel (the tile shapes are fixed in its source).
 
-    The defaults are the sweep's choice (BENCHMARKS.md, "MLA verify kernel on Hopper"; 8 heads x
+    The defaults are the sweep's choice (BENCHMARKS.md#verify-attention-against-flashmla; 8 heads x
     9 drafts on the H200): the fastest setting that beats the Triton kernel at every context.
     min_tiles: fewest 64-token KV tiles per CTA; the batch's tiles are spread evenly over one
     CTA per SM (per row block), so this only matters for short contexts. 1 and 2 tie from 16k
@@ -237,7 +237,7 @@ def select_backend(requested: Backend, capability: Optional[tuple[int, int]],
 
 
 # Batch sizes the composed path serves under "auto" (the own kernel the rest), from
-# scripts/bench_verify.py on the H200 (BENCHMARKS.md, "Composed verify path").
+# scripts/bench_verify.py on the H200 (BENCHMARKS.md#verify-attention-against-flashmla).
 COMPOSED_MIN_BS = 1
 
 

@@ -28,11 +28,11 @@ COMMANDS: dict[str, str] = {
 # Commands whose work is numpy, set up for it before numpy loads, unless the environment says otherwise
 # (`launch` and `capture` are left alone: the SGLang they start inherits the environment):
 # * BLAS on one thread: their matrix products are small, so a second thread gains nothing, and where it
-#   shares a core with any other busy process it made `optimize` several times slower (BENCHMARKS.md);
+#   shares a core with any other busy process it made `optimize` several times slower (BENCHMARKS.md#optimizer-and-cli-speed);
 # * no transparent huge pages for numpy's large arrays (NUMPY_MADVISE_HUGEPAGE=0): where the kernel
 #   compacts memory to find them at each first touch (THP defrag "madvise"), every new large array
 #   stalled: `optimize` on 20,000 Kimi-shaped steps took 12.3 s wall, 4.3 s of it in the kernel, against
-#   8.4-9.8 s and 1 s without (BENCHMARKS.md).
+#   8.4-9.8 s and 1 s without (BENCHMARKS.md#optimizer-and-cli-speed).
 NUMPY_COMMANDS = ("report", "optimize", "compare", "advise", "trace")
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 HUGEPAGE_VARIABLE = "NUMPY_MADVISE_HUGEPAGE"

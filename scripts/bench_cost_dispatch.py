@@ -51,7 +51,7 @@ from moeplace.trace.load import open_trace
 from bench_inputs import KIMI_MOE_LAYERS, SAMPLE, gptoss_steps, kimi_shaped
 
 RANKS = 8
-# Today's balanced kernel under graph replay (BENCHMARKS.md "Balanced dispatch kernel": 2.91 / 4.26 / 5.07 µs
+# Today's balanced kernel under graph replay (BENCHMARKS.md#balanced-dispatch-kernel: 2.91 / 4.26 / 5.07 µs
 # at 9 / 36 / 72 tokens) and the kernel's ceiling for the new rule at 576 tokens (8 µs, a goal, not measured).
 KERNEL_US = "9:2.9,36:4.3,72:5.1,576:8"
 

@@ -16,7 +16,7 @@ own input and output buffers; µs per call = median replay time / calls. Rows:
   moeplace cuda     ``moeplace_kernels.balanced_dispatch``, the CUDA kernel (int32 ids, as SGLang's)
   moeplace cost     ``moeplace_kernels.balanced_dispatch.cost_dispatch``, the rule by cost in the same CUDA
                     kernel (``--cost-q``: pairs per expert read; 281 is the derived H200 Kimi-K2 model's q
-                    from 72 tokens per step, BENCHMARKS.md "Dispatch by cost")
+                    from 72 tokens per step, BENCHMARKS.md#the-rule-by-cost)
   moeplace triton   the same rule in Triton (the fallback)
   sglang dynamic    SGLang 0.5.23's ``_topk_ids_logical_to_physical_dynamic`` with ``rank_invariant``
                     (what ``--moe-a2a-backend none`` runs), loaded from the wheel

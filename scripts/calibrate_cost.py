@@ -626,7 +626,7 @@ H200_SMS = 132
 
 def filling_experts(inter: int, config: dict) -> int:
     """Experts whose gate/up programs (one row block each: 2 x inter / BLOCK_SIZE_N) fill the GPU's SMs twice.
-    Below that the kernel is latency-bound and sublinear in experts (BENCHMARKS.md: 1, 2, 4 experts cost
+    Below that the kernel is latency-bound and sublinear in experts (BENCHMARKS.md#measured-lines: 1, 2, 4 experts cost
     66, 79, 106 µs in the 16-row config), a regime the slowest GPU of a layer at these batches is not in."""
     return -(-2 * H200_SMS // -(-2 * inter // config["BLOCK_SIZE_N"]))
 

@@ -9,8 +9,7 @@ then predicts each EP placement's and TP-MoE's ms per step with four cost models
 
 * ``file``: the packaged file measured on that exact rank shape, as measured: the emulation's first
   block layout, whose launch grid over-counts SGLang's when a rank has more slots than the step has
-  pairs (within 3.4% of the replay's measured times, which used the same layout; BENCHMARKS.md,
-  "Cost model calibration and replay");
+  pairs (within 3.4% of the replay's measured times, which used the same layout; BENCHMARKS.md#model-against-the-replay);
 * ``derived``: what the commands use (``moeplace.cost.derive.derive_cost_model``; a measured rank
   shape uses its file's line moved to SGLang's launch grid);
 * ``terms``: the derived terms alone, as an unmeasured shape would get them (``formula_cost``);

@@ -201,7 +201,7 @@ def dominated(keys: list[tuple[int, ...]]) -> np.ndarray:
     reads, the pairs and the blocks computed only add time), and the layer's slowest rank is among the
     others. Of equal loads the first is kept. The report checks the rule on steps timed in full
     (``--check-steps``). (The 2026-12-01 replay compared 16-row blocks only: a rank with more 64-row blocks
-    was sometimes skipped, 0.4% of a layer's time on average, BENCHMARKS.md.)"""
+    was sometimes skipped, 0.4% of a layer's time on average, BENCHMARKS.md#the-replay-on-the-gpu.)"""
     load = np.array([[len(k), sum(k), sum(-(-c // 16) for c in k), sum(-(-c // 64) for c in k)]
                      for k in keys]).reshape(len(keys), 4)
     out = np.zeros(len(keys), bool)

@@ -98,7 +98,7 @@ def test_resample_batches_shape(steps):
 
 def test_advise_defaults_on_the_sample_say_tp_for_gpt_oss():
     """The replay on the H200 measured TP-MoE 1.67 ms against EP 2.20-2.25 ms per 9-token verify step on
-    GPT-OSS-20B (BENCHMARKS.md); with no cost files given, advise must say the same for the shipped sample."""
+    GPT-OSS-20B (BENCHMARKS.md#layouts-by-batch-size); with no cost files given, advise must say the same for the shipped sample."""
     from click.testing import CliRunner
 
     from moeplace.cli import cli
@@ -136,7 +136,7 @@ def kimi_trace(tmp_path_factory):
 def test_advise_on_kimi_shaped_traffic_says_tp_as_measured(kimi_trace, ranks, low, high):
     """Measured at 9 tokens per step with bf16 Kimi-shaped experts: on 2 H200s with NCCL, TP-MoE 28.58 ms vs
     stepaware EP 30.74 (1.08x); the 8-rank replay with SGLang's launch grid, TP-MoE 8.18 vs stepaware 12.20
-    (1.49x) (BENCHMARKS.md, "SGLang's launch grid in the cost model"). Before the grid followed SGLang's
+    (1.49x) (BENCHMARKS.md#placements-at-9-tokens). Before the grid followed SGLang's
     rule, advise said EP at both."""
     from click.testing import CliRunner
 

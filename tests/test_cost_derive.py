@@ -53,7 +53,7 @@ def test_fixed_terms_predict_a_left_out_file(name):
 
 def test_calibration_fits_the_files_as_measured():
     """The packaged files ran the first emulation layout (local_slots x (BM-1)/BM padding row blocks);
-    the terms fitted on them are those BENCHMARKS.md records (22.7 µs + 1.33 ns a program)."""
+    the terms fitted on them are those BENCHMARKS.md#derived-model records (22.7 µs + 1.33 ns a program)."""
     cal = gpu_calibration()
     assert not any(FILES[n].sglang_layout for n in VERIFY_FILES)
     assert cal.launch_us == pytest.approx(22.7, abs=0.1) and cal.us_per_program * 1e3 == pytest.approx(1.33, abs=0.01)

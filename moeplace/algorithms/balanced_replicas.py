@@ -23,7 +23,7 @@ pair over all steps is one matrix product, exact. Per layer:
 4. exchange the replica sets of two experts while that lowers E[optimum] exactly (``replica_exchange``),
    within the problem's work budget: the first copies were placed before the replicas were known.
 
-The fast rule reached the optimum on every step measured (BENCHMARKS.md), so this is what SGLang gets.
+The fast rule reached the optimum on every step measured (BENCHMARKS.md#with-spare-slots-across-datasets), so this is what SGLang gets.
 Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets).
 """
 

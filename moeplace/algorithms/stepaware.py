@@ -50,7 +50,7 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     get a share ``BALANCED_BASE_EFFORT`` of the work budget, and above ``BALANCED_BASE_MAX_EXPERTS``
     (where a swap round costs O(E^2)) they are DeepSeek EPLB's: on Kimi-K2-shaped routing with E/4
     spare slots the two end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
-    (BENCHMARKS.md).
+    (BENCHMARKS.md#with-spare-slots-across-datasets).
     """
     L = problem.model.num_moe_layers
     rng = np.random.default_rng(problem.seed)

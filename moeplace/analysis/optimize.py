@@ -31,7 +31,7 @@ FITTED_SAMPLE_STEPS = 500
 AGGREGATE_SAMPLE_STEPS = 4000
 # Steps optimize uses unless told otherwise, evenly spaced over the trace. On SYNTHETIC Kimi-K2-shaped
 # routing, placements fitted on 5,000 to 200,000 steps are within 0.1% of each other on steps no fit saw,
-# and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md, bench_sampling.py).
+# and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md#how-many-steps-to-fit, bench_sampling.py).
 DEFAULT_SAMPLE_STEPS = 20_000
 
 

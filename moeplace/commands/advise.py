@@ -173,5 +173,5 @@ def echo_layouts(results: list[LayoutCosts], flips: list[tuple[float, str, str]]
     if unmeasured:
         click.echo("*: at some batch sizes no measured cost file covers that GPU's expert shape and kernel config; its "
                    "model there is derived from the experts' bytes (a TP slice of small experts measured up to 1.4x "
-                   "slower than derived, BENCHMARKS.md \"Derived cost model\"; scripts/calibrate_cost.py measures one; "
+                   "slower than derived, BENCHMARKS.md#derived-model; scripts/calibrate_cost.py measures one; "
                    "scripts/replay_placement.py times the layouts).")

@@ -75,7 +75,7 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 @click.option("--balance-floor", type=FiniteFloatRange(0, 1), default=None,
               help="stepaware aims to keep each layer's token balancedness on the fitted steps at least this share "
                    "of DeepSeek EPLB's (default 0.98). Lower it for decode/verify-only traffic: fewer distinct "
-                   "experts on the busiest rank, less even token counts (BENCHMARKS.md has the trade-off).")
+                   "experts on the busiest rank, less even token counts (BENCHMARKS.md#token-balance-floor has the trade-off).")
 @out_option("Where to write the placement (moeplace JSON).")
 @click.option("--sglang-out", type=click.Path(dir_okay=False),
               help="Also write SGLang's --init-expert-location JSON here.")

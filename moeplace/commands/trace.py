@@ -262,7 +262,7 @@ SYNTH_MODES = {"verify": M.TARGET_VERIFY, "decode": M.DECODE, "prefill": M.EXTEN
 # Past these the generator's law no longer changes (the weights saturate), and far past them its
 # floats overflow; topics cost a probability table per layer each.
 MAX_SKEW, MAX_COACTIVATION, MAX_TOPICS = 20.0, 100.0, 1024
-# Zlib packs Kimi-K2-shaped synthetic ids to 0.69 of their raw size (BENCHMARKS.md, synthetic traces);
+# Zlib packs Kimi-K2-shaped synthetic ids to 0.69 of their raw size (BENCHMARKS.md#synthetic-traces);
 # a trace that would not fit even at this share of it is refused before it starts.
 MIN_PACKED_SHARE = 0.25
 

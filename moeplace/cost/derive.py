@@ -47,8 +47,8 @@ measured its c at the config's largest batch (576 tokens for 64-row blocks, as m
 16-row ones) and ``r``, what each row block past an expert's first costs (``moeplace.cost.model``): c goes
 linearly in the step between its two measured steps, since at 64-row blocks it grows faster than the grid
 (SGLang's kernel writes zeros to the buffer rows of other ranks' pairs), and a line or derived model
-without its own r takes the measured files' median r / a for its block size. ``BENCHMARKS.md`` ("Derived cost model", "SGLang's launch grid in
-the cost model") compares both with GPU replays. The output rows SGLang zeroes for other ranks' pairs
+without its own r takes the measured files' median r / a for its block size. BENCHMARKS.md#derived-model and
+#model-against-the-replay compare both with GPU replays. The output rows SGLang zeroes for other ranks' pairs
 (a few µs a layer at verify batch) are counted only where a config sweep measured c at a larger step.
 """
 
@@ -296,7 +296,7 @@ def measured_line(cal: Calibration, m: Measured, top_k: int, step_tokens: int = 
     if len(m.c_at_steps) >= 2 and step_tokens > m.step_tokens:
         # c measured at a larger step too (the config sweeps): what the grid missed there, linearly in the step
         # from the file's own step (at 64-row blocks c grows faster than the grid: SGLang's kernel writes zeros
-        # to the buffer rows of other ranks' pairs, ~1 TB/s of row bytes, BENCHMARKS.md); below the file's
+        # to the buffer rows of other ranks' pairs, ~1 TB/s of row bytes, BENCHMARKS.md#measured-lines); below the file's
         # step the grid alone
         t1, c1 = m.c_at_steps[-1]
         grid1 = m.cost.c_us + cal.grid_us(m.shape, m.config,
@@ -328,7 +328,7 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
 
     config_tokens: the tokens SGLang's kernel config is chosen for (default: ``step_tokens``). A
     caller comparing batch sizes can hold it at one batch so that only the launch grid follows the
-    batch: the other configs are measured for few shapes (see BENCHMARKS.md, "Derived cost model").
+    batch: the other configs are measured for few shapes (see BENCHMARKS.md#derived-model).
     """
     if local_slots < 1:
         raise MoeplaceError(f"a rank needs at least one expert slot, got {local_slots}")

@@ -5,7 +5,7 @@ At low batch a rank's grouped-GEMM time is set by how many distinct experts' wei
 not by how many tokens it runs, so ``a`` dominates. SGLang's fused MoE kernel runs an expert's pairs in
 row blocks of ``block_m`` (its kernel config's BLOCK_SIZE_M); an expert with more pairs than that runs
 one more block per ``block_m``, each a pass over its weights' tiles again: ``r`` per block beyond an
-expert's first (0.3-0.7 of ``a`` on the H200, BENCHMARKS.md). A step of at most ``block_m`` tokens has
+expert's first (0.3-0.7 of ``a`` on the H200, BENCHMARKS.md#measured-lines). A step of at most ``block_m`` tokens has
 none (an expert gets at most one pair per token). The commands derive a, b, c for the model's
 experts (``moeplace.cost.derive``) or read them from a file (``--cost-model``). The defaults here
 are an early rough fit (H200, bf16 Kimi-K2-shaped experts: 41, 142, 274, 406, 539 µs for 1, 4, 8,

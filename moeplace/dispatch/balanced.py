@@ -44,7 +44,7 @@ import numpy as np
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import _ranges
 
-MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md: how often the cap is reached)
+MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md#rules-compared: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
 
 

@@ -52,7 +52,7 @@ from moeplace.dispatch.balanced import MAX_AUGMENT, fast_rule, mask_bits, replic
 from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import RoutingSteps
 
-MAX_ROUNDS = 16   # moves per step after the balanced rule (BENCHMARKS.md: how many the evaluated steps used)
+MAX_ROUNDS = 16   # moves per step after the balanced rule (BENCHMARKS.md#rules-compared: how many the evaluated steps used)
 READ_UNIT = 4096  # an expert read where tokens are free (pair = 0): fine enough for the ratio of r to a
 MAX_WEIGHT = 1 << 16   # read and block at most: a rank's cost stays far inside 32 bits (distinct <= 4096)
 WHOLE, LEVEL, BLOCK = 0, 1, 2    # the kinds of move, in their tie order

@@ -20,8 +20,7 @@ to 16 moves or splits of an expert's tokens between its replicas where they pay.
   own tokens and no rank sees the others' ids: the first call refuses to run, with one line.
 * Batches of more than ``MOEPLACE_DISPATCH_MAX_TOKENS`` rows (default 64 for the balanced rule; 1024 for the
   rule by cost, every batch its kernel takes at top-8: SGLang's dynamic rule with as many spare slots measured
-  26% slower at 576 tokens, far more than the kernel's time; BENCHMARKS.md, "The replay of the rule with row
-  blocks"), or of more than the kernel's 8192 ids, go to SGLang's own rule, which balances tokens. The
+  26% slower at 576 tokens, far more than the kernel's time; BENCHMARKS.md#the-rule-by-cost), or of more than the kernel's 8192 ids, go to SGLang's own rule, which balances tokens. The
   threshold is a host fact (the tensor's shape), so a CUDA graph captures one branch or the other.
 * CUDA-graph safe: the layer's replica tables are derived on the device on the first (eager) call,
   with no host sync, and cached by the address of SGLang's per-layer map; the output goes to one of
@@ -52,8 +51,7 @@ logger = logging.getLogger("moeplace.dispatch")
 TARGET = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
 PLACEMENT = "sglang.srt.eplb.expert_location.compute_initial_expert_location_metadata"
 RULES = ("balanced", "cost")
-# rows; the rule by cost takes every batch its kernel takes at top-8 (8192 ids): BENCHMARKS.md, "The replay of the
-# rule with row blocks"
+# rows; the rule by cost takes every batch its kernel takes at top-8 (8192 ids): BENCHMARKS.md#the-rule-by-cost
 DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 1024}
 MAX_KERNEL_RANKS = 32
 MAX_BLOCK_M = 8192   # rows of a row block at most: the kernel's ids (moeplace_kernels.balanced_dispatch.MAX_ENTRIES)

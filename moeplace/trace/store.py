@@ -114,7 +114,7 @@ ZLIB_LEVEL = 1
 CHUNK_BYTES = 32 << 20
 MAX_CHUNK_STEPS = 65536
 # Chunks a reader decodes ahead on other threads: decompression, most of a read's time, then runs
-# on two cores (a 20,000-step Kimi-K2-shaped trace: BENCHMARKS.md).
+# on two cores (a 20,000-step Kimi-K2-shaped trace: BENCHMARKS.md#optimizer-and-cli-speed).
 DECODE_AHEAD = 2
 
 
