@@ -121,3 +121,16 @@ def test_the_checks_catch_an_upward_import_and_a_circle(tmp_path):
     assert upward_imports(built) == ["moeplace.dispatch.loads -> moeplace.analysis.report",
                                      "moeplace.trace.steps -> moeplace.analysis.report"]
     assert circles(built) == [["moeplace.analysis.report", "moeplace.dispatch.loads"]]
+
+
+def test_every_folder_is_installed():
+    """setup.cfg lists packages by hand: a new stage folder missing there would work from the checkout and
+    break in a real install."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(REPO / "setup.cfg")
+    listed = set(config["options"]["packages"].split())
+    folders = {".".join(("moeplace", *p.parent.relative_to(REPO / "moeplace").parts)).rstrip(".")
+               for p in (REPO / "moeplace").rglob("__init__.py")}
+    assert folders | {"moeplace_kernels"} == listed
