@@ -97,7 +97,7 @@ def test_cli_merge_and_partial(tmp_path, capsys):
     w = ShardWriter(tmp_path / "t-r001-00000", TraceHeader(MODEL, "t", ep_size=2, ranks=[1]))
     w.append(steps)
     w._file.flush()  # a rank that crashed: its shard is still .part
-    main(["trace", "merge", str(tmp_path), "--include-partial", "-o", str(tmp_path / "m.mptrace")])
+    main(["trace", "merge", str(tmp_path), "--include-partial", "-o", str(tmp_path / "merged" / "m.mptrace")])
     assert "ranks [0, 1]" in capsys.readouterr().out
 
 
@@ -167,13 +167,18 @@ def test_a_copy_of_a_shard_is_refused(tmp_path, capsys):
 
 
 def test_a_merged_trace_with_its_own_shards_is_refused(tmp_path, capsys):
-    """merge DIR -o DIR/run.mptrace, then merge DIR again: the first output holds the shards' steps."""
+    """merge DIR -o DIR/run.mptrace is refused (the output would be one of DIR's shards); a merged trace moved
+    into DIR, then DIR merged again: the merged trace holds the shards' steps."""
     _write(tmp_path, 0, ep=2, tp=2, seed=1)
     _write(tmp_path, 1, ep=2, tp=2, seed=2)
-    assert _merge_cli(capsys, tmp_path, "-o", tmp_path / "run.mptrace")[0] == 0
+    code, _, err = _merge_cli(capsys, tmp_path, "-o", tmp_path / "run.mptrace")
+    _assert_refused(code, err, tmp_path, "inside the folder", "run.mptrace")
+    assert _merge_cli(capsys, tmp_path, "-o", tmp_path / "elsewhere" / "run.mptrace")[0] == 0
+    (tmp_path / "elsewhere" / "run.mptrace").rename(tmp_path / "run.mptrace")
+    (tmp_path / "elsewhere").rmdir()
     code, _, err = _merge_cli(capsys, tmp_path, "-o", tmp_path / "o" / "merged.mptrace")
     _assert_refused(code, err, tmp_path / "o", "hold the same steps", "run.mptrace")
-    code, _, err = _merge_cli(capsys, tmp_path, "-o", tmp_path / "run.mptrace")   # writing over an input
+    code, _, err = _merge_cli(capsys, tmp_path / "run.mptrace", "-o", tmp_path / "run.mptrace")   # over an input
     assert code == 2 and "is the output of this merge" in err
     # two merged traces of different runs merge fine
     other = tmp_path / "other"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moeplace.commands.options import sglang_out_option
 from moeplace.errors import MoeplaceError
 
 
@@ -13,11 +14,11 @@ from moeplace.errors import MoeplaceError
 @click.option("--model", metavar="PATH|ID",
               help="The model whose config.json the placement is checked against: a folder, the file, or a Hugging "
                    "Face id found in the local cache, offline (default: --model-path from the SGLang arguments).")
-@click.option("--sglang-file", metavar="FILE.json",
-              help="Where to write SGLang's --init-expert-location file (default: FILE.sglang.json beside --placement).")
+@sglang_out_option("Where to write SGLang's --init-expert-location file (default: FILE.sglang.json beside "
+                   "--placement; `moeplace optimize --sglang-out` writes the same file).")
 @click.option("--dry-run", is_flag=True, help="Check and write the SGLang file, print the command, start nothing.")
 @click.argument("sglang_args", nargs=-1, type=click.UNPROCESSED)
-def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_run: bool,
+def launch(placement_path: str, model: str | None, sglang_out: str | None, dry_run: bool,
            sglang_args: tuple[str, ...]) -> None:
     """Check a placement against the model and SGLang flags, then start SGLang with it.
 
@@ -41,7 +42,7 @@ def launch(placement_path: str, model: str | None, sglang_file: str | None, dry_
     from moeplace.files.placement import save_sglang
     from moeplace.sglang.launch import exec_sglang, plan_launch, require_sglang
 
-    plan = plan_launch(placement_path, sglang_args, model=model, sglang_file=sglang_file)
+    plan = plan_launch(placement_path, sglang_args, model=model, sglang_file=sglang_out)
     for line in plan.warnings:
         click.echo(f"warning: {line}", err=True)
     if dry_run:

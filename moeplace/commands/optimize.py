@@ -12,7 +12,7 @@ from moeplace.files.atomic import all_or_nothing
 from moeplace.commands.costing import (Costing, cost_model_line, memory_warning, resolve_costing, slot_gb,
                                       trace_batch)
 from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
-                                       trace_options)
+                                       sglang_out_option, trace_options)
 from moeplace.analysis.layouts import check_split
 from moeplace.analysis.optimize import holdout_cut
 from moeplace.analysis.optimize import optimize as run_optimize
@@ -77,8 +77,7 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
                    "of DeepSeek EPLB's (default 0.98). Lower it for decode/verify-only traffic: fewer distinct "
                    "experts on the busiest rank, less even token counts (BENCHMARKS.md#token-balance-floor has the trade-off).")
 @out_option("Where to write the placement (moeplace JSON).")
-@click.option("--sglang-out", type=click.Path(dir_okay=False),
-              help="Also write SGLang's --init-expert-location JSON here.")
+@sglang_out_option("Also write SGLang's --init-expert-location JSON here (`moeplace launch` names it the same).")
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,

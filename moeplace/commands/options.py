@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import os
 from typing import Any, Callable
 
 import click
 
 from moeplace.dispatch.loads import DISPATCH_RULES
+from moeplace.errors import MoeplaceError
 from moeplace.trace.load import DEFAULT_WINDOW
 from moeplace.trace.modes import MODE_SELECTIONS
 
@@ -56,10 +58,39 @@ class _HiddenAliasOption(click.Option):
         return self._shown(super().get_error_hint, ctx)
 
 
+class OutputFile(click.Path):
+    """A file a command writes: a regular file or a new path, refused at once (before any work) when it names
+    a folder (``newdir/``, an existing folder) or a node a write would replace (a device, a FIFO, a socket)."""
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from moeplace.files.outputs import check_file_name, node_kind
+
+        text = os.fspath(value)
+        name = param.get_error_hint(ctx) if param is not None else "output"
+        try:
+            check_file_name(name, text)
+        except MoeplaceError:
+            self.fail(f"{text!r} names a folder (it ends in '/'); give a file name", param, ctx)
+        kind = node_kind(text)
+        if kind not in (None, "file", "folder"):
+            self.fail(f"{text!r} is a {kind}, not a regular file: moeplace writes only regular files "
+                      f"(give a new file name)", param, ctx)
+        return super().convert(value, param, ctx)
+
+
 def out_option(help: str) -> Callable:
     """``-o/--out FILE``, the output option of every command that writes a file (``--output`` works too)."""
     return click.option("-o", "--out", "--output", "out", cls=_HiddenAliasOption, aliases=("--output",),
-                        required=True, type=click.Path(dir_okay=False), help=help)
+                        required=True, type=OutputFile(), help=help)
+
+
+def sglang_out_option(help: str) -> Callable:
+    """``--sglang-out FILE``: where SGLang's ``--init-expert-location`` file goes (``--sglang-file`` works too)."""
+    return click.option("--sglang-out", "--sglang-file", "sglang_out", cls=_HiddenAliasOption,
+                        aliases=("--sglang-file",), type=OutputFile(), metavar="FILE.json", help=help)
 
 
 def seed_option(help: str) -> Callable:

@@ -17,7 +17,7 @@ import numpy as np
 from moeplace.commands.common import Progress, model_config_file, warn_damage
 from moeplace.commands.options import FiniteFloatRange, out_option, seed_option
 from moeplace.errors import FormatError, MoeplaceError
-from moeplace.files.outputs import check_outputs, check_writable, nearest_existing
+from moeplace.files.outputs import check_outputs, check_writable, nearest_existing, output_inside
 from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace.load import DEFAULT_WINDOW, open_trace
@@ -83,6 +83,11 @@ def merge_traces(inputs: list[str | os.PathLike], out: str | os.PathLike, includ
     ``include_partial`` is False, their whole chunks only. Ids come out logical; steps are ordered rank by rank, each rank in its own time order. A merge
     that would hold no step (every shard empty or cut before its first whole chunk) writes nothing.
     """
+    for source in inputs:   # the next merge of that folder would read the output as one of its shards
+        if Path(source).is_dir() and output_inside(shard_path(out).parent, source, at_depth=0):
+            raise MoeplaceError(f"-o {out}: is inside the folder {source} this merge reads; write the merged "
+                                f"trace outside it")
+    check_outputs({"-o": out})
     out = Path(out)
     check_writable("-o", shard_path(out))
     readers = _shard_readers([Path(p) for p in inputs], include_partial, out)

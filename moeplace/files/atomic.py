@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator
@@ -18,6 +19,20 @@ from moeplace.errors import MoeplaceError
 # (temp file, target) pairs written inside all_or_nothing(), and the folders made for them; None outside.
 _staged: contextvars.ContextVar[tuple[list[tuple[str, Path]], list[Path]] | None] = \
     contextvars.ContextVar("moeplace_staged_writes", default=None)
+
+
+def replace_regular(tmp: str | os.PathLike, target: Path) -> None:
+    """Rename ``tmp`` over ``target`` unless ``target`` is something other than a regular file (a device,
+    a FIFO, a socket, a folder): a rename would replace that node, so it is refused and ``tmp`` removed."""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and not stat.S_ISREG(mode):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise MoeplaceError(f"{target}: is not a regular file; moeplace replaces only regular files")
+    os.replace(tmp, target)
 
 
 def _make_parents(target: Path) -> list[Path]:
@@ -59,7 +74,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             f.flush()
             os.fsync(f.fileno())
         if staged is None:
-            os.replace(tmp, target)
+            replace_regular(tmp, target)
         else:
             staged[0].append((tmp, target))
             staged[1].extend(made)
@@ -96,5 +111,12 @@ def all_or_nothing() -> Iterator[None]:
         raise
     finally:
         _staged.reset(token)
+    for tmp, target in staged[0]:   # none may replace a device or FIFO: checked before any is renamed
+        if os.path.exists(target) and not os.path.isfile(target):
+            for other, _ in staged[0]:
+                with contextlib.suppress(OSError):
+                    os.unlink(other)
+            _remove_folders(staged[1])
+            raise MoeplaceError(f"{target}: is not a regular file; moeplace replaces only regular files")
     for tmp, target in staged[0]:
-        os.replace(tmp, target)
+        replace_regular(tmp, target)

@@ -40,7 +40,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -67,23 +67,24 @@ class DispatchConfig:
     q: RuleWeights | None = None
 
     @classmethod
-    def from_env(cls) -> "DispatchConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "DispatchConfig":
         """Read ``MOEPLACE_DISPATCH``, ``MOEPLACE_DISPATCH_MAX_TOKENS`` and ``MOEPLACE_DISPATCH_Q`` or
-        ``MOEPLACE_DISPATCH_WEIGHTS``; ValueError says what is wrong."""
-        rule = os.environ.get("MOEPLACE_DISPATCH", "").strip().lower()
+        ``MOEPLACE_DISPATCH_WEIGHTS`` from ``env`` (default: this process's); ValueError says what is wrong."""
+        env = os.environ if env is None else env
+        rule = env.get("MOEPLACE_DISPATCH", "").strip().lower()
         if rule not in RULES:
             raise ValueError(f"MOEPLACE_DISPATCH must be one of {', '.join(RULES)}, got {rule!r}")
-        raw = os.environ.get("MOEPLACE_DISPATCH_MAX_TOKENS", str(DEFAULT_MAX_TOKENS[rule])).strip()
+        raw = env.get("MOEPLACE_DISPATCH_MAX_TOKENS", str(DEFAULT_MAX_TOKENS[rule])).strip()
         max_tokens = _int_or_zero(raw)
         if max_tokens < 1:
             raise ValueError(f"MOEPLACE_DISPATCH_MAX_TOKENS must be a positive integer, got {raw!r}")
-        return cls(rule, max_tokens, _weights_from_env() if rule == "cost" else None)
+        return cls(rule, max_tokens, _weights_from_env(env) if rule == "cost" else None)
 
 
-def _weights_from_env() -> RuleWeights:
+def _weights_from_env(env: Mapping[str, str]) -> RuleWeights:
     """The rule by cost's weights from ``MOEPLACE_DISPATCH_Q`` or ``MOEPLACE_DISPATCH_WEIGHTS`` (exactly one)."""
-    raw_q = os.environ.get("MOEPLACE_DISPATCH_Q", "").strip()
-    raw_w = os.environ.get("MOEPLACE_DISPATCH_WEIGHTS", "").strip()
+    raw_q = env.get("MOEPLACE_DISPATCH_Q", "").strip()
+    raw_w = env.get("MOEPLACE_DISPATCH_WEIGHTS", "").strip()
     if raw_q and raw_w:
         raise ValueError("set one of MOEPLACE_DISPATCH_Q and MOEPLACE_DISPATCH_WEIGHTS, not both")
     if raw_w:

@@ -29,7 +29,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from moeplace.errors import MoeplaceError, PlacementError
 from moeplace.files.outputs import check_outputs
@@ -230,7 +230,7 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     if target.suffix != ".json":
         # SGLang reads a file only for .json/.pt names; anything else it parses as inline JSON.
         raise MoeplaceError(f"{target}: the SGLang placement file name must end in .json")
-    check_outputs({"--sglang-file": target}, inputs={"--placement": placement_path, "--model": folder / "config.json"})
+    check_outputs({"--sglang-out": target}, inputs={"--placement": placement_path, "--model": folder / "config.json"})
     read = read_placement(placement_path, spec, layout)
     added = split_flags(read, layout)
     if added:
@@ -241,7 +241,20 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
                "--init-expert-location", str(target)]
     warnings = [line for line in [dispatch_mismatch(placement, layout), cost_rule_note(placement),
                                   split_mismatch(placement, layout)] if line]
-    return LaunchPlan(placement, target, command, dispatch_env(placement, sglang_args), warnings)
+    env = dispatch_env(placement, sglang_args)
+    check_plugin_settings(env)
+    return LaunchPlan(placement, target, command, env, warnings)
+
+
+def check_plugin_settings(added: Mapping[str, str]) -> None:
+    """The plugin's settings in the environment SGLang will start with (this one plus ``added``), checked
+    as the plugin checks them at start (``settings.check_settings``): a bad one is found now, not minutes later."""
+    from moeplace.sglang.settings import SettingError, check_settings
+
+    try:
+        check_settings({**os.environ, **added})
+    except SettingError as e:
+        raise MoeplaceError(f"{e} (SGLang's moeplace plugin would stop at start)") from None
 
 
 def split_flags(placement: Placement, layout: SglangLayout) -> list[str]:

@@ -8,7 +8,11 @@ Each feature is off unless its variable is set; when all are off this module imp
     MOEPLACE_KV_SORT=1                            sorted KV free list  (moeplace.sglang.kv_sort)
     MOEPLACE_KV_STATS=FILE                        KV allocation runs   (moeplace.sglang.kv_stats)
     MOEPLACE_VERIFY_KERNEL=1                      verify attention     (moeplace.sglang.verify_backend)
-    MOEPLACE_DISPATCH=balanced                    per-step replica choice (moeplace.sglang.balanced_dispatch)
+    MOEPLACE_DISPATCH=balanced|cost               per-step replica choice (moeplace.sglang.balanced_dispatch)
+
+Every value is checked first (``moeplace.sglang.settings``, which lists what each variable takes; a
+switch is on for 1, true, yes, on and off for 0, false, no, off or unset): any other value stops the
+process with one line naming the variable and its accepted values.
 
 No feature an operator turns on may silently stay off. SGLang logs a plugin that raises, or a hook
 it cannot apply ("Failed to apply hooks to ..."), and serves on without it; so a feature whose
@@ -18,16 +22,8 @@ install fails, or whose hook SGLang did not apply, stops the process here with o
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Callable
-
-_TRUE = ("1", "true", "yes", "on")
-
-
-def _enabled(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
-
 
 # feature -> the variable that turns it on (named in every message about it)
 SWITCHES = {
@@ -40,19 +36,16 @@ SWITCHES = {
 
 
 def enabled_features() -> list[str]:
-    """The features the environment turns on, in the order ``register`` installs them."""
-    features = []
-    if _enabled("MOEPLACE_TRACE") or os.environ.get("MOEPLACE_TRACE_DIR"):
-        features.append("trace")
-    if _enabled("MOEPLACE_KV_SORT"):
-        features.append("kv_sort")
-    if os.environ.get("MOEPLACE_KV_STATS", "").strip():
-        features.append("kv_stats")
-    if _enabled("MOEPLACE_VERIFY_KERNEL"):
-        features.append("verify_kernel")
-    if os.environ.get("MOEPLACE_DISPATCH", "").strip():
-        features.append("dispatch")
-    return features
+    """The features the environment turns on, in the order ``register`` installs them; a variable that
+    holds a value it does not take stops the process (one line, exit code 2)."""
+    from moeplace.sglang.settings import SettingError, check_settings
+
+    try:
+        on = check_settings()
+    except SettingError as e:
+        print(f"moeplace: {e}; stopping rather than guessing", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return [feature for feature in SWITCHES if getattr(on, feature)]
 
 
 def _installer(feature: str) -> Callable[[], object]:

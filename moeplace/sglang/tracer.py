@@ -55,7 +55,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -112,17 +112,35 @@ class TracerConfig:
         return cfg
 
 
-def _env_number(name: str, default: float, kind: type) -> Any:
-    """A positive number from the environment (ValueError names the variable)."""
-    raw = os.environ.get(name, "").strip()
+# The tracer's numeric settings: variable -> (default, type).
+NUMBER_SETTINGS = {"MOEPLACE_TRACE_MAX_TOKENS": (128, int), "MOEPLACE_TRACE_SLOTS": (256, int),
+                   "MOEPLACE_TRACE_FLUSH_STEPS": (64, int), "MOEPLACE_TRACE_FLUSH_SECONDS": (2.0, float),
+                   "MOEPLACE_TRACE_SHARD_MB": (256, float)}
+# Past these a buffer would not fit any GPU, or a wait outlast any run (and overflow a platform timeout).
+MAX_SETTING = {"MOEPLACE_TRACE_MAX_TOKENS": 1 << 20, "MOEPLACE_TRACE_SLOTS": 1 << 20,
+               "MOEPLACE_TRACE_FLUSH_STEPS": 1 << 20, "MOEPLACE_TRACE_FLUSH_SECONDS": 86400.0,
+               "MOEPLACE_TRACE_SHARD_MB": float(1 << 20)}
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Every ``MOEPLACE_TRACE_*`` number in ``env``; ValueError names the first bad one and what it takes."""
+    for name, (default, kind) in NUMBER_SETTINGS.items():
+        _env_number(name, default, kind, env)
+
+
+def _env_number(name: str, default: float, kind: type, env: Mapping[str, str] | None = None) -> Any:
+    """A positive number from the environment, at most MAX_SETTING[name] (ValueError names the variable)."""
+    raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return default
     try:
         value = kind(raw)
     except ValueError:
         value = None
-    if value is None or not (value > 0) or value == float("inf"):
-        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}, got {raw!r}")
+    top = MAX_SETTING.get(name, float("inf"))
+    if value is None or not (0 < value <= top) or value == float("inf"):
+        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}"
+                         + (f" up to {top if kind is float else int(top):,}" if top < float("inf") else "") + f", got {raw!r}")
     return value
 
 

@@ -41,7 +41,9 @@ _INSTALLED_ATTR = "_moeplace_verify_installed"
 
 def enabled() -> bool:
     """Whether the environment asks for the verify kernel."""
-    return os.environ.get(ENV_FLAG, "") == "1"
+    from moeplace.sglang.settings import switch
+
+    return switch(ENV_FLAG)
 
 
 def install() -> None:

@@ -146,6 +146,8 @@ class ShardWriter:
         self.header = header
         self.bytes_written = 0
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.partial_path.exists() and not self.partial_path.is_file():   # a FIFO would block the open
+            raise MoeplaceError(f"{self.partial_path}: is not a regular file; moeplace writes only regular files")
         self._file: BinaryIO | None = open(self.partial_path, "wb")
         head = json.dumps(header.to_json(), separators=(",", ":")).encode()
         self._write(_SHARD_MAGIC + _U32x2.pack(len(head), zlib.crc32(head)) + head)
@@ -174,6 +176,9 @@ class ShardWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+            if self.path.exists() and not self.path.is_file():   # a device, FIFO or folder: never replaced
+                self.partial_path.unlink(missing_ok=True)
+                raise MoeplaceError(f"{self.path}: is not a regular file; moeplace replaces only regular files")
             os.replace(self.partial_path, self.path)
         return self.path
 
