@@ -101,7 +101,10 @@ def _run(argv: list[str] | None) -> None:
         cli.main(args=argv, prog_name="moeplace", standalone_mode=False)
     except click.exceptions.NoArgsIsHelpError as e:   # bare `moeplace` or `moeplace trace`: help, not an error
         click.echo(e.ctx.get_help())
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:
+        if isinstance(e.__cause__ or e.__context__, KeyboardInterrupt):   # click turns Ctrl-C into Abort
+            click.echo("interrupted", err=True)
+            sys.exit(130)
         click.echo("aborted", err=True)
         sys.exit(1)
     except click.ClickException as e:
