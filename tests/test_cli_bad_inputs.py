@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,9 @@ from moeplace.cli import main
 from moeplace.files.placement import Placement, save_placement
 from moeplace.model.spec import ModelSpec
 from moeplace.trace.load import open_trace
+from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps
+from moeplace.trace.store import TraceHeader, write_trace
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "gptoss20b-sample.mptrace"
 # A DeepSeek-V3-shaped toy for launch: 4 layers (layer 0 dense), 16 routed experts, top-4.
@@ -55,6 +59,7 @@ def write_inputs(root: Path) -> None:
     (root / "bogus.pt").write_bytes(b"garbage that is no torch file")
     (root / "notjson.json").write_text("{not json")
     (root / "cost_huge.json").write_text(json.dumps({"a_us_per_expert": 1e308, "b_us_per_token": 1, "c_us": 1}))
+    (root / "cost_ok.json").write_text(json.dumps({"a_us_per_expert": 20, "b_us_per_token": 1, "c_us": 70}))
     (root / "cost_nan.json").write_text('{"a_us_per_expert": NaN, "b_us_per_token": 1, "c_us": 1}')
     (root / "cost_blocks.json").write_text(json.dumps({"a_us_per_expert": 1, "b_us_per_token": 1, "c_us": 1,
                                                        "r_us_per_block": 2}))
@@ -62,6 +67,34 @@ def write_inputs(root: Path) -> None:
     np.savez(root / "negative.npz", topk_ids=ids, num_experts=np.int64(16))
     np.savez(root / "padding.npz", topk_ids=np.full((90, 2, 4), -1, np.int16))
     np.savez(root / "floats.npz", topk_ids=np.zeros((90, 2, 4), np.float32), num_experts=np.int64(16))
+    # trace headers of every wrong shape and type (header-only shards: the header is read first)
+    good = TraceHeader(TOY, "synthetic").to_json()
+    bad_headers = {
+        "h_list": [1, 2], "h_null": None, "h_string": "moeplace-trace",
+        "h_huge": {**good, "model": {**good["model"], "num_experts": 10**12}},
+        "h_float": {**good, "model": {**good["model"], "num_experts": 16.0}},
+        "h_str_experts": {**good, "model": {**good["model"], "num_experts": "16"}},
+        "h_str_ranks": {**good, "ranks": "0"}, "h_str_ep": {**good, "ep_size": "8"},
+        "h_inf_nodes": {**good, "nodes": float("inf")},
+    }
+    for name, header in bad_headers.items():
+        head = json.dumps(header).encode()
+        (root / f"{name}.mptrace").write_bytes(b"MPTRACE\x01" + struct.pack("<II", len(head), zlib.crc32(head)) + head)
+    (root / "badshards").mkdir()
+    (root / "badshards" / "a.mptrace").write_bytes(SAMPLE.read_bytes())
+    (root / "badshards" / "b.mptrace").write_bytes((root / "h_str_ranks.mptrace").read_bytes())
+    none = RoutingSteps.from_topk(TOY, np.full((90, 3, 4), -1, np.int16), np.full(10, 9), M.TARGET_VERIFY)
+    write_trace(root / "none.mptrace", TraceHeader(TOY, "synthetic"), none)
+    np.savez(root / "bigids.npz", topk_ids=np.full((90, 2, 4), 2**40, np.int64))
+    np.savez(root / "float_experts.npz", topk_ids=np.zeros((90, 2, 4), np.int16), num_experts=np.float64(16.5))
+    np.savez(root / "short.npz", topk_ids=np.zeros((90, 2, 4), np.int16), num_experts=np.int64(16),
+             example_offsets=np.array([0, 30, 90]))
+    # placement files whose fields disagree or overflow
+    for name, change in {"p_float_ranks": {"ranks": 8.0}, "p_inf_ranks": {"ranks": float("inf")},
+                         "p_inf_nodes": {"nodes": float("inf")}, "p_nodes": {"nodes": 3},
+                         "p_physical": {"num_physical_experts": 40}, "p_list": None}.items():
+        (root / f"{name}.json").write_text(json.dumps([1, 2] if change is None else {**p, **change}))
+    os.mkfifo(root / "fifo")
     os.link(root / "t.mptrace", root / "hardlink.mptrace")
     os.symlink(root / "t.mptrace", root / "symlink.mptrace")
 
@@ -85,10 +118,10 @@ CASES = [
     (["optimize", "{in}/t.mptrace", "-o", "{in}/folder"], "is a directory"),
     # optimize: numbers
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "nan"], "not a finite number"),
-    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "inf"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "inf"], "--replica-memory"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "-1"], "--replica-memory"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "nan"], "not a finite number"),
-    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "inf"], "not a finite number"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "inf"], "--effort"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "0"], "--effort"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--seed", "-1"], "--seed"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--holdout", "nan"], "not a finite number"),
@@ -122,8 +155,8 @@ CASES = [
     (["report", "{in}/t.mptrace", "--plot-dir", "{in}/afile"], "is a file"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/p.json", "--ranks", "4"], "for 8 ranks, not 4"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/folder"], "--placement"),
-    (["report", "{in}/t.mptrace", "--placement", "{in}/strings.json"], "holds strings"),
-    (["report", "{in}/t.mptrace", "--placement", "{in}/huge.json"], "expert id 1e+30"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/strings.json"], "physical_to_logical_map[0][0] must be a whole number, got '0'"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/huge.json"], "must be a whole number, got 1e+30"),
     (["report", "{in}/bogus.pt"], "not a readable torch file"),
     (["report", "{in}/t.mptrace", "--window", "0"], "--window"),
     # compare
@@ -160,10 +193,71 @@ CASES = [
     (["launch", "--placement", "{in}/folder", "--dry-run", *TOY_LAUNCH], "is a folder, not a placement file"),
     (["launch", "--placement", "{in}/toy.json", "--dry-run", *TOY_LAUNCH, "--enable-eplb"], "--enable-eplb"),
     (["launch", "--placement", "{in}/nothere.json", "--dry-run", *TOY_LAUNCH], "no such file"),
+    # outputs that are not regular files or new paths: refused before any work
+    (["optimize", "{in}/t.mptrace", "-o", "/dev/null"], "character device, not a regular file"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--sglang-out", "/dev/null"], "character device"),
+    (["optimize", "{in}/t.mptrace", "-o", "{in}/fifo"], "FIFO, not a regular file"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/newdir/"], "names a folder"),
+    (["optimize", "{in}/t.mptrace", "-o", "/proc/nothere/p.json"], "cannot write there"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--plot-dir", "/proc/nothere"], "cannot write there"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--plot-dir", "{in}/fifo"], "is a FIFO, not a folder"),
+    (["report", "{in}/t.mptrace", "--plot-dir", "/dev/null"], "not a folder"),
+    (["trace", "convert", "{in}/t.mptrace", "-o", "/dev/null"], "character device"),
+    (["trace", "convert", "{in}/t.mptrace", "-o", "{in}/fifo"], "FIFO"),
+    (["trace", "merge", "{in}/shards", "-o", "{in}/shards/merged.mptrace"], "inside the folder"),
+    (["trace", "merge", "{in}/shards", "-o", "{in}/shards/merged"], "inside the folder"),
+    (["trace", "merge", "{in}/shards", "-o", "{out}/m/"], "names a folder"),
+    (["trace", "synth", "--steps", "10", "-o", "/dev/null"], "character device"),
+    (["capture", "--url", "http://127.0.0.1:9", "-o", "{in}/fifo"], "FIFO"),
+    (["launch", "--placement", "{in}/toy.json", "--sglang-out", "/dev/null", "--dry-run", *TOY_LAUNCH],
+     "character device"),
+    # trace headers: shape, type and range, before any array is sized from them
+    (["report", "{in}/h_list.mptrace"], "trace header must be a JSON object"),
+    (["optimize", "{in}/h_null.mptrace", "-o", "{out}/p.json"], "trace header must be a JSON object"),
+    (["compare", "{in}/h_string.mptrace", "{in}/p.json"], "trace header must be a JSON object"),
+    (["advise", "{in}/h_list.mptrace"], "trace header must be a JSON object"),
+    (["trace", "convert", "{in}/h_null.mptrace", "-o", "{out}/x.mptrace"], "trace header must be a JSON object"),
+    (["trace", "merge", "{in}/h_list.mptrace", "-o", "{out}/m.mptrace"], "trace header must be a JSON object"),
+    (["report", "{in}/h_huge.mptrace"], "model.num_experts must be at most 32767"),
+    (["report", "{in}/h_float.mptrace"], "model.num_experts must be a whole number, got 16.0"),
+    (["report", "{in}/h_str_experts.mptrace"], "model.num_experts must be a whole number, got '16'"),
+    (["report", "{in}/h_str_ranks.mptrace"], "ranks must be a list"),
+    (["report", "{in}/h_str_ep.mptrace"], "ep_size must be a whole number"),
+    (["report", "{in}/h_inf_nodes.mptrace"], "nodes must be a whole number"),
+    (["trace", "merge", "{in}/badshards", "-o", "{out}/m.mptrace"], "ranks must be a list"),
+    (["report", "{in}/none.mptrace", "--cost-model", "{in}/cost_ok.json"], "route no token to any expert"),
+    (["compare", "{in}/none.mptrace", "{in}/toy.json", "--ranks", "4", "--cost-model", "{in}/cost_ok.json"],
+     "route no token to any expert"),
+    (["report", "{in}/bigids.npz"], "32767"),
+    (["report", "{in}/float_experts.npz"], "num_experts must be one whole number"),
+    # placement files: types, ranges and agreement
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p_float_ranks.json"], "ranks must be a whole number, got 8.0"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p_inf_ranks.json"], "ranks must be a whole number"),
+    (["compare", "{in}/t.mptrace", "{in}/p_inf_nodes.json"], "nodes must be a whole number"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p_nodes.json"], "nodes 3 does not divide ranks 8"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p_physical.json"], "num_physical_experts 40 disagrees"),
+    (["compare", "{in}/t.mptrace", "{in}/p_physical.json"], "num_physical_experts 40 disagrees"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p_list.json"], "not a placement"),
+    # numbers past what the program can hold
+    (["report", "{in}/t.mptrace", "--window", "100000000000000000000000000000"], "--window"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--window", "1e29"], "--window"),
+    (["report", "{in}/short.npz", "--window", "100"], "--window 100: longer than the longest run"),
+    (["trace", "convert", "{in}/short.npz", "--window", "61", "-o", "{out}/x.mptrace"], "(60 tokens), so no step is left"),
+    (["advise", "{in}/t.mptrace", "--redundant", "100000000000000000000000000000"], "--redundant"),
+    (["advise", "{in}/t.mptrace", "--redundant", "256"], "at most 224 spare slots"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--redundant", "1000"], "--redundant"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "100000"], "--ranks"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "1e300"], "--effort"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--replica-memory", "1e300"], "--replica-memory"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--max-steps", "1e29"], "--max-steps"),
+    (["trace", "synth", "--steps", "10", "--seed", "100000000000000000000000000000", "-o", "{out}/s"], "--seed"),
+    (["capture", "--url", "http://127.0.0.1:9", "--timeout", "1e29", "-o", "{out}/c.mptrace"], "--timeout"),
+    (["capture", "--url", "http://127.0.0.1:9", "--seconds", "1e29", "-o", "{out}/c.mptrace"], "--seconds"),
+    (["capture", "--url", "http://127.0.0.1:9", "--dump-timeout", "1e29", "-o", "{out}/c.mptrace"], "--dump-timeout"),
     # capture (no server needed: each is refused before it is contacted)
     (["capture", "--url", "localhost:30000", "-o", "{out}/c.mptrace"], "want http://HOST:PORT"),
     (["capture", "--url", "http://127.0.0.1:9", "--seconds", "nan", "-o", "{out}/c.mptrace"], "not a finite number"),
-    (["capture", "--url", "http://127.0.0.1:9", "--seconds", "inf", "-o", "{out}/c.mptrace"], "not a finite number"),
+    (["capture", "--url", "http://127.0.0.1:9", "--seconds", "inf", "-o", "{out}/c.mptrace"], "--seconds"),
     (["capture", "--url", "http://127.0.0.1:9", "--timeout", "0", "-o", "{out}/c.mptrace"], "--timeout"),
     (["capture", "--url", "http://127.0.0.1:9", "-o", "{in}/afile/c.mptrace"], "is a file, not a folder"),
     (["capture", "--url", "http://127.0.0.1:9", "-o", "{in}/folder"], "is a directory"),

@@ -226,7 +226,7 @@ def _bad_files(tmp_path):
         ("binary.json", b"\x80\x81\xff garbage", FormatError, "not valid JSON"),
         ("list.json", [[0, 1], [2, 3]], FormatError, "no 'physical_to_logical_map'"),
         ("nokey.json", {"format": "moeplace-placement"}, FormatError, "no 'physical_to_logical_map'"),
-        ("float.json", {**good, "physical_to_logical_map": bad_ids}, FormatError, "non-integer"),
+        ("float.json", {**good, "physical_to_logical_map": bad_ids}, FormatError, "must be a whole number"),
         ("strings.json", {**good, "physical_to_logical_map": [["a", "b"]]}, FormatError, "holds strings"),
         ("numstring.json", {**good, "physical_to_logical_map": [[0, "17"]]}, FormatError, "holds strings"),
         ("bools.json", {**good, "physical_to_logical_map": [[True, False]]}, FormatError, "true/false"),

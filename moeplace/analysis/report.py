@@ -11,6 +11,7 @@ import numpy as np
 from moeplace.analysis.metrics import LayerSums, accumulate_all, gap_closed, summarize
 from moeplace.cost.model import CostModel
 from moeplace.dispatch.loads import static_dispatch_table
+from moeplace.errors import MoeplaceError
 from moeplace.files.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 
@@ -43,6 +44,9 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
               for (_, p), rule in zip(items, rules)]
     for chunk in chunks:
         accumulate_all(sums, chunk, [p for _, p in items], costs, rules, tables, workers)
+    if sums and (sums[0].expert_tokens is None or not sums[0].expert_tokens.any()):
+        raise MoeplaceError("the steps read route no token to any expert (every expert id is -1, none): "
+                            "nothing to measure")
     return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 

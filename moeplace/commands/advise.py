@@ -8,9 +8,9 @@ import numpy as np
 from moeplace.trace.resample import resample_batches
 
 from moeplace.analysis.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check
-from moeplace.commands.common import echo_json, open_source
+from moeplace.commands.common import check_ranks, echo_json, open_source
 from moeplace.commands.costing import memory_warning, resolve_costing
-from moeplace.commands.options import effort_option, holdout_option, trace_options
+from moeplace.commands.options import effort_option, holdout_option, slots_count, trace_options
 from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.analysis.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
@@ -27,7 +27,7 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
 @click.option("--tp-cost-model", "tp_cost_path", type=click.Path(exists=True, dir_okay=False),
               help="TP-MoE cost model (one rank, 1/R of every expert) to use instead of the one derived for "
                    "the model's experts.")
-@click.option("--redundant", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--redundant", type=slots_count(), default=0, show_default=True,
               help="Spare slots of the layouts with spares (default: E/4, rounded down to a multiple of --ranks); "
                    "given, the EP-vs-TP verdict is for EP R with them.")
 @effort_option(2e8, "2e8")
@@ -56,6 +56,7 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
       moeplace advise traces/gptoss20b-sample.mptrace --ranks 8 --mode verify
     """
     src = open_source(trace, window, top_k)
+    check_ranks(src, ranks, redundant)
     model_check(src.model, ranks, redundant)
     model = src.model
     which = "held-out" if holdout else "fitted"

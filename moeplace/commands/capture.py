@@ -24,7 +24,7 @@ from typing import Callable
 import click
 
 from moeplace.commands.common import Progress
-from moeplace.commands.options import FiniteFloatRange, out_option
+from moeplace.commands.options import MAX_SECONDS, FiniteFloatRange, out_option
 from moeplace.errors import MoeplaceError
 from moeplace.files.outputs import check_outputs
 
@@ -196,13 +196,13 @@ def capture_trace(url: str, seconds: float, out: str | os.PathLike, dump_dir: st
 
 @click.command()
 @click.option("--url", required=True, help="SGLang server, e.g. http://127.0.0.1:30000")
-@click.option("--seconds", type=FiniteFloatRange(min=0), default=30, show_default=True, help="How long to record.")
+@click.option("--seconds", type=FiniteFloatRange(0, MAX_SECONDS), default=30, show_default=True, help="How long to record.")
 @out_option("Trace file to write (.mptrace).")
 @click.option("--dump-dir", type=click.Path(file_okay=False),
               help="Where the server writes dumps (its SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR; default: temp folder).")
-@click.option("--timeout", type=FiniteFloatRange(min=0, min_open=True), default=CONTROL_TIMEOUT, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(0, MAX_SECONDS, min_open=True), default=CONTROL_TIMEOUT, show_default=True,
               help="Seconds to wait for each control call (server info, start, stop) to answer.")
-@click.option("--dump-timeout", type=FiniteFloatRange(min=0, min_open=True), default=DUMP_TIMEOUT,
+@click.option("--dump-timeout", type=FiniteFloatRange(0, MAX_SECONDS, min_open=True), default=DUMP_TIMEOUT,
               show_default=True, help="Seconds to wait for the dump call (every rank writes its records).")
 def capture(url: str, seconds: float, out: str, dump_dir: str | None, timeout: float, dump_timeout: float) -> None:
     """Record a running SGLang server's expert routing into a moeplace trace.

@@ -11,8 +11,8 @@ from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chun
 from moeplace.files.atomic import all_or_nothing
 from moeplace.commands.costing import (Costing, cost_model_line, memory_warning, resolve_costing, slot_gb,
                                       trace_batch)
-from moeplace.commands.options import (FiniteFloatRange, effort_option, holdout_option, out_option, seed_option,
-                                       sglang_out_option, trace_options)
+from moeplace.commands.options import (MAX_GB, FiniteFloatRange, effort_option, holdout_option, out_option,
+                                       ranks_count, seed_option, sglang_out_option, slots_count, trace_options)
 from moeplace.analysis.layouts import check_split
 from moeplace.analysis.optimize import holdout_cut
 from moeplace.analysis.optimize import optimize as run_optimize
@@ -51,16 +51,16 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 
 @click.command()
 @trace_options
-@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True,
+@click.option("--nodes", type=ranks_count(), default=1, show_default=True,
               help="Nodes the ranks span; > 1 places hierarchically (nodes, then ranks).")
-@click.option("--ep-size", type=click.IntRange(min=1), default=None,
+@click.option("--ep-size", type=ranks_count(), default=None,
               help="EP groups (SGLang's --ep-size with --tp-size set to --ranks): each expert is split over the "
                    "--ranks / EP-SIZE GPUs of its group (SGLang's MoE TP), and the placement is for the groups. "
                    "Default: --ranks (plain EP). `moeplace advise` says which split is fastest.")
-@click.option("--redundant", type=click.IntRange(min=0), default=None,
+@click.option("--redundant", type=slots_count(), default=None,
               help="Spare physical slots for replicas (SGLang's --ep-num-redundant-experts; default 0). "
                    "With --dispatch balanced, replicas let each step pick where an expert runs.")
-@click.option("--replica-memory", type=FiniteFloatRange(min=0), default=None, metavar="GB",
+@click.option("--replica-memory", type=FiniteFloatRange(0, MAX_GB), default=None, metavar="GB",
               help="Spare slots by memory instead: as many per GPU as fit in GB of extra expert weights "
                    "(the experts' shape and format from --model or the trace's known model).")
 @click.option("--algorithm", type=click.Choice(list(ALGORITHMS)), default=DEFAULT_ALGORITHM, show_default=True,

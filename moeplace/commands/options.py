@@ -1,4 +1,10 @@
-"""Options shared by the commands that read a trace, defined once."""
+"""Options shared by the commands, defined once, with the bounds of every number a command takes.
+
+Every numeric option is bounded here by what the program can hold: counts by a C int (numpy and the
+kernels index with them), ids and ranks by the int16 they are stored in, waits by what a timeout may be
+(larger ones overflow the platform's, and no run lasts so long), sizes and budgets by what any machine
+has. A value past them is one line naming the option, before any work.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import click
 
 from moeplace.dispatch.loads import DISPATCH_RULES
 from moeplace.errors import MoeplaceError
+from moeplace.model.spec import MAX_EXPERTS, MAX_RANKS
 from moeplace.trace.load import DEFAULT_WINDOW
 from moeplace.trace.modes import MODE_SELECTIONS
 
@@ -24,6 +31,27 @@ DISPATCH_HELP = {
             "balanced at verify batch; spare slots placed as for balanced; the SGLang plugin runs it as "
             "MOEPLACE_DISPATCH=cost, which `moeplace launch` sets)",
 }
+
+
+MAX_COUNT = 2**31 - 1        # steps, tokens, windows: a C int
+MAX_SECONDS = 30 * 86400.0   # a wait or a recording: 30 days (threading.TIMEOUT_MAX and socket timeouts are far above)
+MAX_GB = 1e6                 # memory per GPU: no machine has a petabyte
+MAX_EFFORT = 1e15            # stepaware's work budget: about 20 days of search at its measured speed
+
+
+def count(low: int = 1, high: int = MAX_COUNT) -> click.IntRange:
+    """A whole number from ``low`` to ``high`` (default: a count, below what a C int holds)."""
+    return click.IntRange(low, high)
+
+
+def ranks_count(low: int = 1) -> click.IntRange:
+    """Ranks, nodes or EP groups: rank ids are int16."""
+    return click.IntRange(low, MAX_RANKS)
+
+
+def slots_count() -> click.IntRange:
+    """Spare slots per layer: slot ids are int16."""
+    return click.IntRange(0, MAX_EXPERTS)
 
 
 class FiniteFloatRange(click.FloatRange):
@@ -95,12 +123,12 @@ def sglang_out_option(help: str) -> Callable:
 
 def seed_option(help: str) -> Callable:
     """``--seed``: numpy takes any non-negative integer."""
-    return click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help=help)
+    return click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help=help)
 
 
 def effort_option(default: float | None, shown: str) -> Callable:
     """stepaware's ``--effort`` work budget (steps x slots x ranks cells of its swap search)."""
-    return click.option("--effort", type=FiniteFloatRange(min=1), default=default, show_default=shown,
+    return click.option("--effort", type=FiniteFloatRange(1, MAX_EFFORT), default=default, show_default=shown,
                         help="stepaware's swap-search work budget, in step x slot x rank cells.")
 
 
@@ -119,7 +147,7 @@ def trace_options(f: Callable) -> Callable:
     """TRACE argument plus the options that say how to read it and which steps to use."""
     decorators = [
         click.argument("trace", type=click.Path(exists=True, dir_okay=True)),
-        click.option("--ranks", type=click.IntRange(min=1), default=8, show_default=True,
+        click.option("--ranks", type=ranks_count(), default=8, show_default=True,
                      help="EP ranks (GPUs) the experts are spread over."),
         click.option("--mode", type=click.Choice(list(MODE_SELECTIONS)), default="all", show_default=True,
                      help="Which steps count: verify (speculative verify), decode (decode + verify), "
@@ -134,11 +162,11 @@ def trace_options(f: Callable) -> Callable:
                      help="Cost-model JSON (a_us_per_expert, b_us_per_token, c_us; optionally r_us_per_block "
                           "with block_m, the cost of each row block past an expert's first) to use instead of the "
                           "one derived for the model's experts (H200 measurements, moeplace/cost/measured)."),
-        click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
+        click.option("--window", type=count(), default=DEFAULT_WINDOW, show_default=True,
                      help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
-        click.option("--top-k", type=click.IntRange(min=1), default=None,
+        click.option("--top-k", type=count(1, MAX_EXPERTS), default=None,
                      help="For logical_count JSON files, which do not record it (default 8)."),
-        click.option("--max-steps", type=click.IntRange(min=1), default=None,
+        click.option("--max-steps", type=count(), default=None,
                      help="Use at most this many steps: optimize and advise take them evenly spaced over the "
                           "trace (default 20,000: more rarely changes the placement); report and compare "
                           "stream the first ones (default: all)."),

@@ -15,7 +15,8 @@ import click
 import numpy as np
 
 from moeplace.commands.common import Progress, model_config_file, warn_damage
-from moeplace.commands.options import FiniteFloatRange, out_option, seed_option
+from moeplace.commands.options import FiniteFloatRange, count, out_option, seed_option
+from moeplace.model.spec import MAX_EXPERTS
 from moeplace.errors import FormatError, MoeplaceError
 from moeplace.files.outputs import check_outputs, check_writable, nearest_existing, output_inside
 from moeplace.model.spec import ModelSpec
@@ -233,9 +234,9 @@ def merge(shards: tuple[str, ...], out: str, skip_partial: bool, include_partial
 @trace.command()
 @click.argument("source", type=click.Path(exists=True))
 @out_option("Trace file to write (.mptrace).")
-@click.option("--window", type=click.IntRange(min=1), default=DEFAULT_WINDOW, show_default=True,
+@click.option("--window", type=count(), default=DEFAULT_WINDOW, show_default=True,
               help="For per-token decode runs (.npz): consecutive tokens per emulated verify step.")
-@click.option("--top-k", type=click.IntRange(min=1), default=None,
+@click.option("--top-k", type=count(1, MAX_EXPERTS), default=None,
               help="For logical_count JSON files, which do not record it (default 8).")
 def convert(source: str, out: str, window: int, top_k: int | None) -> None:
     """Turn any trace moeplace reads into one .mptrace file.
@@ -278,8 +279,8 @@ MIN_PACKED_SHARE = 0.25
 @click.option("--model", "model_ref", metavar="PATH|ID",
               help="Take the layout from this model's config.json instead: a folder, the file, or a Hugging Face "
                    "id in the local cache (offline).")
-@click.option("--steps", type=click.IntRange(min=1), required=True, help="Steps (forward passes) to make.")
-@click.option("--tokens-per-step", type=click.IntRange(min=1), default=9, show_default=True,
+@click.option("--steps", type=count(1, 2**62), required=True, help="Steps (forward passes) to make.")
+@click.option("--tokens-per-step", type=count(), default=9, show_default=True,
               help="Tokens per step (9: a speculative verify of 9 draft tokens).")
 @click.option("--mode", type=click.Choice(list(SYNTH_MODES)), default="verify", show_default=True,
               help="Forward mode the steps are labelled with.")

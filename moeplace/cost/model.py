@@ -24,11 +24,6 @@ import numpy as np
 from moeplace.errors import FormatError
 
 
-# A coefficient above this (a second per expert, token or launch of one layer) is no GPU's: a file
-# holding one is refused before its costs overflow to inf.
-MAX_COEFFICIENT_US = 1e6
-
-
 @dataclass(frozen=True)
 class CostModel:
     a_us_per_expert: float = 33.15
@@ -90,23 +85,10 @@ def load_cost_model(path: str | os.PathLike) -> CostModel:
         raise FormatError(path, e.strerror or "cannot read") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise FormatError(path, "not valid JSON") from None
-    try:
-        values = {k: float(d[k]) for k in ("a_us_per_expert", "b_us_per_token", "c_us")}
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(path, f"cost model needs numeric a_us_per_expert, b_us_per_token, c_us ({e})") from None
-    try:
-        values["r_us_per_block"] = float(d.get("r_us_per_block", 0.0))
-        block_m = d.get("block_m", 0)
-        if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 0:
-            raise ValueError(f"block_m {block_m!r} is not a whole number of rows")
-        if block_m & (block_m - 1):
-            raise ValueError(f"block_m {block_m} is not a power of two, as SGLang's row blocks are")
-    except (TypeError, ValueError) as e:
-        raise FormatError(path, f"cost model's row-block term needs numeric r_us_per_block and block_m ({e})") from None
-    if not all(np.isfinite(v) and 0 <= v <= MAX_COEFFICIENT_US for v in values.values()):
-        raise FormatError(path, f"cost model coefficients must be finite and non-negative, at most "
-                                f"{MAX_COEFFICIENT_US:g} µs (got {', '.join(f'{k} {v:g}' for k, v in values.items())})")
-    if values["r_us_per_block"] > 0 and block_m == 0:
-        raise FormatError(path, "cost model has r_us_per_block but no block_m (the rows of a block)")
-    provenance = d.get("provenance") if isinstance(d.get("provenance"), dict) else {}
+    from moeplace.cost.schema import CostModelSchema
+    from moeplace.model.schema import validate
+
+    checked = validate(CostModelSchema, d, path, "cost model")
+    values = {k: float(getattr(checked, k)) for k in ("a_us_per_expert", "b_us_per_token", "c_us", "r_us_per_block")}
+    block_m, provenance = checked.block_m, dict(checked.provenance)
     return CostModel(**values, block_m=block_m, provenance=provenance, source=f"file {os.fspath(path)}")

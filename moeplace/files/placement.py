@@ -21,8 +21,6 @@ from moeplace.model.spec import ModelSpec
 
 PLACEMENT_FORMAT = "moeplace-placement"
 PLACEMENT_VERSION = 1
-# Larger ids are no model's experts; refused before the cast to int64 (which 1e30 would overflow).
-MAX_EXPERT_ID = 2**31 - 1
 
 
 @dataclass
@@ -170,32 +168,20 @@ def load_placement(path: str | os.PathLike, model: ModelSpec | None = None, rank
     data = _read_placement_data(path)
     if not isinstance(data, dict) or "physical_to_logical_map" not in data:
         raise FormatError(path, "no 'physical_to_logical_map' in the file (not a placement)")
-    raw = data["physical_to_logical_map"]
-    try:
-        phy2log = np.asarray(raw)
-    except (TypeError, ValueError):
-        raise FormatError(path, "physical_to_logical_map is not a rectangular array of numbers") from None
-    if phy2log.dtype.kind not in "iuf":   # strings ("17"), booleans, nested objects: not expert ids
-        raise FormatError(path, f"physical_to_logical_map holds {_kind_name(phy2log.dtype)}, not expert ids")
-    if phy2log.ndim != 2:
-        raise FormatError(path, f"physical_to_logical_map must be 2-D, got shape {list(phy2log.shape)}")
-    phy2log = phy2log.astype(np.float64)
-    if not np.all(np.isfinite(phy2log)) or np.any(phy2log != np.round(phy2log)):
-        raise FormatError(path, "physical_to_logical_map holds non-integer values")
-    if phy2log.size and np.abs(phy2log).max() > MAX_EXPERT_ID:
-        raise FormatError(path, f"physical_to_logical_map holds expert id {phy2log.flat[np.abs(phy2log).argmax()]:g}, "
-                                f"beyond any model's experts")
-    phy2log = phy2log.astype(np.int64)
+    from moeplace.files.placement_schema import PlacementSchema, SglangPlacementSchema
+    from moeplace.model.schema import validate
+
     if data.get("format") == PLACEMENT_FORMAT:
         if data.get("version") != PLACEMENT_VERSION:
-            raise FormatError(path, f"placement version {data.get('version')} is not supported")
+            raise FormatError(path, f"placement version {data.get('version')!r} is not supported")
+        checked = validate(PlacementSchema, data, path, "placement")
+        phy2log = np.asarray(checked.physical_to_logical_map, np.int64)
         try:
             own_model = ModelSpec.from_json(data["model"])
-            p = Placement(own_model, int(data["ranks"]), phy2log, nodes=int(data.get("nodes", 1)),
-                          algorithm=str(data.get("algorithm", "unknown")), trace=str(data.get("trace", "")),
-                          metrics=dict(data.get("metrics") or {}))
-        except (KeyError, TypeError, ValueError, MoeplaceError) as e:  # MoeplaceError: a bad model
+        except MoeplaceError as e:  # a bad model
             raise FormatError(path, f"bad placement field: {e}") from None
+        p = Placement(own_model, checked.ranks, phy2log, nodes=checked.nodes, algorithm=checked.algorithm,
+                      trace=checked.trace, metrics=dict(checked.metrics))
         if model is not None and (own_model.num_experts, own_model.num_moe_layers) != (model.num_experts, model.num_moe_layers):
             raise PlacementError(f"{path}: placement is for {own_model.name!r} ({own_model.num_moe_layers} MoE layers, "
                                  f"{own_model.num_experts} experts), the trace for {model.name!r} "
@@ -205,6 +191,8 @@ def load_placement(path: str | os.PathLike, model: ModelSpec | None = None, rank
     else:
         if model is None or ranks is None:
             raise PlacementError(f"{path}: an SGLang placement file needs the model (from a trace) and --ranks")
+        phy2log = np.asarray(validate(SglangPlacementSchema, data, path, "SGLang placement").physical_to_logical_map,
+                             np.int64)
         if phy2log.shape[0] == model.num_hidden_layers:
             phy2log = phy2log[list(model.moe_layers)]
         elif phy2log.shape[0] != model.num_moe_layers:
@@ -218,10 +206,6 @@ def load_placement(path: str | os.PathLike, model: ModelSpec | None = None, rank
     return p
 
 
-def _kind_name(dtype: np.dtype) -> str:
-    return {"U": "strings", "S": "strings", "b": "true/false values"}.get(dtype.kind, "values that are not numbers")
-
-
 def _read_placement_data(path: Path) -> Any:
     if path.is_dir():
         raise FormatError(path, "is a folder, not a placement file")
@@ -232,7 +216,7 @@ def _read_placement_data(path: Path) -> Any:
 
         data = load_pt(path, f"{path}: reading an SGLang .pt placement")
         if isinstance(data, dict) and "physical_to_logical_map" in data:
-            data = {**data, "physical_to_logical_map": np.asarray(data["physical_to_logical_map"])}
+            data = {**data, "physical_to_logical_map": np.asarray(data["physical_to_logical_map"]).tolist()}
         return data
     try:
         return json.loads(path.read_text())

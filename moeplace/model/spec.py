@@ -7,6 +7,11 @@ from typing import Any
 
 from moeplace.errors import MoeplaceError
 
+# What the program can hold: expert and slot ids, and rank ids, are int16 in memory (RoutingSteps).
+MAX_EXPERTS = 32767
+MAX_RANKS = 32767
+MAX_LAYERS = 4096        # no model has near as many; bounds every [.., L, ..] array
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -26,6 +31,9 @@ class ModelSpec:
             raise MoeplaceError(
                 f"model {self.name!r}: need 1 <= top_k <= num_experts, got top_k={self.top_k}, "
                 f"num_experts={self.num_experts}")
+        if self.num_experts > MAX_EXPERTS or not 1 <= self.num_hidden_layers <= MAX_LAYERS:
+            raise MoeplaceError(f"model {self.name!r}: {self.num_experts} experts over {self.num_hidden_layers} "
+                                f"layers; moeplace holds up to {MAX_EXPERTS} experts and {MAX_LAYERS} layers")
         if not self.moe_layers:
             raise MoeplaceError(f"model {self.name!r}: no MoE layers")
         layers = tuple(int(x) for x in self.moe_layers)

@@ -173,9 +173,12 @@ def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW, guesses: list[str] |
             ids = z["topk_ids"]
             offsets = z["example_offsets"] if "example_offsets" in z.files else np.array([0, ids.shape[0]])
             name = str(z["model_name"]) if "model_name" in z.files else path.stem
-            given_experts = int(z["num_experts"]) if "num_experts" in z.files else None
+            given = z["num_experts"] if "num_experts" in z.files else None
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         raise FormatError(path, f"not a top-k ids .npz ({e.__class__.__name__}: {e})") from None
+    if given is not None and (given.shape != () or given.dtype.kind not in "iu"):
+        raise FormatError(path, f"num_experts must be one whole number, got {given.dtype} of shape {list(given.shape)}")
+    given_experts = int(given) if given is not None else None
     if ids.ndim != 3:
         raise FormatError(path, f"topk_ids must be [tokens, layers, top_k], got shape {list(ids.shape)}")
     if ids.dtype.kind not in "iu":
@@ -203,6 +206,10 @@ def read_topk_npz(path: Path, window: int = DEFAULT_WINDOW, guesses: list[str] |
     T, L, K = ids.shape
     starts, ends = offsets[:-1], offsets[1:]
     windows = (ends - starts) // window
+    if ids.shape[0] and not windows.any():
+        longest = int((ends - starts).max())
+        raise MoeplaceError(f"--window {window}: longer than the longest run in {path} ({longest:,} tokens), so "
+                            f"no step is left; give --window {longest} or less")
     win_start = np.repeat(starts, windows) + window * _ranges_within(windows)
     rows = (win_start[:, None] + np.arange(window)).ravel()
     try:

@@ -72,32 +72,24 @@ class TraceHeader:
         return {"format": "moeplace-trace", **d}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], path: object = "<header>") -> "TraceHeader":
+    def from_json(cls, d: Any, path: object = "<header>") -> "TraceHeader":
+        """The header a file holds, checked against its schema (``trace/header_schema.py``) first."""
+        if not isinstance(d, dict):
+            raise FormatError(path, f"trace header must be a JSON object, got {type(d).__name__}")
         if d.get("format") != "moeplace-trace":
             raise FormatError(path, "not a moeplace trace header")
         if d.get("version") != FORMAT_VERSION:
-            raise FormatError(path, f"trace format version {d.get('version')} is not supported (want {FORMAT_VERSION})")
+            raise FormatError(path, f"trace format version {d.get('version')!r} is not supported (want {FORMAT_VERSION})")
+        from moeplace.model.schema import validate
+        from moeplace.trace.header_schema import TraceHeaderSchema
+
+        checked = validate(TraceHeaderSchema, d, path, "trace header")
         try:
             model = ModelSpec.from_json(d["model"])
-            fields = {k: d[k] for k in cls.__dataclass_fields__ if k in d and k != "model"}
-            header = cls(model=model, **fields)
-        except (KeyError, TypeError, MoeplaceError) as e:
+            fields = {k: getattr(checked, k) for k in cls.__dataclass_fields__ if k in d and k != "model"}
+            return cls(model=model, **fields)
+        except MoeplaceError as e:
             raise FormatError(path, f"bad trace header: {e}") from None
-        if header.id_space not in ("logical", "physical"):
-            raise FormatError(path, f"id_space must be 'logical' or 'physical', got {header.id_space!r}")
-        if header.id_space == "physical":
-            try:
-                p2l = np.asarray(header.physical_to_logical_map if header.physical_to_logical_map is not None else [])
-            except (TypeError, ValueError):  # ragged rows
-                raise FormatError(path, "physical_to_logical_map is not a rectangular array") from None
-            if p2l.size and not np.issubdtype(p2l.dtype, np.integer):
-                raise FormatError(path, "physical_to_logical_map must hold integer expert ids")
-            if p2l.ndim != 2 or p2l.shape[0] != model.num_moe_layers:
-                raise FormatError(path, f"physical ids need a physical_to_logical_map of shape "
-                                        f"[{model.num_moe_layers}, P], got {list(p2l.shape)}")
-            if p2l.size and (p2l.min() < 0 or p2l.max() >= model.num_experts):
-                raise FormatError(path, "physical_to_logical_map holds ids outside the model's experts")
-        return header
 
 
 # The note ``TraceReader.damaged`` holds for a ``.part`` shard it reads.

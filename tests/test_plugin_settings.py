@@ -1,0 +1,96 @@
+"""The plugin's settings take only their documented values: every switch the same spellings, anything else
+stops the start with one line naming the variable and what it takes; ``moeplace launch`` checks the same
+settings, with the same function, before it starts SGLang."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from moeplace.cli import main
+from moeplace.files.placement import Placement, save_placement
+from moeplace.model.spec import ModelSpec
+from moeplace.sglang import settings
+from moeplace.sglang.settings import SWITCH_OFF, SWITCH_ON, SWITCHES, SettingError, check_settings
+
+BAD_SWITCH_VALUES = ["2", "enable", "enabled", "y", "n", "-1", "1.0", "truee", "ON!"]
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+@pytest.mark.parametrize("value", BAD_SWITCH_VALUES)
+def test_a_switch_takes_only_its_spellings(name: str, value: str) -> None:
+    with pytest.raises(SettingError) as e:
+        check_settings({name: value})
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{name}={value!r}") and "1, true, yes, on" in line
+
+
+@pytest.mark.parametrize("name", SWITCHES)
+def test_every_switch_reads_every_spelling_alike(name: str) -> None:
+    field = {"MOEPLACE_TRACE": "trace", "MOEPLACE_KV_SORT": "kv_sort", "MOEPLACE_VERIFY_KERNEL": "verify_kernel"}[name]
+    for value in SWITCH_ON:
+        for shown in (value, value.upper(), f" {value} "):
+            assert getattr(check_settings({name: shown, "MOEPLACE_TRACE_DIR": ""}), field) is True
+    for value in SWITCH_OFF:
+        assert getattr(check_settings({name: value}), field) is False
+
+
+def test_the_verify_kernel_reads_its_switch_as_the_plugin_does(monkeypatch) -> None:
+    from moeplace.sglang.verify_backend import enabled
+
+    monkeypatch.setenv("MOEPLACE_VERIFY_KERNEL", "true")
+    assert enabled() and check_settings().verify_kernel
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"MOEPLACE_DISPATCH": "balance"}, "MOEPLACE_DISPATCH"),
+    ({"MOEPLACE_DISPATCH": "1"}, "MOEPLACE_DISPATCH"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "abc"}, "MOEPLACE_DISPATCH_Q"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "1,2"}, "MOEPLACE_DISPATCH_WEIGHTS"),
+    ({"MOEPLACE_DISPATCH_Q": "4"}, "MOEPLACE_DISPATCH_Q"),     # set, but the rule that reads it is off
+    ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "many"}, "MOEPLACE_DISPATCH_MAX_TOKENS"),
+    ({"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_SLOTS": "1e40"}, "MOEPLACE_TRACE_SLOTS"),
+    ({"MOEPLACE_TRACE_DIR": "/tmp/t", "MOEPLACE_TRACE_FLUSH_SECONDS": "1e300"}, "MOEPLACE_TRACE_FLUSH_SECONDS"),
+])
+def test_other_settings_are_checked_too(env: dict[str, str], named: str) -> None:
+    with pytest.raises(SettingError, match=named):
+        check_settings(env)
+
+
+def test_the_plugin_stops_with_one_line(monkeypatch, capsys) -> None:
+    from moeplace.sglang.plugin import enabled_features
+
+    monkeypatch.setenv("MOEPLACE_KV_SORT", "2")
+    with pytest.raises(SystemExit) as e:
+        enabled_features()
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "MOEPLACE_KV_SORT='2'" in err
+
+
+def test_settings_import_nothing_heavy() -> None:
+    assert "torch" not in settings.__dict__ and "sglang" not in settings.__dict__
+
+
+TOY_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 4,
+              "first_k_dense_replace": 1, "moe_layer_freq": 1, "n_routed_experts": 16, "num_experts_per_tok": 4}
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"MOEPLACE_DISPATCH_Q": "abc"}, "MOEPLACE_DISPATCH_Q"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "1,2"}, "MOEPLACE_DISPATCH_WEIGHTS"),
+    ({"MOEPLACE_TRACE": "enable"}, "MOEPLACE_TRACE"),
+])
+def test_launch_checks_the_plugin_settings_before_sglang(tmp_path, monkeypatch, capsys, env, named) -> None:
+    (tmp_path / "toy").mkdir()
+    (tmp_path / "toy" / "config.json").write_text(json.dumps(TOY_CONFIG))
+    save_placement(tmp_path / "p.json", Placement(ModelSpec("toy", 4, (1, 2, 3), 16, 4), 4, np.tile(np.arange(16), (3, 1))))
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as e:
+        main(["launch", "--placement", str(tmp_path / "p.json"), "--dry-run", "--", "--model-path",
+              str(tmp_path / "toy"), "--tp", "4", "--ep", "4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and named in err[0], err
+    assert not (tmp_path / "p.sglang.json").exists()
