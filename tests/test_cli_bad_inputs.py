@@ -244,7 +244,7 @@ CASES = [
     (["report", "{in}/short.npz", "--window", "100"], "--window 100: longer than the longest run"),
     (["trace", "convert", "{in}/short.npz", "--window", "61", "-o", "{out}/x.mptrace"], "(60 tokens), so no step is left"),
     (["advise", "{in}/t.mptrace", "--redundant", "100000000000000000000000000000"], "--redundant"),
-    (["advise", "{in}/t.mptrace", "--redundant", "256"], "at most 224 spare slots"),
+    (["advise", "{in}/t.mptrace", "--redundant", "256"], "so at most 224 spare slots"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--redundant", "1000"], "--redundant"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "100000"], "--ranks"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--effort", "1e300"], "--effort"),

@@ -306,7 +306,7 @@ def test_effort_help_shows_its_default_and_range():
     from moeplace.cli import cli
 
     text = " ".join(CliRunner().invoke(cli, ["advise", "--help"]).output.split())
-    assert "[default: (2e8); x>=1]" in text and "200000000.0" not in text
+    assert "[default: (2e8); 1<=x<=1e+15]" in text and "200000000.0" not in text
 
 
 # ----------------------------------------------------------------------------- 14: logs, signals, servers, .pt

@@ -233,7 +233,7 @@ def test_a_server_with_nothing_to_choose_stops_at_start(hooked, server, capsys):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"MOEPLACE_DISPATCH": "fastest"}, "MOEPLACE_DISPATCH must be one of balanced, cost"),
+    ({"MOEPLACE_DISPATCH": "fastest"}, "MOEPLACE_DISPATCH='fastest': takes balanced or cost"),
     ({"MOEPLACE_DISPATCH": "cost"}, "MOEPLACE_DISPATCH=cost needs MOEPLACE_DISPATCH_Q"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "0"}, "an integer from 1 to 65536"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "4.5"}, "got '4.5'"),

@@ -55,7 +55,14 @@ def test_npz_windows_cut_within_examples(tmp_path):
     assert header.source == "converted:ids.npz" and "4" in header.notes and not header.aggregate_only
 
 
-@pytest.mark.parametrize("window", [1, 3, 9, 40])
+def test_npz_window_longer_than_every_run_is_named(tmp_path):
+    path = tmp_path / "ids.npz"
+    _row_coded_npz(path, [0, 10, 13, 31, 35])
+    with pytest.raises(MoeplaceError, match=r"--window 40: longer than the longest run .* \(18 tokens\)"):
+        open_trace(path, window=40)
+
+
+@pytest.mark.parametrize("window", [1, 3, 9, 18])
 def test_npz_window_count(tmp_path, window):
     path = tmp_path / "ids.npz"
     offsets = [0, 10, 13, 31, 35]

@@ -121,6 +121,13 @@ def flip_batch(verdicts: list[BatchVerdict]) -> float | None:
     return None
 
 
+def flip_batches(verdicts: list[BatchVerdict]) -> list[tuple[float, str, str]]:
+    """Every change of winner over ``verdicts`` (sorted by batch): (batch where it flips, interpolated as in
+    ``flip_batch``; the winner below; the winner above)."""
+    return [(crossing(lo.batch, hi.batch, lo.ep_us / lo.tp_us, hi.ep_us / hi.tp_us), lo.winner, hi.winner)
+            for lo, hi in zip(verdicts, verdicts[1:]) if lo.winner != hi.winner]
+
+
 def crossing(lo_batch: int, hi_batch: int, lo_ratio: float, hi_ratio: float) -> float:
     """Batch size where a cost ratio that is ``lo_ratio`` at ``lo_batch`` and ``hi_ratio`` at ``hi_batch``
     (on opposite sides of 1) reaches 1, interpolating its log linearly in log batch."""

@@ -7,7 +7,7 @@ import numpy as np
 
 from moeplace.trace.resample import resample_batches
 
-from moeplace.analysis.advise import BATCH_GRID, BatchVerdict, flip_batch, model_check
+from moeplace.analysis.advise import BATCH_GRID, BatchVerdict, flip_batch, flip_batches, model_check
 from moeplace.commands.common import check_ranks, echo_json, open_source
 from moeplace.commands.costing import memory_warning, resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, slots_count, trace_options
@@ -23,7 +23,7 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
 
 
 @click.command()
-@trace_options
+@trace_options(dispatch=False)
 @click.option("--tp-cost-model", "tp_cost_path", type=click.Path(exists=True, dir_okay=False),
               help="TP-MoE cost model (one rank, 1/R of every expert) to use instead of the one derived for "
                    "the model's experts.")
@@ -34,14 +34,14 @@ EVAL_STEPS = 256      # held-out steps (or resampled batches) each cost is avera
 @holdout_option(0.3, "Share of the trace's last steps held out: the placements are fitted on the rest and every "
                      "cost is measured on the held-out steps (0: all steps for both).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
-def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
+def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_path: str | None,
            window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
            holdout: float, as_json: bool) -> None:
     """Say which layout runs TRACE's MoE layers fastest: EP, TP-MoE, or EP groups with MoE TP inside.
 
     One comparison of every layout SGLang can run on the --ranks GPUs (--tp-size R --ep-size G: G EP
     groups, each expert split over R/G GPUs; EP R, ..., TP-MoE), each without spare slots (the better of
-    DeepSeek EPLB and step-aware placements, one replica per expert, so --dispatch does not matter) and
+    DeepSeek EPLB and step-aware placements, one replica per expert, so the replica choice does not matter) and
     with them (moeplace's cost rule, balanced dispatch at verify batch), at the trace's batch and at every
     batch size, and the batches where the fastest changes; its EP R and TP-MoE rows give the EP-vs-TP
     verdict. A layout's cost per layer is its slowest GPU's. Cost models are derived for the model's
@@ -63,6 +63,12 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     costing = resolve_costing(model, cost_model_path, model_ref,
                               derived_needed=not (cost_model_path and tp_cost_path))
     tp_file = load_cost_model(tp_cost_path) if tp_cost_path else None
+    spares = redundant or model.num_experts // 4 // ranks * ranks
+    # A GPU holds (E + spares) / ranks experts' bytes in every EP x TP split, so one check covers them all;
+    # it depends on the flags and the model only, so it comes before the work.
+    memory = memory_warning(model, ranks, spares, costing, fewer="fewer (--redundant)")
+    if memory:
+        click.echo(f"warning: the layouts with spare slots: {memory}", err=True)
     steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
         raise src.no_steps_error(mode)
@@ -72,11 +78,6 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     fit, sample = evenly_spaced(fitted, FIT_STEPS), evenly_spaced(held_out, EVAL_STEPS)
     trace_batch = max(1, int(np.median(sample.num_tokens)))
     samples = {batch: resample_batches(held_out, batch, EVAL_STEPS // 4) for batch in BATCH_GRID}
-    spares = redundant or model.num_experts // 4 // ranks * ranks
-    # A GPU holds (E + spares) / ranks experts' bytes in every EP x TP split, so one check covers them all.
-    memory = memory_warning(model, ranks, spares, costing, fewer="fewer (--redundant)")
-    if memory:
-        click.echo(f"warning: the layouts with spare slots: {memory}", err=True)
 
     def layout_cost(layout: Layout, batch: int) -> CostModel:
         """A GPU of ``layout`` at steps of ``batch`` tokens: SGLang's kernel config and grid for that batch."""
@@ -92,6 +93,7 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     here = ep_vs_tp(ep_row, tp_row)
     grid = [ep_vs_tp(ep_row, tp_row, batch) for batch in BATCH_GRID]
     flip = flip_batch(grid)
+    flips_ep_tp = flip_batches(grid)
     ep_cost, tp_cost = layout_cost(ep_row.layout, trace_batch), layout_cost(tp_row.layout, trace_batch)
     if as_json:
         def row(v):
@@ -99,7 +101,8 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                     "winner": v.winner, "speedup": v.speedup}
         echo_json({"trace": trace, "ranks": ranks, "fit_steps": fit.num_steps, "eval_steps": sample.num_steps,
                    "evaluated_on": f"{which} steps", "at_trace": row(here), "grid": [row(v) for v in grid],
-                   "flip_batch": flip, "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json(),
+                   "flip_batch": flip, "flips": [{"batch": at, "below": lo, "above": hi} for at, lo, hi in flips_ep_tp],
+                   "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json(),
                    "layouts": [{"name": r.layout.name, "ep_size": r.layout.ep, "moe_tp": r.layout.moe_tp,
                                 "spares": r.layout.spares, "rule": r.layout.rule, "at_trace_us": r.at_trace,
                                 "grid_us": {str(b): v for b, v in r.grid.items()},
@@ -117,7 +120,7 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
                f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
                f"{here.tp_us / 1e3:.2f} ms of MoE per step, {steps.model.num_moe_layers} layers)"
-               + ("" if flip is None else f"; EP against TP-MoE flips at about {flip:.0f} tokens per step") + ".")
+               + ep_tp_flips(flips_ep_tp) + ".")
     unmeasured = [r.layout.name for r in layouts if any(
         isinstance(layout_cost(r.layout, b).provenance.get("derived_from"), list) for b in (trace_batch, *r.grid))]
     echo_layouts(layouts, flips, ranks, trace_batch, unmeasured)
@@ -126,6 +129,17 @@ def advise(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                "64-row blocks above: its default, no tuned file ships for these shapes) and its launch grid.")
     click.echo(f"EP cost model at {trace_batch} tokens per step: {ep_cost.describe()}")
     click.echo(f"TP cost model at {trace_batch} tokens per step: {tp_cost.describe()}")
+
+
+def ep_tp_flips(flips: list[tuple[float, str, str]]) -> str:
+    """Every flip of EP against TP-MoE over the batch grid, as a clause of the verdict line ("" if none)."""
+    if not flips:
+        return ""
+    names = {"ep": "EP", "tp": "TP-MoE"}
+    parts = [f"{names[flips[0][1]]} up to about {flips[0][0]:.0f} tokens per step"]
+    parts += [f"{names[below]} up to about {at:.0f}" for at, below, _ in flips[1:]]
+    parts.append(f"{names[flips[-1][2]]} above")
+    return "; by batch size, the faster of the two is " + ", then ".join(parts)
 
 
 def ep_vs_tp(ep: LayoutCosts, tp: LayoutCosts, batch: int | None = None) -> BatchVerdict:

@@ -106,8 +106,9 @@ def check_ranks(trace: Trace, ranks: int, redundant: int = 0) -> None:
     """Reject rank counts that cannot hold the trace's experts (one line, before any work)."""
     E = trace.model.num_experts
     if redundant > E * (ranks - 1):
-        raise click.BadParameter(f"{redundant} spare slots over {ranks} ranks: a rank never holds an expert twice, so "
-                                 f"{E} experts take at most {E * (ranks - 1)} spare slots", param_hint="--redundant")
+        raise click.BadParameter(f"{redundant} spare slots over {ranks} ranks: the slots per rank exceed the {E} "
+                                 f"experts (a rank never holds an expert twice), so at most {E * (ranks - 1)} spare "
+                                 f"slots", param_hint="--redundant")
     if (E + redundant) % ranks:
         raise click.BadParameter(f"{E} experts + {redundant} redundant slots do not split evenly over "
                                  f"{ranks} ranks", param_hint="--ranks")

@@ -122,6 +122,9 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         check_split(ranks, groups, model.num_experts, costing.shape.intermediate)
     redundant = spare_slots(model, groups, redundant, replica_memory, costing, moe_tp)
     check_ranks(src, groups, redundant)
+    memory = memory_warning(model, groups, redundant, costing, moe_tp)   # the flags and the model only: said now
+    if memory:
+        click.echo(f"warning: {memory}", err=True)
     batch = trace_batch(src, mode)       # SGLang's kernel config and launch grid follow the trace's batch
     cost_model = costing.group((model.num_experts + redundant) // groups, moe_tp, batch)
     today_cost = costing.group(model.num_experts // groups, moe_tp, batch)   # the reference row: no spare slot
@@ -135,8 +138,6 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     fitted_steps = result.fitted_steps
     which = "held-out" if holdout else "fitted"
     warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
-    memory = memory_warning(model, groups, redundant, costing, moe_tp)
-    warnings += [memory] if memory else []
     if ep_size is not None:   # what `moeplace launch` passes to SGLang
         result.placement.metrics["ep_split"] = {"gpus": ranks, "ep_size": groups, "moe_tp": moe_tp}
     split = (f"{ranks} ranks" if ep_size is None else
@@ -153,7 +154,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         echo_json({"placement": out, "sglang_out": sglang_out, "fit_steps": result.fit_steps,
                    "eval_steps": result.eval_steps, "evaluated_on": f"{which} steps", "note": result.note,
                    "fitted_column_steps": fitted_steps, "baseline": result.baseline, "rows": rows,
-                   "warnings": warnings, "cost_model": cost_model.to_json(), "plots": plots,
+                   "warnings": warnings + ([memory] if memory else []), "cost_model": cost_model.to_json(), "plots": plots,
                    "spare_slots": redundant, "ep_size": groups, "moe_tp": moe_tp,
                    "replica_gb_per_gpu": replica_gb(model, groups, redundant, costing, moe_tp)})
         return

@@ -143,8 +143,11 @@ def dispatch_help() -> str:
     return f"How tokens pick among an expert's replicas: {rules}."
 
 
-def trace_options(f: Callable) -> Callable:
-    """TRACE argument plus the options that say how to read it and which steps to use."""
+def trace_options(f: Callable | None = None, *, dispatch: bool = True) -> Callable:
+    """TRACE argument plus the options that say how to read it and which steps to use; ``--dispatch`` only
+    where the command uses it (``@trace_options(dispatch=False)`` leaves it out)."""
+    if f is None:
+        return lambda g: trace_options(g, dispatch=dispatch)
     decorators = [
         click.argument("trace", type=click.Path(exists=True, dir_okay=True)),
         click.option("--ranks", type=ranks_count(), default=8, show_default=True,
@@ -171,6 +174,8 @@ def trace_options(f: Callable) -> Callable:
                           "trace (default 20,000: more rarely changes the placement); report and compare "
                           "stream the first ones (default: all)."),
     ]
+    if not dispatch:
+        del decorators[3]   # --dispatch
     for d in reversed(decorators):
         f = d(f)
     return f
