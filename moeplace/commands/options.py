@@ -57,6 +57,16 @@ def slots_count() -> click.IntRange:
 class FiniteFloatRange(click.FloatRange):
     """A FloatRange that also refuses nan and inf, which pass every bound check (nan compares false)."""
 
+    def _describe_range(self) -> str:
+        """The range as help and errors show it, in short numbers (1e+15, not 1000000000000000.0)."""
+        low = None if self.min is None else f"{self.min:g}{'<' if self.min_open else '<='}"
+        high = None if self.max is None else f"{'<' if self.max_open else '<='}{self.max:g}"
+        if low is None:
+            return f"x{high}"
+        if high is None:
+            return f"x{'>' if self.min_open else '>='}{self.min:g}"
+        return f"{low}x{high}"
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         number = super().convert(value, param, ctx)
         if not math.isfinite(number):
