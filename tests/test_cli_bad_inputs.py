@@ -238,6 +238,9 @@ CASES = [
     (["report", "{in}/t.mptrace", "--placement", "{in}/p_physical.json"], "num_physical_experts 40 disagrees"),
     (["compare", "{in}/t.mptrace", "{in}/p_physical.json"], "num_physical_experts 40 disagrees"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/p_list.json"], "not a placement"),
+    (["launch", "--placement", "{in}/p_inf_ranks.json", "--dry-run", *TOY_LAUNCH], "ranks must be a whole number"),
+    (["launch", "--placement", "{in}/p_physical.json", "--dry-run", *TOY_LAUNCH], "num_physical_experts 40 disagrees"),
+    (["launch", "--placement", "{in}/p_nodes.json", "--dry-run", *TOY_LAUNCH], "nodes 3 does not divide ranks 8"),
     # numbers past what the program can hold
     (["report", "{in}/t.mptrace", "--window", "100000000000000000000000000000"], "--window"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--window", "1e29"], "--window"),

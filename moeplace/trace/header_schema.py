@@ -14,7 +14,7 @@ class TraceHeaderSchema(Schema):
     format: Literal["moeplace-trace"]
     version: int
     model: ModelSchema
-    source: str = ""
+    source: str
     id_space: Literal["logical", "physical"] = "logical"
     physical_to_logical_map: list[list[int]] | None = None
     ep_size: int = Field(1, ge=1, le=MAX_RANKS)
