@@ -811,12 +811,12 @@ def run_two_gpus(model: Path, work: Path, port: int, startup: float) -> list[Che
     argv = {
         "deepseek": server_argv(model, port + 1, ep, launch=["--placement", "deepseek.json"]),
         "stepaware": server_argv(model, port + 2, ep, launch=["--placement", "stepaware.json"]),
-        "balanced": server_argv(model, port + 3, ep + spares, launch=["--placement", "balanced.json", "--sglang-file",
+        "balanced": server_argv(model, port + 3, ep + spares, launch=["--placement", "balanced.json", "--sglang-out",
                                         str(work / "balanced.sglang.json")]),
         "tp-moe": server_argv(model, port + 4, ["--tp", "2"]),
         # the rule by cost: `launch` sets MOEPLACE_DISPATCH=cost and its weights (MOEPLACE_DISPATCH_Q or _WEIGHTS)
         # from the placement
-        "cost": server_argv(model, port + 7, ep + spares, launch=["--placement", "cost.json", "--sglang-file",
+        "cost": server_argv(model, port + 7, ep + spares, launch=["--placement", "cost.json", "--sglang-out",
                                                                  str(work / "cost.sglang.json")]),
     }
     ports = {"deepseek": port + 1, "stepaware": port + 2, "balanced": port + 3, "tp-moe": port + 4, "cost": port + 7}
