@@ -368,6 +368,9 @@ def test_cost_model_formula_and_files(tmp_path):
         assert m.a_us_per_expert > 0 and all(math.isfinite(v) for v in (m.b_us_per_token, m.c_us))
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"a_us_per_expert": 10, "b_us_per_token": "0.25", "c_us": 3, "provenance": {"x": 1}}))
+    with pytest.raises(MoeplaceError, match="b_us_per_token must be a number"):      # a number as a string is refused
+        load_cost_model(path)
+    path.write_text(json.dumps({"a_us_per_expert": 10, "b_us_per_token": 0.25, "c_us": 3, "provenance": {"x": 1}}))
     assert load_cost_model(path) == CostModel(10.0, 0.25, 3.0, {"x": 1})
 
 
