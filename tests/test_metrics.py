@@ -377,10 +377,10 @@ def test_cost_model_formula_and_files(tmp_path):
 @pytest.mark.parametrize("content,match", [
     (None, "c.json"),
     ("{not json", "not valid JSON"),
-    ('{"a_us_per_expert": 1, "c_us": 1}', "needs numeric"),
-    ('{"a_us_per_expert": "x", "b_us_per_token": 1, "c_us": 1}', "needs numeric"),
-    ('[1, 2, 3]', "needs numeric"),
-    ('{"a_us_per_expert": -1, "b_us_per_token": 1, "c_us": 1}', "non-negative"),
+    ('{"a_us_per_expert": 1, "c_us": 1}', "b_us_per_token is missing"),
+    ('{"a_us_per_expert": "x", "b_us_per_token": 1, "c_us": 1}', "a_us_per_expert must be a number, got 'x'"),
+    ('[1, 2, 3]', "must be an object, got a list"),
+    ('{"a_us_per_expert": -1, "b_us_per_token": 1, "c_us": 1}', "a_us_per_expert must be at least 0"),
     ('{"a_us_per_expert": NaN, "b_us_per_token": 1, "c_us": 1}', "finite"),
 ])
 def test_bad_cost_model_files(tmp_path, content, match):

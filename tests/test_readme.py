@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -141,11 +142,17 @@ SOURCE_SUFFIXES = {".py", ".md", ".sh", ".cfg", ".toml", ".cu", ".inc", ".txt"}
 
 
 def repository_texts() -> list[Path]:
-    """Every source, script and document of the repository (not the virtual environments or build output)."""
-    skip = {".git", "build", "dist", "__pycache__"}
-    return [p for p in sorted(REPO.rglob("*")) if p.is_file() and p.suffix in SOURCE_SUFFIXES
-            and not any(part in skip or part.startswith(".venv") or part.endswith(".egg-info")
-                        for part in p.relative_to(REPO).parts)]
+    """Every source, script and document of the repository: git's tracked and not-ignored files where the
+    checkout has git (ignored folders hold environments and copies), else every file but the usual build output."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        files = [REPO / name for name in listed if name]
+    except (OSError, subprocess.CalledProcessError):
+        skip = {".git", "build", "dist", "__pycache__"}
+        files = [p for p in REPO.rglob("*") if not any(
+            part in skip or part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(REPO).parts)]
+    return [p for p in sorted(files) if p.is_file() and p.suffix in SOURCE_SUFFIXES]
 
 
 def test_no_words_about_how_the_work_was_organised():

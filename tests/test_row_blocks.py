@@ -62,8 +62,8 @@ def test_file_round_trip_and_bad_terms(tmp_path):
     assert back == MODEL
     for bad, fragment in [({"r_us_per_block": 3.0}, "no block_m"), ({"block_m": 16.5}, "whole number"),
                           ({"r_us_per_block": 3.0, "block_m": 24}, "not a power of two"),
-                          ({"r_us_per_block": "x", "block_m": 16}, "row-block term"),
-                          ({"r_us_per_block": -1.0, "block_m": 16}, "non-negative")]:
+                          ({"r_us_per_block": "x", "block_m": 16}, "r_us_per_block must be a number"),
+                          ({"r_us_per_block": -1.0, "block_m": 16}, "r_us_per_block must be at least 0")]:
         path.write_text(json.dumps({"a_us_per_expert": 1, "b_us_per_token": 0, "c_us": 1, **bad}))
         with pytest.raises(FormatError, match=fragment):
             load_cost_model(path)

@@ -29,5 +29,5 @@ class CostModelSchema(Schema):
         if self.block_m & (self.block_m - 1):
             raise ValueError(f"block_m {self.block_m} is not a power of two, as SGLang's row blocks are")
         if self.r_us_per_block > 0 and self.block_m == 0:
-            raise ValueError("cost model has r_us_per_block but no block_m (the rows of a block)")
+            raise ValueError("r_us_per_block is given but no block_m (the rows of a block)")
         return self
