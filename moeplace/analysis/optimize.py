@@ -141,7 +141,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     baseline = "deepseek"
     rules = {name: dispatch for name in placements}
     costs = {name: cost_model for name in placements}
-    if redundant:
+    if redundant and model.num_experts % ranks == 0:   # else SGLang cannot run the experts without spares
         baseline = today_name(dispatch)
         today = replace(problem(fit, lambda n: None), redundant=0, dispatch=today_rule(dispatch))
         placements = {baseline: Placement(model, ranks, solve("deepseek", today), nodes=nodes,

@@ -46,6 +46,7 @@ from moeplace.trace.steps import _ranges
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
+CHUNK_CELLS = 4_000_000   # fast_rule solves at most this many steps x ranks x ranks at once (its [S, R, R] table)
 
 
 @dataclass(frozen=True)
@@ -198,9 +199,15 @@ def active_pairs(counts: np.ndarray) -> ActivePairs:
 def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
               max_augment: int | None = MAX_AUGMENT, pairs: ActivePairs | None = None) -> Dispatch:
     """``fast_rule_step`` for every row of ``counts [S, E]`` (whole tokens) at once: the same picks,
-    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already."""
+    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already. Steps never
+    interact, so many steps on many ranks are solved in chunks of CHUNK_CELLS / R^2 (the same picks)."""
     S, E = counts.shape
     R = ranks
+    chunk = max(CHUNK_CELLS // (R * R), 1)
+    if S > chunk and R > 16:
+        parts = [fast_rule(counts[lo:lo + chunk], masks, ranks, max_augment) for lo in range(0, S, chunk)]
+        return Dispatch(*(np.concatenate([getattr(p, name) for p in parts])
+                          for name in ("pick", "distinct", "tokens", "augments")))
     counts = np.asarray(counts, np.int64)
     bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
