@@ -33,7 +33,19 @@ def optimum(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
     tests/test_wide_ep.py checks them against each other)."""
     if ranks <= HALL_MAX_RANKS:
         return step_optimum(subset_counts(active, masks, ranks), subset_sizes(ranks))
-    return exact_dispatch(active, masks, ranks).distinct.max(axis=1)
+    counts = np.asarray(active > 0, np.int64)
+    return fast_rule(counts, masks, ranks, max_augment=None, floor=lower_bound(counts > 0, masks, ranks)).distinct.max(axis=1)
+
+
+def lower_bound(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    """[S] a lower bound on each step's optimum: the active experts spread evenly over the ranks, and the
+    most active experts with a single replica on one rank."""
+    single = np.flatnonzero((masks & (masks - 1)) == 0)                  # one bit set: one replica
+    home = np.log2(masks[single].astype(np.uint64).astype(np.float64)).round().astype(np.int64)
+    step, which = np.nonzero(active[:, single])
+    forced = np.bincount(step * ranks + home[which], minlength=active.shape[0] * ranks)
+    spread = -(-active.sum(axis=1) // ranks)
+    return np.maximum(forced.reshape(-1, ranks).max(axis=1), spread)
 
 
 def closure(pick: np.ndarray, distinct: np.ndarray, masks: np.ndarray) -> np.ndarray:
