@@ -136,3 +136,18 @@ def test_widths_that_cannot_be_placed_say_so_in_one_line(wide_trace, tmp_path, a
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
     assert not (tmp_path / "p.json").exists()
 
+
+
+def test_advise_costs_a_sample_of_layers_of_a_deep_wide_model():
+    from moeplace.analysis.layouts import layer_sample
+
+    small = tiny_model(16, top_k=4, num_moe_layers=6)
+    steps = tiny_steps(small, 30, 8, seed=0)
+    assert layer_sample(steps) == (steps, 1.0)                      # few layers x experts: all of them
+    wide = tiny_model(1024, top_k=8, num_moe_layers=12)
+    steps = tiny_steps(wide, 30, 8, seed=0)
+    sub, factor = layer_sample(steps)
+    kept = [wide.moe_layers.index(h) for h in sub.model.moe_layers]
+    assert len(kept) == 4 and factor == 12 / 4 and kept[0] == 0 and kept[-1] == 11
+    np.testing.assert_array_equal(sub.topk_ids, steps.topk_ids[:, kept])
+    assert sub.model.num_experts == wide.num_experts and sub.num_steps == steps.num_steps
