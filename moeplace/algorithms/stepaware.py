@@ -55,7 +55,7 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     Under ``balanced`` dispatch with spare slots, each layer gets one copy of every expert first, then
     ``balanced_replicas`` fills the spare slots. With replicas the first copies matter less, so they
     get a share ``BALANCED_BASE_EFFORT`` of the work budget, and above ``BALANCED_BASE_MAX_EXPERTS``
-    (where a swap round costs O(E^2)) they are DeepSeek EPLB's: on Kimi-K2-shaped routing with E/4
+    (where a swap round costs O(E^2)) they are DeepSeek EPLB's (hierarchical over nodes): on Kimi-K2-shaped routing with E/4
     spare slots the two end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
     (BENCHMARKS.md).
     """
@@ -67,6 +67,9 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     weight = problem.steps.expert_token_counts()
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
     base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+    if base_is_ref and problem.nodes > 1 and problem.model.num_experts % problem.nodes == 0:
+        # over nodes the first copies are DeepSeek EPLB's hierarchical ones (experts to nodes, then to GPUs)
+        ref, _, _ = rebalance_experts(weight, base.num_physical, problem.nodes, problem.nodes, problem.ranks, True)
     search = balanced_replicas.search_steps(problem, rng) if base is not problem else None
     # Each layer's sample of steps for the swap search, drawn in layer order: the same placement
     # whichever worker places which layer.
