@@ -66,7 +66,9 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
         base = replace(problem, redundant=0, dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT)
     weight = problem.steps.expert_token_counts()
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
-    base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+    # on many ranks a layer is wide (``is_wide``): its greedy packing on sampled steps is cheap at any E
+    base_is_ref = (base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+                   and problem.ranks <= balanced_replicas.MAX_SEARCH_RANKS)
     if base_is_ref and problem.nodes > 1 and problem.model.num_experts % problem.nodes == 0:
         # over nodes the first copies are DeepSeek EPLB's hierarchical ones (experts to nodes, then to GPUs)
         ref, _, _ = rebalance_experts(weight, base.num_physical, problem.nodes, problem.nodes, problem.ranks, True)

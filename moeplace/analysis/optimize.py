@@ -33,10 +33,10 @@ AGGREGATE_SAMPLE_STEPS = 4000
 # routing, placements fitted on 5,000 to 200,000 steps are within 0.1% of each other on steps no fit saw,
 # and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md, bench_sampling.py).
 DEFAULT_SAMPLE_STEPS = 20_000
-# Balanced dispatch on more ranks than one node: every row of the table runs the rule step by step (its
+# Balanced dispatch on more than 12 ranks: every row of the table runs the rule step by step (its
 # augmenting paths grow with the square of the ranks), so the table is on this many held-out steps,
 # evenly spaced; on Kimi-K2-shaped steps E[max distinct] on 1,000 of them was within 0.5% of that on 6,000.
-WIDE_BALANCED_RANKS = 16
+WIDE_BALANCED_RANKS = 12   # HALL_MAX_RANKS: above, the optimum and the spare search run the rule too
 WIDE_EVAL_STEPS = 1000
 
 
