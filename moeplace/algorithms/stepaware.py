@@ -144,13 +144,14 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
         per_node = R // nodes
         replica_index = np.arange(P) - np.searchsorted(item_expert, item_expert)
         node_key = item_expert * P + replica_index // nodes
-        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2)
+        wide = is_wide(active.shape[0], P, R)   # then the nodes' partitions are on the sampled steps too
+        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2, wide)
         rank = np.zeros(P, np.int64)
         for n in range(nodes):
             mine = np.flatnonzero(node == n)
             rank[mine] = n * per_node + partition(active[:, mine], search[:, mine], item_tokens[mine],
                                                   item_expert[mine], per_node, floor,
-                                                  effort / (2 * nodes))
+                                                  effort / (2 * nodes), wide)
     # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
     order = np.lexsort((item_expert, rank))
     return item_expert[order]
@@ -175,15 +176,17 @@ def search_moot(problem: PlacementProblem) -> str | None:
 
 
 def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
-              R: int, floor: float, effort: float) -> np.ndarray:
+              R: int, floor: float, effort: float, wide: bool | None = None) -> np.ndarray:
     """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
+    wide: pack and score on ``search`` too, and run only the swap rounds the budget pays for (default:
+    ``is_wide`` of these steps, slots and ranks).
 
     Starts from the token order, then, if the work budget ``effort`` allows, from the presence order:
     the search ends in different local optima; the better one on all steps is kept. Work is counted
     in step x slot x rank cells, not seconds, so a seed gives the same placement on any machine.
     """
     S, P = active.shape
-    wide = is_wide(S, P, R)
+    wide = is_wide(S, P, R) if wide is None else wide
     fit = search if wide else active      # a wide layer packs and scores on the sampled steps too
     start_cost = fit.shape[0] * P * R
     per_round = round_cost(search.shape[0], P, R)
