@@ -115,7 +115,7 @@ def bench_width(trace: Path, shape_experts: int, ranks: int, work: Path) -> list
         flat = sglang_placement(weight, slots, ranks, 1, False)
         sglang_s = time.perf_counter() - start
         placements = {"moeplace": out, "sglang deepseek": flat}
-        if nodes > 1:
+        if nodes > 1 and shape_experts % nodes == 0:   # SGLang's hierarchy needs the groups (one a node) to split
             placements["sglang deepseek_hierarchical"] = sglang_placement(weight, slots, ranks, nodes, True)
         if balanced:
             problem = PlacementProblem(tr.model, fit, ranks, nodes=nodes, redundant=spares, dispatch="balanced")
