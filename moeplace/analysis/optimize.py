@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.robust import robust_spares
 from moeplace.algorithms.stepaware import search_moot
 from moeplace.analysis.metrics import max_distinct_means
 from moeplace.analysis.report import Evaluation, evaluate, steps_phrase
@@ -135,7 +136,15 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     note = "; ".join(notes)
     baselines = BASELINES + ((SPARE_BASELINE,) if placed_as == "balanced" and redundant else ())
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
-    maps[algorithm] = solve(algorithm, problem(fit, progress))
+    spares_chosen = None
+    if algorithm == "stepaware" and placed_as == "balanced" and redundant:   # the candidate best out of fold
+        fitted_problem = problem(fit, progress)
+        fitted_problem.check()
+        maps[algorithm], spares_chosen = robust_spares(fitted_problem)
+        notes.append(spares_chosen.line)
+        note = "; ".join(notes)
+    else:
+        maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
     baseline = "deepseek"
@@ -165,5 +174,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     }
     if note:
         chosen.metrics["note"] = note
+    if spares_chosen is not None:
+        chosen.metrics["spare_layout"] = spares_chosen.to_json()
     return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted,
                           fitted_sample.num_steps if holdout else 0)
