@@ -8,7 +8,8 @@ Baseline: the naive spare layout (DeepSeek EPLB's layout of the fitted steps plu
     also moeplace's fitted search alone (``stepaware``), as it was before the out-of-fold choice.
 Output: a table on stdout; --json FILE writes every figure.
 
-    python scripts/bench_drift.py --gptoss PATH [--meta PATH] [--quick] [--json OUT]
+    python scripts/bench_drift.py --gptoss PATH [--meta PATH] [--fit-tokens 1000,10000,all] [--same]
+                                  [--no-gptoss] [--no-synthetic] [--quick] [--json OUT]
 
 8 ranks, E[max distinct experts on the busiest rank] (the per-step optimum under balanced dispatch,
 ``dispatch.exact``), averaged over MoE layers, for R in {E/8, E/4, E/2, E}:
@@ -20,7 +21,12 @@ Output: a table on stdout; --json FILE writes every figure.
 * SYNTHETIC routing (``trace.synthetic``) of 384/top-8, 128/top-8 and 64/top-6 shapes on 4 MoE layers,
   fitted on 2,000 steps and scored on 4,000 later steps whose expert ids were relabelled per layer: ``swap``
   (the E/16 hottest experts of the fit and the E/16 coldest swap hotness) and ``new group`` (the E/8
-  coldest take the places of those ranked E/8 to E/4: a new hot group appears).
+  coldest take the places of those ranked E/8 to E/4: a new hot group appears), and on them unchanged
+  (``same``: the same-distribution goal of Kimi-K2-shaped routing);
+* with --same, GPT-OSS fitted on a random half of the examples and scored on the other half (the
+  same-distribution goals: E/4 at least 18.5% and E/2 at least 25% below DeepSeek EPLB, E within 1% of the bound).
+
+R = E/8 is left out where it does not split over the 8 ranks (GPT-OSS: 4 spare slots).
 """
 
 from __future__ import annotations
@@ -77,7 +83,17 @@ def bound(active: list[np.ndarray]) -> float:
     return float(np.mean([np.ceil(a.sum(axis=1) / RANKS).mean() for a in active]))
 
 
-def gptoss_cases(path: Path, meta: Path, quick: bool) -> list[Case]:
+def same_distribution_case(path: Path) -> Case:
+    """The examples in two random halves (seeded, as ``bench_balanced``): fitted on one, scored on the other."""
+    steps = gptoss_steps(path)
+    examples = example_steps(path)
+    order = np.random.default_rng(0).permutation(len(examples))
+    fit, held = (steps.take(np.sort(np.concatenate([examples[x] for x in half])))
+                 for half in (order[:len(examples) // 2], order[len(examples) // 2:]))
+    return Case("gpt-oss random half", fit, {"other half": held})
+
+
+def gptoss_cases(path: Path, meta: Path, quick: bool, fit_tokens: tuple = FIT_TOKENS) -> list[Case]:
     steps = gptoss_steps(path)
     examples = example_steps(path)
     kinds = [x["dataset"] for x in json.loads(meta.read_text())]
@@ -86,7 +102,7 @@ def gptoss_cases(path: Path, meta: Path, quick: bool) -> list[Case]:
     scored = {name: steps.take(np.concatenate(first_examples(ex, SCORED_STEPS))) for name, ex in rows.items()}
     cases = []
     for name, ex in rows.items():
-        for tokens in FIT_TOKENS[:1] + FIT_TOKENS[2:] if quick else FIT_TOKENS:
+        for tokens in fit_tokens[:1] + fit_tokens[2:] if quick else fit_tokens:
             if tokens is None:
                 fit = whole[name]
             else:
@@ -190,10 +206,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer fit sizes and shapes")
     parser.add_argument("--no-synthetic", action="store_true")
     parser.add_argument("--no-gptoss", action="store_true")
+    parser.add_argument("--fit-tokens", default="1000,10000,all",
+                        help="GPT-OSS fit sizes in tokens, comma-separated ('all': the whole dataset)")
+    parser.add_argument("--same", action="store_true",
+                        help="also GPT-OSS fitted on a random half of the examples, scored on the other half")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     meta = args.meta or args.gptoss.parent / "gptoss20b_examples_meta.json"
-    cases = [] if args.no_gptoss else gptoss_cases(args.gptoss, meta, args.quick)
+    fits = tuple(None if t == "all" else int(t) for t in args.fit_tokens.split(","))
+    cases = [] if args.no_gptoss else gptoss_cases(args.gptoss, meta, args.quick, fits)
+    cases += [same_distribution_case(args.gptoss)] if args.same else []
     cases += [] if args.no_synthetic else synthetic_cases(args.quick)
     rows = []
     for case in cases:
