@@ -93,15 +93,19 @@ def same_distribution_case(path: Path) -> Case:
     return Case("gpt-oss random half", fit, {"other half": held})
 
 
-def gptoss_cases(path: Path, meta: Path, quick: bool, fit_tokens: tuple = FIT_TOKENS) -> list[Case]:
+def gptoss_cases(path: Path, meta: Path, quick: bool, fit_tokens: tuple = FIT_TOKENS,
+                 fitted_on: tuple = ()) -> list[Case]:
     steps = gptoss_steps(path)
     examples = example_steps(path)
     kinds = [x["dataset"] for x in json.loads(meta.read_text())]
     rows = {name: [examples[i] for i, k in enumerate(kinds) if k in parts] for name, parts in DATASETS.items()}
+    fitted_on = fitted_on or tuple(rows)
     whole = {name: steps.take(np.concatenate(ex)) for name, ex in rows.items()}
     scored = {name: steps.take(np.concatenate(first_examples(ex, SCORED_STEPS))) for name, ex in rows.items()}
     cases = []
     for name, ex in rows.items():
+        if name not in fitted_on:
+            continue
         for tokens in fit_tokens[:1] + fit_tokens[2:] if quick else fit_tokens:
             if tokens is None:
                 fit = whole[name]
@@ -208,13 +212,15 @@ def main() -> None:
     parser.add_argument("--no-gptoss", action="store_true")
     parser.add_argument("--fit-tokens", default="1000,10000,all",
                         help="GPT-OSS fit sizes in tokens, comma-separated ('all': the whole dataset)")
+    parser.add_argument("--fit-on", default="", help="GPT-OSS datasets to fit on, comma-separated (default: all)")
     parser.add_argument("--same", action="store_true",
                         help="also GPT-OSS fitted on a random half of the examples, scored on the other half")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     meta = args.meta or args.gptoss.parent / "gptoss20b_examples_meta.json"
     fits = tuple(None if t == "all" else int(t) for t in args.fit_tokens.split(","))
-    cases = [] if args.no_gptoss else gptoss_cases(args.gptoss, meta, args.quick, fits)
+    cases = [] if args.no_gptoss else gptoss_cases(args.gptoss, meta, args.quick, fits,
+                                                            tuple(x for x in args.fit_on.split(",") if x))
     cases += [same_distribution_case(args.gptoss)] if args.same else []
     cases += [] if args.no_synthetic else synthetic_cases(args.quick)
     rows = []
