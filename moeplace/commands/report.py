@@ -43,7 +43,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     \b
     Example:
       moeplace report traces/gptoss20b-sample.mptrace --ranks 8 --plot-dir plots/
-      moeplace report new-capture.mptrace --ranks 8 --placement placement.json --json
+      moeplace report /var/moeplace/new-capture.mptrace --ranks 8 --placement placement.json --json
     """
     check_outputs({}, folders={"--plot-dir": plot_dir})
     src = open_source(trace, window, top_k)
