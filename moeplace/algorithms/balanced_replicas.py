@@ -137,12 +137,14 @@ def spare_rounds_batch(spare: int) -> int:
 
 
 def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
-                 expert_weight: np.ndarray, step_weight: np.ndarray | None = None) -> np.ndarray:
+                 expert_weight: np.ndarray, step_weight: np.ndarray | None = None,
+                 max_copies: np.ndarray | None = None) -> np.ndarray:
     """New replica masks [E] after adding ``spare_per_rank`` replicas to every rank.
 
     active: [S, E] bool, the steps to fit; masks: [E] replica ranks before (bit sets);
     expert_weight: [E] breaks ties toward the busiest expert per replica; step_weight: [S] what each
-    step counts for (default 1).
+    step counts for (default 1); max_copies: [E] most replicas each expert may end with (default: no
+    limit), passed over only where no expert under its limit has a rank with room left.
     """
     if ranks > MAX_SEARCH_RANKS:
         raise MoeplaceError(f"balanced replica placement enumerates rank sets: at most {MAX_SEARCH_RANKS} "
@@ -174,6 +176,8 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     is_chosen = np.zeros(E, bool)
     while room.sum():
         allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
+        if max_copies is not None and (allowed & (copies < max_copies)[:, None]).any():
+            allowed &= (copies < max_copies)[:, None]   # unless no expert under its limit fits the room left
         if not allowed.any():
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
         tie = tie_unit * expert_weight / copies

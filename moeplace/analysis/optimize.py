@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.robust import Choice, robust_spares
 from moeplace.algorithms.stepaware import search_moot
 from moeplace.analysis.metrics import max_distinct_means
 from moeplace.analysis.report import Evaluation, evaluate, steps_phrase
@@ -60,6 +61,7 @@ class OptimizeResult:
     baseline: str = "deepseek"      # the row the table compares against
     fitted: list[float] = field(default_factory=list)   # each row's E[max distinct] on fitted steps (holdout > 0)
     fitted_steps: int = 0                                # how many fitted steps that column is on
+    warnings: list[str] = field(default_factory=list)    # the fitted steps may not carry the spare slots asked for
 
 
 def evenly_spaced(steps: RoutingSteps, count: int) -> RoutingSteps:
@@ -144,7 +146,16 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     note = "; ".join(notes)
     baselines = BASELINES + ((SPARE_BASELINE,) if placed_as == "balanced" and redundant else ())
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
-    maps[algorithm] = solve(algorithm, problem(fit, progress))
+    spares_chosen, capture_warnings = None, []
+    if algorithm == "stepaware" and placed_as == "balanced" and redundant:   # the candidate best out of fold
+        fitted_problem = problem(fit, progress)
+        fitted_problem.check()
+        maps[algorithm], spares_chosen = robust_spares(fitted_problem)
+        notes.append(spares_chosen.line)
+        note = "; ".join(notes)
+        capture_warnings = spare_warnings(fit, redundant, spares_chosen)
+    else:
+        maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
     baseline = "deepseek"
@@ -174,5 +185,25 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     }
     if note:
         chosen.metrics["note"] = note
+    if spares_chosen is not None:
+        chosen.metrics["spare_layout"] = spares_chosen.to_json()
     return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted,
-                          fitted_sample.num_steps if holdout else 0)
+                          fitted_sample.num_steps if holdout else 0, capture_warnings)
+
+
+def spare_warnings(fit: RoutingSteps, redundant: int, choice: Choice) -> list[str]:
+    """Lines that say the fitted steps are too short or too narrow for ``redundant`` spare slots: experts
+    never active in them (their replicas rest on nothing seen), or a fitted search that lost out of fold."""
+    lines = []
+    counts = fit.expert_token_counts()                                   # [L, E]
+    unseen = float((counts == 0).sum(axis=1).mean())
+    if unseen > 0:
+        lines.append(f"{unseen:.1f} of {counts.shape[1]} experts a layer, on average, are never active in the "
+                     f"{fit.num_steps:,} fitted steps: the trace is too narrow to say where their "
+                     f"{redundant} spare slots should go; capture more, or more varied, traffic")
+    if choice.name != "fitted":
+        lines.append(f"the search fitted on part of the trace did worse than the '{choice.name}' layout on the "
+                     f"part it did not see ({choice.losses['fitted']:.3f} against {choice.losses[choice.name]:.3f}): "
+                     f"the trace ({fit.num_steps:,} fitted steps) is too short or too uneven for {redundant} "
+                     f"spare slots fitted to it, so the '{choice.name}' layout was written")
+    return lines

@@ -138,7 +138,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         row["fitted_e_max_distinct"] = fitted
     fitted_steps = result.fitted_steps
     which = "held-out" if holdout else "fitted"
-    warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
+    warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0) + result.warnings
     if ep_size is not None:   # what `moeplace launch` passes to SGLang
         result.placement.metrics["ep_split"] = {"gpus": ranks, "ep_size": groups, "moe_tp": moe_tp}
     split = (f"{ranks} ranks" if ep_size is None else
