@@ -24,7 +24,8 @@ pair over all steps is one matrix product, exact. Per layer:
    within the problem's work budget: the first copies were placed before the replicas were known.
 
 The fast rule reached the optimum on every step measured (BENCHMARKS.md#with-spare-slots-across-datasets), so this is what SGLang gets.
-Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets).
+Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets);
+wider layouts place their spare slots by ``wide_spares`` on WIDE_SEARCH_STEPS sampled steps.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import numpy as np
 
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.replica_exchange import exchange_masks
+from moeplace.algorithms import wide_spares
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
 from moeplace.dispatch.balanced import mask_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.exact import by_size, step_optimum, subset_counts, subset_sizes
@@ -58,6 +60,7 @@ MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of a
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
 CV_LAYERS = 2             # layers the cross-validation of the smoothing fits
+WIDE_SEARCH_STEPS = 500   # steps a wide layout's spare search (``wide_spares``) fits, a layer
 EXCHANGE_CELLS = 1e8      # each layer's exchange search work at the default effort (replica_exchange), so a
                           # layer gets the same search whatever the model's depth
 
@@ -134,12 +137,14 @@ def spare_rounds_batch(spare: int) -> int:
 
 
 def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
-                 expert_weight: np.ndarray, step_weight: np.ndarray | None = None) -> np.ndarray:
+                 expert_weight: np.ndarray, step_weight: np.ndarray | None = None,
+                 max_copies: np.ndarray | None = None) -> np.ndarray:
     """New replica masks [E] after adding ``spare_per_rank`` replicas to every rank.
 
     active: [S, E] bool, the steps to fit; masks: [E] replica ranks before (bit sets);
     expert_weight: [E] breaks ties toward the busiest expert per replica; step_weight: [S] what each
-    step counts for (default 1).
+    step counts for (default 1); max_copies: [E] most replicas each expert may end with (default: no
+    limit), passed over only where no expert under its limit has a rank with room left.
     """
     if ranks > MAX_SEARCH_RANKS:
         raise MoeplaceError(f"balanced replica placement enumerates rank sets: at most {MAX_SEARCH_RANKS} "
@@ -171,6 +176,8 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     is_chosen = np.zeros(E, bool)
     while room.sum():
         allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
+        if max_copies is not None and (allowed & (copies < max_copies)[:, None]).any():
+            allowed &= (copies < max_copies)[:, None]   # unless no expert under its limit fits the room left
         if not allowed.any():
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
         tie = tie_unit * expert_weight / copies
@@ -224,7 +231,10 @@ class SpareSearch:
 
 def sample_size(problem: PlacementProblem) -> int:
     """Steps the search fits at most, a layer: SEARCH_CELLS / (rank sets + experts), and no more than
-    MODEL_SEARCH_CELLS over all layers (the search's time grows with steps x cells x layers)."""
+    MODEL_SEARCH_CELLS over all layers (the search's time grows with steps x cells x layers); on more
+    than MAX_SEARCH_RANKS ranks, WIDE_SEARCH_STEPS."""
+    if problem.ranks > MAX_SEARCH_RANKS:
+        return WIDE_SEARCH_STEPS
     cells = (1 << problem.ranks) + problem.model.num_experts
     return max(min(SEARCH_CELLS // cells, MODEL_SEARCH_CELLS // (cells * problem.model.num_moe_layers)), 1)
 
@@ -235,7 +245,8 @@ def search_steps(problem: PlacementProblem, rng: np.random.Generator) -> SpareSe
     steps = problem.steps
     if steps.num_steps > sample:
         steps = steps.take(np.sort(rng.choice(steps.num_steps, sample, replace=False)))
-    return SpareSearch(steps, choose_smoothing(problem, int(rng.integers(2**31))), int(rng.integers(2**31)))
+    smoothing = 0.0 if problem.ranks > MAX_SEARCH_RANKS else choose_smoothing(problem, int(rng.integers(2**31)))
+    return SpareSearch(steps, smoothing, int(rng.integers(2**31)))
 
 
 def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
@@ -282,6 +293,10 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
     then exchanges of two experts' replica sets by exact gain, on the sampled and smoothed steps."""
     R, E = problem.ranks, problem.model.num_experts
     counts = step_expert_counts(search.steps, layer)
+    if R > MAX_SEARCH_RANKS:
+        masks = wide_spares.add_replicas(counts > 0, replica_layout(base, E, R).masks, R, problem.redundant // R,
+                                         counts.sum(axis=0))
+        return masks_to_phy2log(masks, R, problem.num_physical // R)
     rng = np.random.default_rng([search.seed, layer])
     steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
     masks = replica_layout(base, E, R).masks

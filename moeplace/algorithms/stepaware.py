@@ -40,6 +40,13 @@ PAIR_CELLS = 10_000         # one rank pair's numpy calls in swap_deltas (~10 us
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
 BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
+# Wide EP (many ranks, few slots each): above this many step x slot x rank cells a layer's greedy packing
+# and its swap search see a sample of the steps (``wide_rows``), and the swap search runs only the rounds
+# the work budget pays for, none if one costs more (a round's [S, R, R] table grows with the square of
+# the ranks). Kimi-K2-sized layers on 14,000 steps pass it from 64 ranks on.
+WIDE_CELLS = 200_000_000
+WIDE_SEARCH_CELLS = 24_000_000   # a wide layer's sampled steps x slots x ranks
+DEAR_ROUND_CELLS = 100_000_000   # a swap round dearer than this runs only within the budget (~0.3 s at 128 ranks)
 
 
 def stepaware(problem: PlacementProblem) -> np.ndarray:
@@ -48,7 +55,7 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     Under ``balanced`` dispatch with spare slots, each layer gets one copy of every expert first, then
     ``balanced_replicas`` fills the spare slots. With replicas the first copies matter less, so they
     get a share ``BALANCED_BASE_EFFORT`` of the work budget, and above ``BALANCED_BASE_MAX_EXPERTS``
-    (where a swap round costs O(E^2)) they are DeepSeek EPLB's: on Kimi-K2-shaped routing with E/4
+    (where a swap round costs O(E^2)) they are DeepSeek EPLB's (hierarchical over nodes): on Kimi-K2-shaped routing with E/4
     spare slots the two end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
     (BENCHMARKS.md#with-spare-slots-across-datasets).
     """
@@ -59,12 +66,18 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
         base = replace(problem, redundant=0, dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT)
     weight = problem.steps.expert_token_counts()
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
-    base_is_ref = base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+    # on many ranks a layer is wide (``is_wide``): its greedy packing on sampled steps is cheap at any E
+    base_is_ref = (base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+                   and problem.ranks <= balanced_replicas.MAX_SEARCH_RANKS)
+    if base_is_ref and problem.nodes > 1 and problem.model.num_experts % problem.nodes == 0:
+        # over nodes the first copies are DeepSeek EPLB's hierarchical ones (experts to nodes, then to GPUs)
+        ref, _, _ = rebalance_experts(weight, base.num_physical, problem.nodes, problem.nodes, problem.ranks, True)
     search = balanced_replicas.search_steps(problem, rng) if base is not problem else None
     # Each layer's sample of steps for the swap search, drawn in layer order: the same placement
     # whichever worker places which layer.
     no_search = base_is_ref or search_moot(base)
-    rows = [None if no_search else search_rows(problem.steps.num_steps, base.num_physical, rng) for _ in range(L)]
+    rows = [None if no_search else search_rows(problem.steps.num_steps, base.num_physical, rng, base.ranks)
+            for _ in range(L)]
 
     def place(layer: int) -> np.ndarray:
         phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
@@ -77,11 +90,21 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     return out
 
 
-def search_rows(num_steps: int, P: int, rng: np.random.Generator) -> np.ndarray:
-    """[S'] the steps a layer's swap search sees: all, or SEARCH_CELLS / P of them at random, in order."""
-    if num_steps <= max(SEARCH_CELLS // P, 1):
+def search_rows(num_steps: int, P: int, rng: np.random.Generator, ranks: int = 1) -> np.ndarray:
+    """[S'] the steps a layer's swap search sees: all, or SEARCH_CELLS / P of them at random, in order;
+    where the layer is wide (``is_wide``), at most WIDE_SEARCH_CELLS / (P * ranks) of them."""
+    size = max(SEARCH_CELLS // P, 1)
+    if is_wide(num_steps, P, ranks):
+        size = max(min(size, WIDE_SEARCH_CELLS // (P * ranks)), 64)
+    if num_steps <= size:
         return np.arange(num_steps)
-    return np.sort(rng.choice(num_steps, max(SEARCH_CELLS // P, 1), replace=False))
+    return np.sort(rng.choice(num_steps, size, replace=False))
+
+
+def is_wide(num_steps: int, P: int, ranks: int) -> bool:
+    """Whether a layer of ``num_steps`` steps, P slots and ``ranks`` ranks is placed on sampled steps
+    (WIDE_CELLS)."""
+    return num_steps * P * ranks > WIDE_CELLS
 
 
 def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray | None,
@@ -121,13 +144,14 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
         per_node = R // nodes
         replica_index = np.arange(P) - np.searchsorted(item_expert, item_expert)
         node_key = item_expert * P + replica_index // nodes
-        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2)
+        wide = is_wide(active.shape[0], P, R)   # then the nodes' partitions are on the sampled steps too
+        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2, wide)
         rank = np.zeros(P, np.int64)
         for n in range(nodes):
             mine = np.flatnonzero(node == n)
             rank[mine] = n * per_node + partition(active[:, mine], search[:, mine], item_tokens[mine],
                                                   item_expert[mine], per_node, floor,
-                                                  effort / (2 * nodes))
+                                                  effort / (2 * nodes), wide)
     # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
     order = np.lexsort((item_expert, rank))
     return item_expert[order]
@@ -152,29 +176,36 @@ def search_moot(problem: PlacementProblem) -> str | None:
 
 
 def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
-              R: int, floor: float, effort: float) -> np.ndarray:
+              R: int, floor: float, effort: float, wide: bool | None = None) -> np.ndarray:
     """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
+    wide: pack and score on ``search`` too, and run only the swap rounds the budget pays for (default:
+    ``is_wide`` of these steps, slots and ranks).
 
     Starts from the token order, then, if the work budget ``effort`` allows, from the presence order:
     the search ends in different local optima; the better one on all steps is kept. Work is counted
     in step x slot x rank cells, not seconds, so a seed gives the same placement on any machine.
     """
     S, P = active.shape
-    start_cost = S * P * R
+    wide = is_wide(S, P, R) if wide is None else wide
+    fit = search if wide else active      # a wide layer packs and scores on the sampled steps too
+    start_cost = fit.shape[0] * P * R
     per_round = round_cost(search.shape[0], P, R)
-    presence = active.sum(axis=0)
+    presence = fit.sum(axis=0)
     orders = [None, np.argsort(-(presence + 1e-9 * item_tokens), kind="stable")]
     best, best_value = None, np.inf
     for order in orders:
         if best is not None and effort < start_cost + 2 * per_round:
             break
         effort -= start_cost
-        start = order_replicas(greedy_place(active, item_tokens, item_expert, R, P // R, floor, order),
+        start = order_replicas(greedy_place(fit, item_tokens, item_expert, R, P // R, floor, order),
                                item_expert)
+        rounds = int(effort // per_round)
+        # one round at least, unless the layer is wide or a round alone is dear (many ranks)
+        dear = wide or per_round > DEAR_ROUND_CELLS
         rank, used = swap_search(search, item_tokens, item_expert, start, R, floor,
-                                 max(1, int(effort // per_round)))
+                                 rounds if dear else max(1, rounds), min(rounds, MAX_REPAIRS) if dear else MAX_REPAIRS)
         effort -= used * per_round
-        value = _objective(_loads(active, rank, R))
+        value = _objective(_loads(fit, rank, R))
         if value < best_value:
             best, best_value = rank, value
     return best
@@ -350,17 +381,19 @@ def _make_room(rank: np.ndarray, item_expert: np.ndarray, holds: np.ndarray, fil
 
 
 def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, rank: np.ndarray,
-                R: int, balance_floor: float, max_rounds: int) -> tuple[np.ndarray, int]:
+                R: int, balance_floor: float, max_rounds: int,
+                max_repairs: int = MAX_REPAIRS) -> tuple[np.ndarray, int]:
     """Best-improvement pair swaps on the exact objective sum_s max_r D + TIE_BREAK * sum D^2.
 
     While token balancedness is under ``balance_floor`` (greedy packing can leave it there), each
-    round instead makes the cheapest swap that unloads the heaviest rank. Returns (rank, rounds used).
+    round instead makes the cheapest swap that unloads the heaviest rank, at most ``max_repairs`` times.
+    Returns (rank, rounds used).
     """
     rank = rank.copy()
     X = active
     D = _loads(X, rank, R)
     rounds_done = repairs = 0
-    while repairs < MAX_REPAIRS:
+    while repairs < max_repairs:
         load = np.bincount(rank, weights=item_tokens, minlength=R)
         if balancedness(load[None])[0] < balance_floor:
             heavy = int(np.argmax(load))

@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.robust import Choice, robust_spares
 from moeplace.algorithms.stepaware import search_moot
 from moeplace.analysis.metrics import max_distinct_means
 from moeplace.analysis.report import Evaluation, evaluate, steps_phrase
@@ -33,6 +34,11 @@ AGGREGATE_SAMPLE_STEPS = 4000
 # routing, placements fitted on 5,000 to 200,000 steps are within 0.1% of each other on steps no fit saw,
 # and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md#how-many-steps-to-fit, bench_sampling.py).
 DEFAULT_SAMPLE_STEPS = 20_000
+# Balanced dispatch on more than 12 ranks: every row of the table runs the rule step by step (its
+# augmenting paths grow with the square of the ranks), so the table is on this many held-out steps,
+# evenly spaced; on Kimi-K2-shaped steps E[max distinct] on 1,000 of them was within 0.5% of that on 6,000.
+WIDE_BALANCED_RANKS = 12   # HALL_MAX_RANKS: above, the optimum and the spare search run the rule too
+WIDE_EVAL_STEPS = 1000
 
 
 def today_name(dispatch: str) -> str:
@@ -55,6 +61,7 @@ class OptimizeResult:
     baseline: str = "deepseek"      # the row the table compares against
     fitted: list[float] = field(default_factory=list)   # each row's E[max distinct] on fitted steps (holdout > 0)
     fitted_steps: int = 0                                # how many fitted steps that column is on
+    warnings: list[str] = field(default_factory=list)    # the fitted steps may not carry the spare slots asked for
 
 
 def evenly_spaced(steps: RoutingSteps, count: int) -> RoutingSteps:
@@ -117,6 +124,10 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
                      f"independent tokens (no co-activation); metrics are for those sampled steps")
     fit, held_out = split_steps(steps, holdout)
     placed_as = PLACED_AS.get(dispatch, dispatch)
+    if placed_as == "balanced" and ranks > WIDE_BALANCED_RANKS and held_out.num_steps > WIDE_EVAL_STEPS:
+        notes.append(f"balanced dispatch on {ranks} ranks: the table is on {WIDE_EVAL_STEPS:,} of the "
+                     f"{held_out.num_steps:,} {'held-out' if holdout else ''} steps, evenly spaced")
+        held_out = evenly_spaced(held_out, WIDE_EVAL_STEPS)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
         p = PlacementProblem(model, steps_, ranks, nodes=nodes, redundant=redundant,
@@ -135,13 +146,22 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     note = "; ".join(notes)
     baselines = BASELINES + ((SPARE_BASELINE,) if placed_as == "balanced" and redundant else ())
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
-    maps[algorithm] = solve(algorithm, problem(fit, progress))
+    spares_chosen, capture_warnings = None, []
+    if algorithm == "stepaware" and placed_as == "balanced" and redundant:   # the candidate best out of fold
+        fitted_problem = problem(fit, progress)
+        fitted_problem.check()
+        maps[algorithm], spares_chosen = robust_spares(fitted_problem)
+        notes.append(spares_chosen.line)
+        note = "; ".join(notes)
+        capture_warnings = spare_warnings(fit, redundant, spares_chosen)
+    else:
+        maps[algorithm] = solve(algorithm, problem(fit, progress))
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
     baseline = "deepseek"
     rules = {name: dispatch for name in placements}
     costs = {name: cost_model for name in placements}
-    if redundant:
+    if redundant and model.num_experts % ranks == 0:   # else SGLang cannot run the experts without spares
         baseline = today_name(dispatch)
         today = replace(problem(fit, lambda n: None), redundant=0, dispatch=today_rule(dispatch))
         placements = {baseline: Placement(model, ranks, solve("deepseek", today), nodes=nodes,
@@ -165,5 +185,25 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     }
     if note:
         chosen.metrics["note"] = note
+    if spares_chosen is not None:
+        chosen.metrics["spare_layout"] = spares_chosen.to_json()
     return OptimizeResult(chosen, evals, fit.num_steps, held_out.num_steps, note, baseline, fitted,
-                          fitted_sample.num_steps if holdout else 0)
+                          fitted_sample.num_steps if holdout else 0, capture_warnings)
+
+
+def spare_warnings(fit: RoutingSteps, redundant: int, choice: Choice) -> list[str]:
+    """Lines that say the fitted steps are too short or too narrow for ``redundant`` spare slots: experts
+    never active in them (their replicas rest on nothing seen), or a fitted search that lost out of fold."""
+    lines = []
+    counts = fit.expert_token_counts()                                   # [L, E]
+    unseen = float((counts == 0).sum(axis=1).mean())
+    if unseen > 0:
+        lines.append(f"{unseen:.1f} of {counts.shape[1]} experts a layer, on average, are never active in the "
+                     f"{fit.num_steps:,} fitted steps: the trace is too narrow to say where their "
+                     f"{redundant} spare slots should go; capture more, or more varied, traffic")
+    if choice.name != "fitted":
+        lines.append(f"the search fitted on part of the trace did worse than the '{choice.name}' layout on the "
+                     f"part it did not see ({choice.losses['fitted']:.3f} against {choice.losses[choice.name]:.3f}): "
+                     f"the trace ({fit.num_steps:,} fitted steps) is too short or too uneven for {redundant} "
+                     f"spare slots fitted to it, so the '{choice.name}' layout was written")
+    return lines

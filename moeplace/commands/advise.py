@@ -13,6 +13,7 @@ from moeplace.commands.costing import memory_warning, resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, slots_count, trace_options
 from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
+from moeplace.analysis.layouts import layer_sample, scaled
 from moeplace.analysis.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
                               layout_flips)
 from moeplace.analysis.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
@@ -74,6 +75,8 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
         raise src.no_steps_error(mode)
     if steps.count_steps.size:
         raise MoeplaceError(f"{trace}: advise needs per-token routing (token rows); this trace has only counts")
+    steps, layer_factor = layer_sample(steps)   # a deep, wide model: a sample of its layers, scaled to all
+    layers_used = steps.model.num_moe_layers
     fitted, held_out = split_steps(steps, holdout)
     fit, sample = evenly_spaced(fitted, FIT_STEPS), evenly_spaced(held_out, EVAL_STEPS)
     trace_batch = max(1, int(np.median(sample.num_tokens)))
@@ -87,6 +90,7 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     layouts = compare_layouts(steps.model, fit, sample, samples,
                               candidate_layouts(ranks, model.num_experts, costing.shape.intermediate, spares),
                               layout_cost, trace_batch, effort, lambda n: click.echo(f"placing: {n}", err=True))
+    layouts = [scaled(r, layer_factor) for r in layouts]
     flips = layout_flips(layouts)
     ep_row = next((r for r in layouts if r.layout == Layout(ranks, ranks, redundant)), layouts[0])
     tp_row = next(r for r in layouts if r.layout.ep == 1)
@@ -100,7 +104,8 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
             return {"batch": v.batch, "ep_us": v.ep_us, "tp_us": v.tp_us, "ep_placement": v.ep_placement,
                     "winner": v.winner, "speedup": v.speedup}
         echo_json({"trace": trace, "ranks": ranks, "fit_steps": fit.num_steps, "eval_steps": sample.num_steps,
-                   "evaluated_on": f"{which} steps", "at_trace": row(here), "grid": [row(v) for v in grid],
+                   "evaluated_on": f"{which} steps", "layers_costed": layers_used,
+                   "at_trace": row(here), "grid": [row(v) for v in grid],
                    "flip_batch": flip, "flips": [{"batch": at, "below": lo, "above": hi} for at, lo, hi in flips_ep_tp],
                    "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json(),
                    "layouts": [{"name": r.layout.name, "ep_size": r.layout.ep, "moe_tp": r.layout.moe_tp,
@@ -115,11 +120,13 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     click.echo(f"placements fitted on {fit.num_steps:,} of the first {steps_phrase(fitted.num_steps, mode)}; "
                + (f"costs on {sample.num_steps:,} of the last {held_out.num_steps:,}, held out" if holdout else
                   f"costs on {sample.num_steps:,} of the same steps (--holdout 0)")
-               + " (the table's batches are built from those)")
+               + " (the table's batches are built from those)"
+               + ("" if layers_used == model.num_moe_layers else
+                  f"; on {layers_used} of the {model.num_moe_layers} MoE layers, evenly spaced, scaled to all"))
     name = {"ep": f"EP ({ep_row.layout.name}, {here.ep_placement} placement)", "tp": f"TP-MoE ({tp_row.layout.name})"}
     click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
                f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
-               f"{here.tp_us / 1e3:.2f} ms of MoE per step, {steps.model.num_moe_layers} layers)"
+               f"{here.tp_us / 1e3:.2f} ms of MoE per step, {model.num_moe_layers} layers)"
                + ep_tp_flips(flips_ep_tp) + ".")
     unmeasured = [r.layout.name for r in layouts if any(
         isinstance(layout_cost(r.layout, b).provenance.get("derived_from"), list) for b in (trace_batch, *r.grid))]

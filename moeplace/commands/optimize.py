@@ -127,7 +127,8 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         click.echo(f"warning: {memory}", err=True)
     batch = trace_batch(src, mode)       # SGLang's kernel config and launch grid follow the trace's batch
     cost_model = costing.group((model.num_experts + redundant) // groups, moe_tp, batch)
-    today_cost = costing.group(model.num_experts // groups, moe_tp, batch)   # the reference row: no spare slot
+    today_cost = (costing.group(model.num_experts // groups, moe_tp, batch)   # the reference row: no spare slot
+                  if model.num_experts % groups == 0 else cost_model)
     result = run_optimize(src, groups, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                           seed, max_steps, effort, balance_floor,
                           progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
@@ -137,7 +138,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
         row["fitted_e_max_distinct"] = fitted
     fitted_steps = result.fitted_steps
     which = "held-out" if holdout else "fitted"
-    warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0)
+    warnings = quality_warnings(rows, algorithm, which, result.fit_steps, redundant > 0) + result.warnings
     if ep_size is not None:   # what `moeplace launch` passes to SGLang
         result.placement.metrics["ep_split"] = {"gpus": ranks, "ep_size": groups, "moe_tp": moe_tp}
     split = (f"{ranks} ranks" if ep_size is None else
@@ -173,7 +174,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
             if dispatch == "balanced" and redundant else ""
         click.echo(f"fitted: E[max distinct] on {fitted_steps:,} of the {result.fit_steps:,} fitted steps, "
                    f"evenly spaced{exact} (every other column: the held-out steps)")
-    models = {e.name: today_cost if redundant and e.name == result.baseline else cost_model
+    models = {e.name: today_cost if redundant and e.name == result.baseline != "deepseek" else cost_model
               for e in result.evaluations}
     click.echo(cost_model_line(models))
     click.echo(f"wrote {out}" + (f" and {sglang_out}" if sglang_out else "")

@@ -11,6 +11,8 @@ from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.files.outputs import check_outputs
 from moeplace.files.placement import Placement, load_placement
+from moeplace.analysis.optimize import DEFAULT_SAMPLE_STEPS
+from moeplace.analysis.staleness import staleness
 from moeplace.analysis.report import (comparison_rows, evaluate, format_table, hottest_experts, plot_context, steps_phrase,
                              write_plots)
 from moeplace.trace.steps import RoutingSteps
@@ -23,17 +25,25 @@ from moeplace.trace.steps import RoutingSteps
                    "default: SGLang's contiguous layout.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON instead of a table.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write PNG heatmaps and distributions here.")
+@click.option("--no-stale-check", is_flag=True,
+              help="With --placement, skip the check against a placement fitted on TRACE now and the naive layout.")
 def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
            window: int, top_k: int | None, max_steps: int, placement_path: str | None, as_json: bool,
-           plot_dir: str | None) -> None:
+           plot_dir: str | None, no_stale_check: bool) -> None:
     """Measure per-step expert imbalance of TRACE under a placement.
 
     TRACE is a moeplace trace (file or folder of shards), an SGLang expert-distribution dump (.pt),
     an SGLang logical_count .json, or a per-token top-k ids .npz.
 
+    With --placement (one in service) on a newer capture, one line says whether it has gone stale: its
+    E[max distinct] on the capture's last 30% of steps against a placement fitted now on the first 70%
+    (same ranks and spare slots) and against the naive layout, e.g. "re-place: 7% to gain"; --json puts it
+    under "staleness" for monitoring.
+
     \b
     Example:
       moeplace report traces/gptoss20b-sample.mptrace --ranks 8 --plot-dir plots/
+      moeplace report /var/moeplace/new-capture.mptrace --ranks 8 --placement placement.json --json
     """
     check_outputs({}, folders={"--plot-dir": plot_dir})
     src = open_source(trace, window, top_k)
@@ -54,6 +64,11 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     result = {"trace": trace, "source": src.header.source, "model": model.to_json(), "mode": mode,
               "ranks": ranks, "dispatch": dispatch, "placement": name, "aggregate_only": src.header.aggregate_only,
               "cost_model": cost_model.to_json(), "metrics": s, "hottest_experts": hot}
+    stale = None
+    if placement_path and not no_stale_check and not src.header.aggregate_only:
+        limit = min(max_steps, DEFAULT_SAMPLE_STEPS) if max_steps else DEFAULT_SAMPLE_STEPS
+        stale = staleness(src.load(mode, limit), placement, dispatch, cost_model)
+        result["staleness"] = stale.to_json() if stale else None
     if plot_dir:
         result["plots"] = write_plots([ev], plot_dir, plot_context(trace, mode, s["steps"], "", ranks))
     if as_json:
@@ -80,6 +95,8 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     click.echo("hottest experts: " + ", ".join(
         f"L{h['layer']}/E{h['expert']} {100 * h['share']:.1f}%" for h in hot)
         + f"  (uniform {100 / model.num_experts:.1f}%)")
+    if stale:
+        click.echo(stale.line)
     if plot_dir:
         click.echo(f"plots: {', '.join(result['plots'])}")
 

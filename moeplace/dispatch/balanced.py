@@ -46,6 +46,7 @@ from moeplace.trace.steps import _ranges
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md#rules-compared: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
+CHUNK_CELLS = 4_000_000   # fast_rule solves at most this many steps x ranks x ranks at once (its [S, R, R] table)
 
 
 @dataclass(frozen=True)
@@ -196,11 +197,21 @@ def active_pairs(counts: np.ndarray) -> ActivePairs:
 
 
 def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
-              max_augment: int | None = MAX_AUGMENT, pairs: ActivePairs | None = None) -> Dispatch:
+              max_augment: int | None = MAX_AUGMENT, pairs: ActivePairs | None = None,
+              floor: np.ndarray | None = None) -> Dispatch:
     """``fast_rule_step`` for every row of ``counts [S, E]`` (whole tokens) at once: the same picks,
-    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already."""
+    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already. Steps never
+    interact, so many steps on many ranks are solved in chunks of CHUNK_CELLS / R^2 (the same picks).
+    floor: [S] a lower bound on each step's optimum; a step whose maximum reaches it takes no more paths
+    (its maximum is then optimal, its picks no longer the rule's: for callers that need the optimum only)."""
     S, E = counts.shape
     R = ranks
+    chunk = max(CHUNK_CELLS // (R * R), 1)
+    if S > chunk and R > 16:
+        parts = [fast_rule(counts[lo:lo + chunk], masks, ranks, max_augment,
+                           floor=None if floor is None else floor[lo:lo + chunk]) for lo in range(0, S, chunk)]
+        return Dispatch(*(np.concatenate([getattr(p, name) for p in parts])
+                          for name in ("pick", "distinct", "tokens", "augments")))
     counts = np.asarray(counts, np.int64)
     bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
@@ -237,12 +248,13 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     pick = pick.reshape(S, E)
     augments = np.zeros(S, np.int64)
     if multi.size:
-        _augment(counts, bits, multi, pick, distinct, tokens, augments, max_augment)
+        _augment(counts, bits, multi, pick, distinct, tokens, augments, max_augment, floor)
     return Dispatch(pick, distinct, tokens, augments)
 
 
 def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.ndarray, distinct: np.ndarray,
-             tokens: np.ndarray, augments: np.ndarray, max_augment: int | None) -> None:
+             tokens: np.ndarray, augments: np.ndarray, max_augment: int | None,
+             floor: np.ndarray | None = None) -> None:
     """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). bits: [E, R] replica
     ranks; multi: the experts with several, ascending."""
     R = distinct.shape[1]
@@ -252,9 +264,15 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
     rows = np.arange(live.size)
     pick_m = pick[live[:, None], multi]                                   # [n, M] kept in step with pick
     mbits = bits[multi]                                                   # [M, R]
-    mbits_f = mbits.astype(np.float32)
-    # reach[i, a, b]: how many experts on rank a of row i have a replica on rank b (kept up to date)
-    reach = np.stack([(pick_m == a).astype(np.float32) @ mbits_f for a in range(R)], axis=1).astype(np.int64)
+    # reach[i, b, a]: how many experts on rank a of row i have a replica on rank b (kept up to date);
+    # int16 counts, and a last so that a rank's sources are contiguous bits (``_bit_sets``)
+    row, col = np.nonzero(pick_m >= 0)                                    # active (row, expert) pairs
+    rep_col, rep_rank = np.nonzero(mbits)                                 # each expert's replica ranks
+    first = np.searchsorted(rep_col, np.arange(mbits.shape[0] + 1))
+    per = first[col + 1] - first[col]
+    which = _ranges(first[col], per)
+    cell = (np.repeat(row, per) * R + rep_rank[which]) * R + np.repeat(pick_m[row, col].astype(np.int64), per)
+    reach = np.bincount(cell, minlength=live.size * R * R).astype(np.int16).reshape(live.size, R, R)
     bit = np.uint64(1) << np.arange(R, dtype=np.uint64)
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
@@ -262,12 +280,14 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         d = distinct[live]
         top = d.max(axis=1)
         keep = d.min(axis=1) <= top - 2
+        if floor is not None:
+            keep &= top > floor[live]
         live, rows, d, top = live[keep], rows[keep], d[keep], top[keep]
         if not live.size:
             return
         n = live.size
-        edge = reach[rows] > 0                                            # [n, a, b], as it was at the search
-        into = (edge * bit[:, None]).sum(axis=1)                          # [n, b] bit set of the ranks a -> b
+        edge = reach[rows] > 0                                            # [n, b, a], as it was at the search
+        into = _bit_sets(edge)                                            # [n, b] bit set of the ranks a -> b
         roots = d == top[:, None]                                         # [n, R]
         # breadth first from the ranks at the maximum; levels[t]: the ranks first reached in t moves
         seen, levels = roots.copy(), [roots]
@@ -300,7 +320,7 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         while (walking := depth > 0).any():
             w = np.flatnonzero(walking)
             bb = b[w]
-            a = (levels[depth[w] - 1, w] & edge[w, :, bb]).argmax(axis=1)
+            a = (levels[depth[w] - 1, w] & edge[w, bb, :]).argmax(axis=1)
             moves.append((w, a, bb))
             b[w] = a
             depth[w] -= 1
@@ -317,11 +337,21 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         c = counts[s, e]
         tokens[s, a] -= c
         tokens[s, bb] += c
-        reach[i, a] -= bits[e]
-        reach[i, bb] += bits[e]
+        reach[i, :, a] -= bits[e]
+        reach[i, :, bb] += bits[e]
         distinct[live, b] -= 1
         distinct[live, target] += 1
         augments[live] += 1
+
+
+def _bit_sets(edge: np.ndarray) -> np.ndarray:
+    """[n, R] uint64: bit a of [i, b] set where ``edge [n, R, R]`` (bool) has [i, b, a]; ``packbits``
+    rather than a 64-bit multiply-sum over a (the rounds' largest cost on many ranks)."""
+    n, R, _ = edge.shape
+    packed = np.packbits(edge, axis=2, bitorder="little")                # [n, R, ceil(R / 8)] uint8
+    out = np.zeros((n, R, 8), np.uint8)
+    out[:, :, :packed.shape[2]] = packed
+    return out.view("<u8")[:, :, 0].astype(np.uint64, copy=False)
 
 
 # ----------------------------------------------------------------------------- exact solver (oracle)

@@ -1,0 +1,211 @@
+"""Spare slots that hold when the traffic changes: the candidate layout that does best on steps its fit did not see.
+
+Dimension letters: S steps, E experts, R ranks, L MoE layers.
+
+A spare-slot search fitted on one capture trusts that capture's hot and co-active experts; when the
+prompts change, experts that were cold turn hot and may have no second replica. So under balanced
+dispatch with spare slots the layout is chosen, among a few candidates, by its exact E[optimum] on
+steps its fit did not see (``choose``):
+
+* ``fitted``: ``stepaware``'s search as it is (replicas by exact gain on the fitted steps);
+* ``prior 1/3``, ``prior 2/3``: the same gains on the fitted steps blended with steps whose experts are
+  drawn uniformly (a uniform prior over which experts a step activates; sizes as fitted), the share given;
+* ``even``: the naive layout's replica counts (every expert replicated as evenly as R allows, the hottest
+  first), each replica on the rank the fitted gains choose, so co-active experts can spread;
+* ``naive``: the naive layout itself (``baselines.naive_spares``).
+
+Folds: the trace's steps carry no request id, so the folds are FOLDS contiguous blocks of steps (a
+block holds other requests than the rest, mostly, since a request's steps are close in time; steps of
+one request never sit in a fit and its test at random). Each fold fits every candidate on the other
+blocks, DeepSeek EPLB's first copies and no exchanges (cheap, the same for every candidate), on
+CV_LAYERS layers, and scores it on the block by the per-step optimum (``dispatch.exact``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from moeplace.algorithms import PlacementProblem
+from moeplace.algorithms.balanced_replicas import (EXCHANGE_CELLS, add_replicas, masks_to_phy2log,
+                                                   sample_size)
+from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
+from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.algorithms.replica_exchange import exchange_masks
+from moeplace.algorithms.stepaware import BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, stepaware
+from moeplace.dispatch.balanced import replica_layout, step_expert_counts
+from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
+
+from moeplace.algorithms import DEFAULT_EFFORT
+
+FOLDS = 3          # contiguous blocks of steps, each held out once
+CV_LAYERS = 3      # layers the choice fits, evenly spaced
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to fill the spare slots. prior: share of uniform steps in the objective; even: the naive
+    layout's replica counts, ranks by gain; naive: the naive layout."""
+
+    name: str
+    prior: float = 0.0
+    even: bool = False
+    naive: bool = False
+
+
+# Most robust first: on an exact tie of the out-of-fold loss the one that trusts the capture least wins.
+CANDIDATES = (Candidate("naive", naive=True), Candidate("even", even=True), Candidate("prior 2/3", 2 / 3),
+              Candidate("prior 1/3", 1 / 3), Candidate("fitted"))
+WHY = {"fitted": "the capture's hot and co-active experts recur in steps the fit did not see",
+       "prior 1/3": "the capture's co-activation recurs only in part on steps the fit did not see",
+       "prior 2/3": "the capture's hot experts recur little on steps the fit did not see",
+       "even": "which experts are hot changes between parts of the capture; where co-active ones sit does not",
+       "naive": "the capture's statistics did not carry over to steps the fit did not see"}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The chosen candidate and each candidate's mean E[optimum] on held-out blocks (``losses``)."""
+
+    name: str
+    losses: dict[str, float]
+    folds: int
+
+    @property
+    def line(self) -> str:
+        """One line: which layout, and why (its out-of-fold figure against the fitted search and the naive layout)."""
+        lo = self.losses
+        return (f"spare slots: '{self.name}' layout, best on {self.folds} held-out blocks of steps "
+                f"({lo[self.name]:.3f} against fitted {lo['fitted']:.3f}, naive {lo['naive']:.3f}): "
+                f"{WHY[self.name]}")
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "folds": self.folds, "out_of_fold": dict(self.losses)}
+
+
+def uniform_steps(active: np.ndarray, num_steps: int, rng: np.random.Generator) -> np.ndarray:
+    """[num_steps, E] bool steps of the sizes of ``active [S, E]``'s steps, each one's experts uniform."""
+    S, E = active.shape
+    sizes = active.sum(axis=1)[rng.integers(S, size=num_steps)]
+    keys = rng.random((num_steps, E))
+    nth = np.sort(keys, axis=1)[np.arange(num_steps), np.minimum(E - sizes, E - 1)]
+    return (keys >= nth[:, None]) & (sizes[:, None] > 0)
+
+
+def with_prior(active: np.ndarray, share: float, num_prior: int,
+               rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [S + n, E], weight [S + n]): ``active`` and n uniform steps making up ``share`` of the weight."""
+    S = active.shape[0]
+    if share <= 0 or S == 0:
+        return active, np.ones(S)
+    n = max(num_prior, 1)
+    total = S + n
+    weight = np.concatenate([np.full(S, (1 - share) * total / S), np.full(n, share * total / n)])
+    return np.concatenate([active, uniform_steps(active, n, rng)]), weight
+
+
+def even_copies(weight: np.ndarray, redundant: int) -> np.ndarray:
+    """[E] replicas per expert in the naive layout: 1 + redundant // E each, one more for the
+    redundant % E hottest (``weight [E]`` tokens; ties: lower id)."""
+    E = weight.shape[0]
+    copies = np.full(E, 1 + redundant // E)
+    copies[np.lexsort((np.arange(E), -weight))[:redundant % E]] += 1
+    return copies
+
+
+def layer_masks(candidate: Candidate, active: np.ndarray, weight: np.ndarray, base: np.ndarray, ranks: int,
+                redundant: int, num_prior: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(masks [E], steps, step weight) of one layer: ``base [E]`` first copies plus ``redundant`` spare
+    slots filled as ``candidate`` does, fitted on ``active [S, E]`` (``weight [E]``: fitted tokens)."""
+    E = weight.shape[0]
+    if candidate.naive:
+        return replica_layout(hot_expert_spares(base, weight, ranks, redundant), E, ranks).masks, active, \
+            np.ones(active.shape[0])
+    steps, step_weight = with_prior(active, candidate.prior, num_prior, rng)
+    cap = even_copies(weight, redundant) if candidate.even else None
+    masks = add_replicas(steps, replica_layout(base, E, ranks).masks, ranks, redundant // ranks, weight,
+                         step_weight, cap)
+    return masks, steps, step_weight
+
+
+def fold_blocks(num_steps: int, folds: int) -> list[np.ndarray]:
+    """Step indices of ``folds`` contiguous blocks (fewer where there are fewer steps)."""
+    return [b for b in np.array_split(np.arange(num_steps), min(folds, num_steps)) if b.size]
+
+
+def choose(problem: PlacementProblem, seed: int) -> Choice:
+    """The candidate with the lowest E[optimum] over held-out blocks (``fold_blocks``) and CV_LAYERS layers."""
+    S, L = problem.steps.num_steps, problem.model.num_moe_layers
+    R, E = problem.ranks, problem.model.num_experts
+    blocks = fold_blocks(S, FOLDS)
+    if len(blocks) < 2:
+        return Choice("fitted", {c.name: 0.0 for c in CANDIDATES}, len(blocks))
+    layers = np.unique(np.linspace(0, L - 1, min(CV_LAYERS, L)).round().astype(int))
+    sample = max(sample_size(problem) // 2, 1)
+    sizes = subset_sizes(R)
+    jobs = [(int(layer), k) for layer in layers for k in range(len(blocks))]
+    seeds = np.random.default_rng(seed).integers(2**31, size=len(jobs))
+
+    def held_out(job: int) -> np.ndarray:
+        layer, k = jobs[job]
+        rng = np.random.default_rng(seeds[job])
+        fit_rows = np.concatenate([b for i, b in enumerate(blocks) if i != k])
+        counts = step_expert_counts(problem.steps.take(fit_rows), layer)
+        test = step_expert_counts(problem.steps.take(blocks[k]), layer) > 0
+        weight = counts.sum(axis=0)
+        base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
+        active = counts > 0
+        if active.shape[0] > sample:
+            active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
+        out = np.zeros(len(CANDIDATES))
+        for i, candidate in enumerate(CANDIDATES):
+            masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]
+            out[i] = step_optimum(subset_counts(test, masks, R), sizes).mean()
+        return out
+
+    loss = np.zeros(len(CANDIDATES))
+    for _, value in sorted(map_layers(held_out, len(jobs), layer_workers(PARALLEL_CELLS)), key=lambda x: x[0]):
+        loss += value
+    loss /= len(jobs)
+    best = int(np.argmin(loss))   # the first of equals: the most robust
+    return Choice(CANDIDATES[best].name, {c.name: float(v) for c, v in zip(CANDIDATES, loss)}, len(blocks))
+
+
+def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
+    """(phy2log [L, P], the choice): spare slots for balanced dispatch by the candidate ``choose`` picks,
+    then fitted on all of ``problem.steps`` (first copies as ``stepaware``'s)."""
+    rng = np.random.default_rng([problem.seed, 36])
+    choice = choose(problem, int(rng.integers(2**31)))
+    candidate = next(c for c in CANDIDATES if c.name == choice.name)
+    if candidate.name == "fitted":
+        return stepaware(problem), choice
+    if candidate.naive:
+        return naive_spares(problem), choice
+    L, R, E = problem.model.num_moe_layers, problem.ranks, problem.model.num_experts
+    weight = problem.steps.expert_token_counts()
+    if E > BALANCED_BASE_MAX_EXPERTS:
+        base = rebalance_experts(weight, E, 1, 1, R, False)[0]
+    else:
+        base = stepaware(replace(problem, redundant=0, dispatch="dynamic",
+                                 effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None))
+    sample = sample_size(problem)
+    rows = problem.steps.take(np.sort(rng.choice(problem.steps.num_steps, sample, replace=False))) \
+        if problem.steps.num_steps > sample else problem.steps
+    seeds = rng.integers(2**31, size=L)
+
+    def place(layer: int) -> np.ndarray:
+        counts = step_expert_counts(rows, layer)
+        layer_rng = np.random.default_rng(seeds[layer])
+        masks, steps, step_weight = layer_masks(candidate, counts > 0, weight[layer], base[layer], R,
+                                                problem.redundant, sample // 2, layer_rng)
+        if not candidate.even:   # an exchange swaps two experts' replica counts too: kept for the blends only
+            masks = exchange_masks(steps, step_weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
+        return masks_to_phy2log(masks, R, problem.num_physical // R)
+
+    out = np.zeros((L, problem.num_physical), np.int64)
+    for layer, phy2log in map_layers(place, L, layer_workers(rows.num_steps * problem.num_physical * L)):
+        out[layer] = phy2log
+        problem.progress(1)
+    return out, choice

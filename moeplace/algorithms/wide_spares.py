@@ -1,0 +1,81 @@
+"""Spare slots for balanced dispatch on many ranks (wide EP), in polynomial time.
+
+Dimension letters: S steps, E logical experts, R ranks.
+
+On one node the spare search (``balanced_replicas``) scores every (expert, rank) pair exactly through
+Hall's rank sets, 2^R of them: out of reach beyond ``HALL_MAX_RANKS``. Here each step is solved
+exactly by the uncapped rule (``moeplace.dispatch.flow``) and scored through its *closure*: the ranks
+reachable from the busiest ones by moving an expert to another of its replicas. Every expert on those
+ranks has all its replicas among them, which is what holds the busiest rank at its load. A replica of
+such an expert on a rank outside the closure with load <= M - 2 opens a path that takes one expert off
+a busiest rank: the step's maximum drops when that rank was the only one at M, and the gain is
+counted as 1 / (ranks at M) otherwise (a share of the progress toward it). Per layer, in rounds:
+
+1. dispatch the sampled steps exactly; find each step's closure and its light ranks;
+2. gain of (e, r) = sum over the steps where e is active inside the closure and r is a light rank
+   outside it (one matrix product, [E, S] x [S, R]);
+3. add the best pairs of distinct experts, each rank at most its free slots, ties toward the busiest
+   expert per replica, then the lower expert id and rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeplace.dispatch.balanced import mask_bits
+from moeplace.dispatch.flow import closure, exact_dispatch
+from moeplace.errors import MoeplaceError
+
+ROUNDS = 6                # replicas go in about this many rounds (each re-solves the sampled steps)
+
+
+def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
+                 expert_weight: np.ndarray) -> np.ndarray:
+    """New replica masks [E] (int64 bit sets) after adding ``spare_per_rank`` replicas to every rank.
+
+    active: [S, E] bool, the steps to fit; masks: [E] replica ranks before; expert_weight: [E] tokens,
+    the tie-break toward the busiest expert per replica.
+    """
+    masks = np.asarray(masks, np.int64).copy()
+    E = masks.shape[0]
+    room = np.full(ranks, spare_per_rank, np.int64)
+    batch = max(-(-spare_per_rank * ranks // ROUNDS), 1)
+    copies = mask_bits(masks, ranks).sum(axis=1)
+    tie_unit = 1e-6 / max(float(expert_weight.max(initial=0)), 1e-12)
+    active_f = np.asarray(active, np.float32)
+    bit = np.uint64(1) << np.arange(ranks, dtype=np.uint64)
+    while room.sum():
+        on = mask_bits(masks, ranks)                                            # [E, R]
+        allowed = ~on & (room > 0)[None, :]
+        if not allowed.any():
+            raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
+        gain = replica_gains(active_f, masks, ranks, bit)
+        total = np.where(allowed, gain + (tie_unit * expert_weight / copies)[:, None], -np.inf)
+        chosen, taken = set(), np.zeros(ranks, np.int64)
+        for k in np.argsort(-total, axis=None, kind="stable"):
+            e, r = divmod(int(k), ranks)
+            if not np.isfinite(total[e, r]) or len(chosen) >= batch:
+                break
+            if taken[r] < room[r] and e not in chosen:
+                chosen.add(e)
+                taken[r] += 1
+                masks[e] |= np.int64(1) << np.int64(r) if r < 63 else np.int64(-(1 << 63))
+                copies[e] += 1
+        room -= taken
+    return masks
+
+
+def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, bit: np.ndarray) -> np.ndarray:
+    """[E, R] the closure score of a replica of expert e on rank r over the steps ``active [S, E]`` (0/1
+    float32) under the replica ranks ``masks [E]`` (see the module docstring)."""
+    chosen = exact_dispatch(active, masks, ranks)
+    d = chosen.distinct                                                         # [S, R]
+    top = d.max(axis=1)
+    reach = closure(chosen.pick, d, masks)                                      # [S] bit sets
+    inside = (reach[:, None] & bit) != 0                                        # [S, R]
+    share = 1.0 / (d == top[:, None]).sum(axis=1)                               # [S]
+    light = (~inside & (d <= top[:, None] - 2)).astype(np.float32)              # [S, R] where a replica helps
+    pick = chosen.pick.astype(np.int64)
+    in_closure = (pick >= 0) & np.take_along_axis(inside, np.maximum(pick, 0), axis=1)   # [S, E]
+    weighted = (in_closure * share[:, None]).astype(np.float32)
+    return weighted.T @ light                                                   # [E, R]

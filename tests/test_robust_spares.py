@@ -1,0 +1,139 @@
+"""Spare slots chosen out of fold (``algorithms.robust``) and the stale-placement check (``analysis.staleness``).
+
+The choice is checked against a plain re-scoring of its candidates on the held-out blocks, the even
+candidate's replica counts against the naive layout's, and the check's verdict on traffic whose hot
+experts moved against traffic that did not.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.baselines import hot_expert_spares
+from moeplace.algorithms.robust import CANDIDATES, choose, even_copies, fold_blocks, robust_spares, uniform_steps
+from moeplace.analysis.staleness import staleness
+from moeplace.cost.model import CostModel
+from moeplace.dispatch.balanced import replica_layout
+from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.files.placement import Placement
+from moeplace.trace.steps import RoutingSteps
+from test_algorithms import assert_valid_placement, tiny_model, tiny_steps
+from test_cli_optimize import run_main, topk_npz
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(st.sampled_from([8, 16, 32, 64]), st.integers(0, 130), st.integers(0, 2**16))
+def test_even_copies_spread_replicas_hottest_first(E, redundant, seed):
+    rng = np.random.default_rng(seed)
+    weight = rng.integers(0, 20, E).astype(float)            # ties: the lower id counts as hotter
+    want = [1] * E
+    for i in range(redundant):                               # one more each, hottest first, round after round
+        want[sorted(range(E), key=lambda e: (-weight[e], e))[i % E]] += 1
+    assert even_copies(weight, redundant).tolist() == want
+
+
+@pytest.mark.parametrize("E,R,redundant", [(16, 4, 8), (32, 8, 32), (64, 8, 16)])
+def test_even_copies_match_the_naive_layout_where_it_fills_in_order(E, R, redundant):
+    weight = np.arange(E, 0, -1).astype(float)               # expert 0 hottest
+    naive = hot_expert_spares(np.arange(E), weight, R, redundant)
+    assert np.array_equal(even_copies(weight, redundant), np.bincount(naive, minlength=E))
+
+
+def test_uniform_steps_keep_sizes_and_spread_evenly():
+    rng = np.random.default_rng(0)
+    active = np.zeros((50, 16), bool)
+    active[:, :5] = True                                     # every fitted step: experts 0-4
+    steps = uniform_steps(active, 4000, rng)
+    assert np.all(steps.sum(axis=1) == 5)
+    share = steps.mean(axis=0)
+    assert np.allclose(share, 5 / 16, atol=0.03)             # uniform over experts, whatever was fitted
+
+
+@pytest.mark.parametrize("S,folds", [(1, 1), (5, 3), (100, 3)])
+def test_fold_blocks_are_contiguous_and_cover(S, folds):
+    blocks = fold_blocks(S, folds)
+    assert np.array_equal(np.concatenate(blocks), np.arange(S))
+    assert all(np.all(np.diff(b) == 1) for b in blocks)
+
+
+def drifting_steps(model, num_steps: int, seed: int, moved: bool) -> RoutingSteps:
+    """Synthetic steps; ``moved``: their second half has each layer's expert ids reversed (hot turn cold)."""
+    steps = tiny_steps(model, num_steps, 4, seed)
+    if not moved:
+        return steps
+    ids = steps.topk_ids.copy()
+    half = steps.token_offsets[num_steps // 2]
+    E = model.num_experts
+    ids[half:] = np.where(ids[half:] >= 0, E - 1 - ids[half:], -1)
+    return RoutingSteps.from_topk(model, ids, np.diff(steps.token_offsets), steps.modes)
+
+
+@pytest.mark.parametrize("E,ranks,redundant,moved", [(16, 4, 4, False), (16, 4, 16, True), (32, 8, 8, True),
+                                                     (32, 8, 32, False)])
+def test_choice_is_the_best_candidate_out_of_fold(E, ranks, redundant, moved):
+    model = tiny_model(E, top_k=4, num_moe_layers=2)
+    problem = PlacementProblem(model, drifting_steps(model, 300, E + redundant, moved), ranks,
+                               redundant=redundant, dispatch="balanced")
+    choice = choose(problem, seed=3)
+    assert set(choice.losses) == {c.name for c in CANDIDATES}
+    assert choice.losses[choice.name] == min(choice.losses.values())
+    assert choice.losses[choice.name] <= choice.losses["naive"]      # never below the naive layout out of fold
+    assert choice.name in choice.line and "naive" in choice.line
+    phy2log, again = robust_spares(problem)
+    assert_valid_placement(phy2log, problem)
+
+
+def e_opt(steps: RoutingSteps, phy2log: np.ndarray, ranks: int) -> float:
+    from moeplace.dispatch.balanced import step_expert_counts
+    E = steps.model.num_experts
+    return float(np.mean([step_optimum(subset_counts(step_expert_counts(steps, layer) > 0,
+                                                     replica_layout(row, E, ranks).masks, ranks),
+                                       subset_sizes(ranks)).mean() for layer, row in enumerate(phy2log)]))
+
+
+def test_staleness_sees_moved_traffic():
+    """A placement fitted before the hot experts moved has more to gain from re-placing than one fitted after."""
+    E, ranks, redundant = 32, 8, 8
+    model = tiny_model(E, top_k=4, num_moe_layers=2)
+    old = tiny_steps(model, 400, ranks, 1)
+    new = drifting_steps(model, 800, 1, True).slice(400, 800)          # the same routing, hot experts reversed
+    fit = lambda steps: robust_spares(PlacementProblem(model, steps, ranks, redundant=redundant,
+                                                       dispatch="balanced"))[0]
+    before, after = (Placement(model, ranks, fit(s), algorithm="stepaware") for s in (old, new.slice(0, 280)))
+    stale = staleness(new, before, "balanced", CostModel())
+    fresh = staleness(new, after, "balanced", CostModel())
+    assert stale.to_gain > fresh.to_gain
+    assert stale.to_gain > 0.01 and "re-place" in stale.line
+    assert stale.current == pytest.approx(e_opt(new.slice(280, 400), before.phy2log, ranks))
+
+
+def test_report_says_whether_to_replace(tmp_path, capsys):
+    trace = topk_npz(tmp_path / "t.npz", 16, 120, layers=2)
+    code, _, err = run_main(capsys, "optimize", trace, "--ranks", "4", "--redundant", "4", "--dispatch", "balanced",
+                            "--max-steps", "600", "--effort", "2e7", "-o", tmp_path / "p.json")
+    assert code == 0, err
+    code, out, _ = run_main(capsys, "report", trace, "--ranks", "4", "--dispatch", "balanced",
+                            "--placement", tmp_path / "p.json", "--json")
+    assert code == 0
+    stale = json.loads(out)["staleness"]
+    assert stale["fit_steps"] + stale["scored_steps"] == 120 and ("re-place" in stale["line"] or "keep" in stale["line"])
+    code, out, _ = run_main(capsys, "report", trace, "--ranks", "4", "--dispatch", "balanced",
+                            "--placement", tmp_path / "p.json")
+    assert code == 0 and stale["line"] in out
+
+
+def test_optimize_warns_on_a_narrow_trace(tmp_path, capsys):
+    """A trace where some experts are never active: their spare slots rest on nothing."""
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(2)]) for _ in range(60 * 9)])
+    np.savez(tmp_path / "n.npz", topk_ids=ids.astype(np.int16), num_experts=np.int64(16), model_name=np.str_("tiny"))
+    code, _, err = run_main(capsys, "optimize", tmp_path / "n.npz", "--ranks", "4", "--redundant", "4",
+                            "--dispatch", "balanced", "--effort", "2e7", "-o", tmp_path / "p.json")
+    assert code == 0
+    assert "never active" in err and "too narrow" in err

@@ -1,0 +1,153 @@
+"""Wide expert parallelism: the polynomial per-step optimum against Hall's formula, the closure the
+wide spare search reads, placements at 16 to 512 ranks through the CLI (no traceback; one line where
+a width cannot be placed). SGLang's start-up reading 64- and 128-rank files: tests/test_sglang_export.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moeplace.algorithms import PlacementProblem, solve
+from moeplace.algorithms.wide_spares import add_replicas
+from moeplace.cli import cli, main
+from moeplace.dispatch import balanced
+from moeplace.dispatch.balanced import fast_rule, mask_bits
+from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.flow import closure, exact_dispatch, lower_bound, optimum
+from test_algorithms import assert_valid_placement, tiny_model, tiny_steps
+from test_balanced import random_case
+
+
+def hall(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    return step_optimum(subset_counts(active, masks, ranks), subset_sizes(ranks))
+
+
+@pytest.mark.parametrize("ranks, experts", [(2, 3), (4, 8), (6, 12), (8, 16), (10, 30), (12, 24)])
+@pytest.mark.parametrize("seed", range(6))
+def test_rule_optimum_equals_halls_formula(ranks, experts, seed):
+    """The uncapped rule (used above HALL_MAX_RANKS), with and without its early stop at a lower
+    bound, gives Hall's optimum on every step."""
+    rng = np.random.default_rng(seed)
+    counts, masks = random_case(rng, ranks, experts, steps=60)
+    want = hall(counts > 0, masks, ranks)
+    np.testing.assert_array_equal(exact_dispatch(counts > 0, masks, ranks).distinct.max(axis=1), want)
+    bound = lower_bound(counts > 0, masks, ranks)
+    assert np.all(bound <= want)
+    got = fast_rule(counts, masks, ranks, max_augment=None, floor=bound).distinct.max(axis=1)
+    np.testing.assert_array_equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ranks=st.integers(1, 9), experts=st.integers(1, 20), seed=st.integers(0, 2**31 - 1))
+def test_property_closure_is_halls_tight_set(ranks, experts, seed):
+    """The closure holds every replica of the experts dispatched into it, and its Hall ratio is the
+    step's optimum: the certificate that no dispatch does better."""
+    counts, masks = random_case(np.random.default_rng(seed), ranks, experts, steps=20)
+    chosen = exact_dispatch(counts > 0, masks, ranks)
+    reach = closure(chosen.pick, chosen.distinct, masks).astype(np.int64)
+    best = hall(counts > 0, masks, ranks)
+    for s in range(counts.shape[0]):
+        if best[s] == 0:
+            continue
+        inside = [e for e in np.flatnonzero(counts[s] > 0) if (reach[s] >> chosen.pick[s, e]) & 1]
+        assert all((int(masks[e]) & ~int(reach[s])) == 0 for e in inside)
+        size = bin(int(reach[s])).count("1")
+        assert -(-len(inside) // size) == best[s]
+
+
+def test_chunked_rule_is_the_same(monkeypatch):
+    rng = np.random.default_rng(3)
+    counts, masks = random_case(rng, 20, 60, steps=300, density=0.3)
+    whole = fast_rule(counts, masks, 20, max_augment=None)
+    monkeypatch.setattr(balanced, "CHUNK_CELLS", 20 * 20 * 37)
+    parts = fast_rule(counts, masks, 20, max_augment=None)
+    for name in ("pick", "distinct", "tokens", "augments"):
+        np.testing.assert_array_equal(getattr(parts, name), getattr(whole, name))
+
+
+@pytest.mark.parametrize("ranks, per_rank", [(16, 1), (24, 2), (64, 1)])
+def test_wide_spares_fill_every_rank_and_never_hurt(ranks, per_rank):
+    rng = np.random.default_rng(ranks)
+    E = 2 * ranks
+    masks = np.array([1 << (e % ranks) for e in range(E)], np.uint64).view(np.int64)   # bit 63: the sign
+    active = rng.random((300, E)) < 0.08
+    more = add_replicas(active, masks, ranks, per_rank, active.sum(axis=0).astype(float))
+    bits = mask_bits(more, ranks)
+    assert np.all(bits.sum(axis=0) == 2 + per_rank)                   # every rank: its copies and its spares
+    assert np.all((more & masks) == masks)                             # first copies kept
+    assert optimum(active, more, ranks).mean() <= optimum(active, masks, ranks).mean()
+    # the spares went somewhere useful: the optimum dropped on the fitted steps
+    assert optimum(active, more, ranks).mean() < optimum(active, masks, ranks).mean()
+
+
+@pytest.mark.parametrize("ranks, nodes, redundant, dispatch", [
+    (16, 1, 16, "balanced"), (32, 4, 32, "balanced"), (64, 1, 64, "dynamic"), (128, 16, 0, "dynamic"),
+    (96, 1, 96, "static"), (256, 1, 0, "dynamic")])
+def test_stepaware_places_wide_layouts(ranks, nodes, redundant, dispatch):
+    model = tiny_model(2 * ranks if ranks != 256 else 256, top_k=8)
+    problem = PlacementProblem(model, tiny_steps(model, 120, ranks, seed=1), ranks, nodes=nodes,
+                               redundant=redundant, dispatch=dispatch)
+    assert_valid_placement(solve("stepaware", problem), problem)
+
+
+@pytest.fixture(scope="module")
+def wide_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("wide") / "t.mptrace"
+    result = CliRunner().invoke(cli, ["trace", "synth", "--shape", "deepseek-v3", "--steps", "120", "-o", str(path)])
+    assert result.exit_code == 0, result.output
+    return path
+
+
+@pytest.mark.parametrize("args", [
+    ["--ranks", "64", "--redundant", "64", "--dispatch", "balanced"],
+    ["--ranks", "32", "--nodes", "4", "--redundant", "32", "--dispatch", "balanced"],
+    ["--ranks", "128", "--redundant", "128"],
+    ["--ranks", "144", "--redundant", "32", "--nodes", "18"],
+    ["--ranks", "256", "--nodes", "32"],
+    ["--ranks", "512", "--redundant", "256"],
+])
+def test_optimize_at_wide_widths(wide_trace, tmp_path, args):
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(cli, ["optimize", str(wide_trace), *args, "--holdout", "0.5", "-o", str(out),
+                                       "--sglang-out", str(tmp_path / "s.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["ranks"] == int(args[1])
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ranks", "512"], "do not split evenly"),
+    (["--ranks", "100"], "do not split evenly"),
+    (["--ranks", "128", "--redundant", "128", "--dispatch", "balanced"], "64 ranks"),
+    (["--ranks", "64", "--redundant", "64", "--nodes", "3"], "--nodes"),
+])
+def test_widths_that_cannot_be_placed_say_so_in_one_line(wide_trace, tmp_path, args, says):
+    runner = CliRunner()
+    with runner.isolation() as (stdout, stderr, *_):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["optimize", str(wide_trace), *args, "-o", str(tmp_path / "p.json")])
+    lines = stderr.getvalue().decode().strip().splitlines()
+    assert exit_info.value.code == 2
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
+    assert not (tmp_path / "p.json").exists()
+
+
+
+def test_advise_costs_a_sample_of_layers_of_a_deep_wide_model():
+    from moeplace.analysis.layouts import layer_sample
+
+    small = tiny_model(16, top_k=4, num_moe_layers=6)
+    steps = tiny_steps(small, 30, 8, seed=0)
+    assert layer_sample(steps) == (steps, 1.0)                      # few layers x experts: all of them
+    wide = tiny_model(1024, top_k=8, num_moe_layers=12)
+    steps = tiny_steps(wide, 30, 8, seed=0)
+    sub, factor = layer_sample(steps)
+    kept = [wide.moe_layers.index(h) for h in sub.model.moe_layers]
+    assert len(kept) == 4 and factor == 12 / 4 and kept[0] == 0 and kept[-1] == 11
+    np.testing.assert_array_equal(sub.topk_ids, steps.topk_ids[:, kept])
+    assert sub.model.num_experts == wide.num_experts and sub.num_steps == steps.num_steps
