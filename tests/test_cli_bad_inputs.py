@@ -226,6 +226,8 @@ CASES = [
     (["report", "{in}/h_inf_nodes.mptrace"], "nodes must be a whole number"),
     (["trace", "merge", "{in}/badshards", "-o", "{out}/m.mptrace"], "ranks must be a list"),
     (["report", "{in}/none.mptrace", "--cost-model", "{in}/cost_ok.json"], "route no token to any expert"),
+    (["optimize", "{in}/none.mptrace", "--ranks", "4", "--cost-model", "{in}/cost_ok.json", "-o", "{out}/p.json"],
+     "route no token to any expert"),     # before the search: no progress line
     (["compare", "{in}/none.mptrace", "{in}/toy.json", "--ranks", "4", "--cost-model", "{in}/cost_ok.json"],
      "route no token to any expert"),
     (["report", "{in}/bigids.npz"], "32767"),

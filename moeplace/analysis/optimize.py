@@ -91,6 +91,11 @@ def holdout_cut(num_steps: int, holdout: float) -> int:
     return cut
 
 
+def routes_tokens(steps: RoutingSteps) -> bool:
+    """Whether any step routes a token to an expert (an id other than -1, or a positive count)."""
+    return bool((steps.topk_ids >= 0).any() or (steps.counts > 0).any())
+
+
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
              dispatch: str = "dynamic", cost_model: CostModel | None = None, holdout: float = 0.3,
              seed: int = 0, max_steps: int | None = None, effort: float | None = None,
@@ -123,6 +128,10 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         notes.append(f"aggregate-only trace: {AGGREGATE_SAMPLE_STEPS} steps were sampled from its counts with "
                      f"independent tokens (no co-activation); metrics are for those sampled steps")
     fit, held_out = split_steps(steps, holdout)
+    for part, which in ((fit, "fitted"), (held_out, "held-out" if holdout else "fitted")):
+        if not routes_tokens(part):   # found before the search, not after it
+            raise MoeplaceError(f"the {which} steps route no token to any expert (every expert id is -1, none): "
+                                "nothing to place or measure")
     placed_as = PLACED_AS.get(dispatch, dispatch)
     if placed_as == "balanced" and ranks > WIDE_BALANCED_RANKS and held_out.num_steps > WIDE_EVAL_STEPS:
         notes.append(f"balanced dispatch on {ranks} ranks: the table is on {WIDE_EVAL_STEPS:,} of the "
