@@ -28,8 +28,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem
-from moeplace.algorithms.balanced_replicas import (EXCHANGE_CELLS, add_replicas, masks_to_phy2log,
-                                                   sample_size)
+from moeplace.algorithms.balanced_replicas import (EXCHANGE_CELLS, MAX_SEARCH_RANKS, add_replicas,
+                                                   masks_to_phy2log, sample_size)
 from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.replica_exchange import exchange_masks
@@ -77,6 +77,9 @@ class Choice:
     def line(self) -> str:
         """One line: which layout, and why (its out-of-fold figure against the fitted search and the naive layout)."""
         lo = self.losses
+        if not lo:
+            return (f"spare slots: the fitted search's layout (the out-of-fold choice among layouts runs on up to "
+                    f"{MAX_SEARCH_RANKS} ranks, where its exact per-step optimum is cheap)")
         return (f"spare slots: '{self.name}' layout, best on {self.folds} held-out blocks of steps "
                 f"({lo[self.name]:.3f} against fitted {lo['fitted']:.3f}, naive {lo['naive']:.3f}): "
                 f"{WHY[self.name]}")
@@ -176,6 +179,8 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
 def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
     """(phy2log [L, P], the choice): spare slots for balanced dispatch by the candidate ``choose`` picks,
     then fitted on all of ``problem.steps`` (first copies as ``stepaware``'s)."""
+    if problem.ranks > MAX_SEARCH_RANKS:   # the candidates' search enumerates rank sets
+        return stepaware(problem), Choice("fitted", {}, 0)
     rng = np.random.default_rng([problem.seed, 36])
     choice = choose(problem, int(rng.integers(2**31)))
     candidate = next(c for c in CANDIDATES if c.name == choice.name)
