@@ -483,7 +483,7 @@ class MergeConfig:
     the chunked layout too (their queries gathered per chunk request, one launch per layer;
     merged with batch_chunk_dv_split programs per request and head of batch_chunk_num_warps
     warps, batch_chunk_block chunks per step of a loop over the request's chunks); off by
-    default: FlashMLA's own split and combine serve batches, 1.00-1.16x FlashMLA's time where
+    default: FlashMLA's own split and combine serve batches, 0.97-1.16x FlashMLA's time where
     the chunked layout took 1.04-1.27x (H200, BENCHMARKS.md#verify-attention-against-flashmla).
     """
 
