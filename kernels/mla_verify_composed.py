@@ -153,8 +153,9 @@ def _chunk_plan_kernel(kv_indptr, kv_indices, Table, Seqlens, ChunkStart, ChunkT
 @triton.jit
 def _chunk_queries_kernel(Q, Q_chunks, Owner, qo_indptr, H, stride_qt, stride_qh,
                           D_MAX: tl.constexpr, UNIFORM: tl.constexpr, C: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
-    """Q_chunks[c, i] = draft i of chunk c's request (grid CHUNKS x D_max; rows past the
+                          BLOCK_C: tl.constexpr, HB: tl.constexpr):
+    """Q_chunks[c, i] = draft i of chunk c's request (grid CHUNKS x D_max x cdiv(H, HB), HB
+    heads per program in one tile: one load and one store, no dependent steps; rows past the
     request's drafts are left as they are: FlashMLA's rows there are never read)."""
     c = tl.program_id(0)
     i = tl.program_id(1)
@@ -165,29 +166,49 @@ def _chunk_queries_kernel(Q, Q_chunks, Owner, qo_indptr, H, stride_qt, stride_qh
         q0 = tl.load(qo_indptr + owner)
         if i >= tl.load(qo_indptr + owner + 1) - q0:
             return
+    offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
     offs = tl.arange(0, BLOCK_C)
+    inside = (offs_h < H)[:, None] & (offs < C)[None, :]
     src = Q + (q0 + i).to(tl.int64) * stride_qt
     dst = Q_chunks + ((c * D_MAX + i) * H).to(tl.int64) * C
-    for h in range(H):
-        row = tl.load(src + h * stride_qh + offs, mask=offs < C)
-        tl.store(dst + h * C + offs, row, mask=offs < C)
+    rows = tl.load(src + offs_h[:, None] * stride_qh + offs[None, :], mask=inside)
+    tl.store(dst + offs_h[:, None] * C + offs[None, :], rows, mask=inside)
 
 
 @triton.jit
 def _pad_queries_kernel(Q, Q_pad, qo_indptr, H, stride_qt, stride_qh,
-                        D_MAX: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Q_pad[b, i] = Q[qo_indptr[b] + i] for i < D_b (grid B x D_max); Q_pad [B, D_max, H, C]."""
+                        D_MAX: tl.constexpr, C: tl.constexpr, BLOCK_C: tl.constexpr,
+                        HB: tl.constexpr):
+    """Q_pad[b, i] = Q[qo_indptr[b] + i] for i < D_b (grid B x D_max x cdiv(H, HB), HB heads
+    per program in one tile); Q_pad [B, D_max, H, C]."""
     b = tl.program_id(0)
     i = tl.program_id(1)
     q0 = tl.load(qo_indptr + b)
     if i >= tl.load(qo_indptr + b + 1) - q0:
         return
+    offs_h = tl.program_id(2) * HB + tl.arange(0, HB)
     offs = tl.arange(0, BLOCK_C)
+    inside = (offs_h < H)[:, None] & (offs < C)[None, :]
     src = Q + (q0 + i).to(tl.int64) * stride_qt
     dst = Q_pad + ((b * D_MAX + i) * H).to(tl.int64) * C
-    for h in range(H):
-        row = tl.load(src + h * stride_qh + offs, mask=offs < C)
-        tl.store(dst + h * C + offs, row, mask=offs < C)
+    rows = tl.load(src + offs_h[:, None] * stride_qh + offs[None, :], mask=inside)
+    tl.store(dst + offs_h[:, None] * C + offs[None, :], rows, mask=inside)
+
+
+def query_heads_block(heads: int) -> int:
+    """Heads per program of the query gathers: a [HB, 1024] bf16 tile, at most 8 rows."""
+    return min(triton.next_power_of_2(heads), 8)
+
+
+def gather_chunk_queries(q: torch.Tensor, q_chunks: torch.Tensor, owner: torch.Tensor,
+                         qo_indptr: torch.Tensor, max_draft: int, uniform: bool) -> None:
+    """q_chunks[c] = the queries of chunk c's request (q [T, H, 576]; q_chunks [C, D_max, H,
+    576] contiguous; owner [C]); uniform: every request has max_draft drafts."""
+    heads = q.shape[1]
+    hb = query_heads_block(heads)
+    _chunk_queries_kernel[(q_chunks.shape[0], max_draft, triton.cdiv(heads, hb))](
+        q, q_chunks, owner, qo_indptr, heads, q.stride(0), q.stride(1), D_MAX=max_draft,
+        UNIFORM=uniform, C=KV_DIM, BLOCK_C=1024, HB=hb, num_warps=4)
 
 
 @triton.jit
@@ -207,13 +228,14 @@ def _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, has_p, stride_pb, stride_ps
 def _load_prefix_chunks(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_v, rows_ok,
                         stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
                         CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, CB: tl.constexpr,
-                        BATCH: tl.constexpr):
+                        BATCH: tl.constexpr, UNROLL: tl.constexpr):
     """``_load_prefix`` where FlashMLA ran the prefixes as chunk requests: request b's full
     chunks (ChunkStart[b] .. ChunkStart[b + 1]) and tail (ChunkTail[b], -1: none;
     ``_chunk_plan_kernel``) merged by log-sum-exp. All lse first (the rows' maxima and sums),
     then the values CB chunks per step, with nothing to rescale; other requests' chunks and
     empty ones are never read. One request (BATCH False): the steps unrolled over all CHUNKS,
-    every load in flight; a batch: as many steps as the request has chunks, in a loop."""
+    every load in flight; a batch: the first UNROLL steps unrolled (every load in flight,
+    masked past the request's chunks), then a loop over the request's chunks left, if any."""
     c0 = tl.load(ChunkStart + b)
     count = tl.load(ChunkStart + b + 1) - c0
     tail = tl.load(ChunkTail + b)
@@ -235,7 +257,11 @@ def _load_prefix_chunks(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_
                   + offs_v[None, :], mask=tail_ok[:, None], other=0.0).to(tl.float32)
     acc = w_t[:, None] * o_t
     if BATCH:
-        for step in range(0, count, CB):
+        for step in tl.static_range(0, UNROLL * CB, CB):
+            acc += _chunk_values(O_pre, L_pre, c0, step, count, h, offs_i, offs_v, rows_ok, base,
+                                 stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
+                                 CB)
+        for step in range(UNROLL * CB, count, CB):
             acc += _chunk_values(O_pre, L_pre, c0, step, count, h, offs_i, offs_v, rows_ok, base,
                                  stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
                                  CB)
@@ -269,7 +295,8 @@ def _chunk_values(O_pre, L_pre, c0, step, count, h, offs_i, offs_v, rows_ok, bas
 @triton.jit
 def _prefix(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_v, rows_ok, n, stride_pb,
             stride_ps, stride_ph, stride_lb, stride_lh, stride_ls, CHUNKS: tl.constexpr,
-            CHUNKS_P2: tl.constexpr, CB: tl.constexpr, BATCH: tl.constexpr):
+            CHUNKS_P2: tl.constexpr, CB: tl.constexpr, BATCH: tl.constexpr,
+            UNROLL: tl.constexpr):
     """The prefix part's (lse in log2 units, out) of the rows: FlashMLA's row, or the merge of
     the request's chunks; -inf and 0 where the request has no prefix (FlashMLA: lse +inf, out 0
     there)."""
@@ -277,7 +304,7 @@ def _prefix(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_v, rows_ok, 
         lse_p, o_p = _load_prefix_chunks(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i,
                                          offs_v, rows_ok,
                                          stride_pb, stride_ps, stride_ph, stride_lb, stride_lh,
-                                         stride_ls, CHUNKS, CHUNKS_P2, CB, BATCH)
+                                         stride_ls, CHUNKS, CHUNKS_P2, CB, BATCH, UNROLL)
     else:
         lse_p, o_p = _load_prefix(O_pre, L_pre, b, h, offs_i, offs_v, rows_ok & (n > 0),
                                   stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls)
@@ -329,6 +356,7 @@ def _tree_merge_kernel(
     HAS_MASK_INDPTR: tl.constexpr, HAS_LSE: tl.constexpr, DN: tl.constexpr, DP: tl.constexpr,
     UPCAST: tl.constexpr, PDL: tl.constexpr, UNIFORM: tl.constexpr, PHASE: tl.constexpr,
     CHUNKS: tl.constexpr, CHUNKS_P2: tl.constexpr, CB: tl.constexpr, BATCH: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     """Tree part of (request b, head h, value slice) merged with the prefix part.
 
@@ -366,7 +394,7 @@ def _tree_merge_kernel(
     if PHASE != 1 and not PDL:
         lse_p, o_p = _prefix(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_v,
                              rows_ok, n, stride_pb, stride_ps, stride_ph, stride_lb,
-                             stride_lh, stride_ls, CHUNKS, CHUNKS_P2, CB, BATCH)
+                             stride_lh, stride_ls, CHUNKS, CHUNKS_P2, CB, BATCH, UNROLL)
     if PHASE == 2:
         lse_t = tl.load(L_tree + tree_row, mask=rows_ok, other=float("-inf"))
         acc = tl.load(O_tree + tree_row[:, None] * DN + offs_v[None, :], mask=rows_ok[:, None],
@@ -391,7 +419,7 @@ def _tree_merge_kernel(
             tl.extra.cuda.gdc_wait()
             lse_p, o_p = _prefix(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_v,
                                  rows_ok, n, stride_pb, stride_ps, stride_ph, stride_lb,
-                                 stride_lh, stride_ls, CHUNKS, CHUNKS_P2, CB, BATCH)
+                                 stride_lh, stride_ls, CHUNKS, CHUNKS_P2, CB, BATCH, UNROLL)
         big = tl.maximum(lse_p, m_t)
         w_p = tl.math.exp2(lse_p - big)
         w_t = tl.math.exp2(m_t - big)
@@ -461,7 +489,8 @@ def tree_merge(q: torch.Tensor, k_ext: torch.Tensor, v_ext: torch.Tensor, mask, 
         HAS_LSE=lse is not None and phase != 1, DN=V_DIM, DP=KV_DIM - V_DIM, UPCAST=upcast,
         PDL=pdl, UNIFORM=uniform and cfg.uniform, PHASE=phase, CHUNKS=chunks,
         CHUNKS_P2=triton.next_power_of_2(max(chunks, 1)),
-        CB=cfg.batch_chunk_block if batch else cfg.chunk_block, BATCH=batch, num_warps=warps,
+        CB=cfg.batch_chunk_block if batch else cfg.chunk_block, BATCH=batch,
+        UNROLL=cfg.batch_chunk_unroll if batch else 0, num_warps=warps,
         **launch)
 
 
@@ -482,7 +511,8 @@ class MergeConfig:
     load at a time (66 for one request). batch_chunks: batches of more than one request take
     the chunked layout too (their queries gathered per chunk request, one launch per layer;
     merged with batch_chunk_dv_split programs per request and head of batch_chunk_num_warps
-    warps, batch_chunk_block chunks per step of a loop over the request's chunks); off by
+    warps, batch_chunk_block chunks per step, the first batch_chunk_unroll steps unrolled with
+    every load in flight, then a loop over the request's chunks left); off by
     default: FlashMLA's own split and combine serve batches, 0.97-1.16x FlashMLA's time where
     the chunked layout took 1.04-1.27x (H200, BENCHMARKS.md#verify-attention-against-flashmla).
     """
@@ -500,11 +530,15 @@ class MergeConfig:
     batch_chunk_dv_split: int = 8
     batch_chunk_block: int = 2
     batch_chunk_num_warps: int = 2
+    batch_chunk_unroll: int = 4
 
     def __post_init__(self) -> None:
         if self.pdl and self.side_stream:
             raise ValueError("MergeConfig: pdl and side_stream do not go together (the merge "
                              "after a join has two prerequisites)")
+        if self.batch_chunk_unroll < 0:
+            raise ValueError("MergeConfig: batch_chunk_unroll must be >= 0, got "
+                             f"{self.batch_chunk_unroll}")
         if self.chunks is not None and self.chunks < 0:
             raise ValueError(f"MergeConfig: chunks must be >= 0 or None, got {self.chunks}")
 
@@ -685,9 +719,8 @@ class ComposedVerify:
         uniform = T == bs * self.max_draft
         if plan.chunks and bs > 1:  # each chunk request gets its own request's queries
             q4 = self.q_chunks[:plan.chunks]
-            _chunk_queries_kernel[(plan.chunks, self.max_draft)](
-                q, q4, plan.owner, qo_indptr, H, q.stride(0), q.stride(1), D_MAX=self.max_draft,
-                UNIFORM=uniform and self.config.uniform, C=KV_DIM, BLOCK_C=1024, num_warps=4)
+            gather_chunk_queries(q, q4, plan.owner, qo_indptr, self.max_draft,
+                                 uniform and self.config.uniform)
         elif uniform:
             # Every request has max_draft drafts (none has more): FlashMLA reads q in place.
             q4 = q.view(bs, self.max_draft, H, KV_DIM)
@@ -696,9 +729,10 @@ class ComposedVerify:
                 self.q_pad = torch.zeros(self.max_bs, self.max_draft, H, KV_DIM,
                                          dtype=q.dtype, device=q.device)
             q4 = self.q_pad[:bs]
-            _pad_queries_kernel[(bs, self.max_draft)](
+            hb = query_heads_block(H)
+            _pad_queries_kernel[(bs, self.max_draft, triton.cdiv(H, hb))](
                 q, q4, qo_indptr, H, q.stride(0), q.stride(1), D_MAX=self.max_draft, C=KV_DIM,
-                BLOCK_C=1024, num_warps=4)
+                BLOCK_C=1024, HB=hb, num_warps=4)
         if plan.chunks and bs == 1:  # every chunk request reads the one request's queries
             q4 = q4.expand(plan.chunks, *q4.shape[1:])
         pages = kv_pool.shape[0] // PAGE

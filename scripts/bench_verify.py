@@ -231,7 +231,8 @@ def main() -> None:
     ap.add_argument("--sweep-composed", action="store_true",
                     help="also time the composed path's merge-kernel settings (MergeConfig)")
     ap.add_argument("--sweep-batch", action="store_true",
-                    help="also time the batch chunk merge settings (MergeConfig.batch_chunk_*)")
+                    help="also time the batch chunk merge settings (MergeConfig.batch_chunk_*) "
+                         "and the dependent launch (pdl)")
     ap.add_argument("--seed", type=int, default=0,
                     help="random seed (the pages' shuffle: run two to see the layout's effect)")
     ap.add_argument("--sweep-sm90", action="store_true",
@@ -433,14 +434,14 @@ COMPOSED_SWEEP = [MergeConfig(chunks=0), MergeConfig(chunk_num_warps=4),
                   MergeConfig(pdl=True), MergeConfig(side_stream=True)]
 
 
-BATCH_SWEEP = [MergeConfig(batch_chunks=True, batch_chunk_dv_split=4, batch_chunk_block=4,
-                           batch_chunk_num_warps=4),
+BATCH_SWEEP = [MergeConfig(batch_chunks=True, batch_chunk_unroll=0),
+               MergeConfig(batch_chunks=True, batch_chunk_unroll=8),
+               MergeConfig(batch_chunks=True, batch_chunk_dv_split=8, batch_chunk_block=4,
+                           batch_chunk_num_warps=4, batch_chunk_unroll=4),
                MergeConfig(batch_chunks=True, batch_chunk_dv_split=16, batch_chunk_block=2,
-                           batch_chunk_num_warps=1),
-               MergeConfig(batch_chunks=True, batch_chunk_dv_split=8, batch_chunk_block=1,
-                           batch_chunk_num_warps=2),
-               MergeConfig(batch_chunks=True, batch_chunk_dv_split=4, batch_chunk_block=2,
-                           batch_chunk_num_warps=2)]
+                           batch_chunk_num_warps=1, batch_chunk_unroll=4),
+               MergeConfig(batch_chunks=True, pdl=True),
+               MergeConfig(pdl=True)]
 
 
 def merge_tag(cfg: MergeConfig) -> str:
@@ -449,7 +450,8 @@ def merge_tag(cfg: MergeConfig) -> str:
             + (" side" if cfg.side_stream else "")
             + f" ch{chunks} cdv{cfg.chunk_dv_split} cb{cfg.chunk_block} cw{cfg.chunk_num_warps}"
             + (f" bdv{cfg.batch_chunk_dv_split} bcb{cfg.batch_chunk_block} "
-               f"bw{cfg.batch_chunk_num_warps}" if cfg.batch_chunks else " bc0"))
+               f"bw{cfg.batch_chunk_num_warps} bu{cfg.batch_chunk_unroll}" if cfg.batch_chunks
+               else " bc0"))
 
 
 def sm90_tag(cfg: Sm90Config) -> str:
@@ -570,7 +572,7 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
 
 def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
     """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
-    from moeplace_kernels.mla_verify_composed import PAGE, _chunk_queries_kernel, tree_merge
+    from moeplace_kernels.mla_verify_composed import PAGE, gather_chunk_queries, tree_merge
 
     cv = op.composed
     bs, D, H = p["bs"], p["D"], p["H"]
@@ -596,9 +598,7 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
                    chunk_tail=plan.chunk_tail)
 
     def gather():
-        _chunk_queries_kernel[(plan.chunks, D)](p["q"], q4, plan.owner, p["qo_indptr"], H,
-                                                p["q"].stride(0), p["q"].stride(1), D_MAX=D,
-                                                UNIFORM=True, C=576, BLOCK_C=1024, num_warps=4)
+        gather_chunk_queries(p["q"], q4, plan.owner, p["qo_indptr"], D, True)
 
     def table():
         cv.write_table(p["kv_indptr"], p["kv_indices"], bs, plan.chunks)

@@ -153,8 +153,9 @@ _SCRIPT = textwrap.dedent("""
         qo_t = torch.tensor(qo, dtype=torch.int32)
         owner = torch.tensor([2, 0, 1, 1, 2], dtype=torch.int32)
         dst = torch.zeros(5, d_max, 3, 576, dtype=torch.bfloat16)
-        _chunk_queries_kernel[(5, d_max)](q, dst, owner, qo_t, 3, q.stride(0), q.stride(1),
-                                          D_MAX=d_max, UNIFORM=uniform, C=576, BLOCK_C=1024)
+        _chunk_queries_kernel[(5, d_max, 2)](q, dst, owner, qo_t, 3, q.stride(0), q.stride(1),
+                                          D_MAX=d_max, UNIFORM=uniform, C=576, BLOCK_C=1024,
+                                          HB=2)
         want = torch.zeros_like(dst)
         for c, b in enumerate(owner.tolist()):
             want[c, :qo[b + 1] - qo[b]] = q[qo[b]:qo[b + 1]]
@@ -177,8 +178,8 @@ _SCRIPT = textwrap.dedent("""
     q = torch.randn(7, 3, 576).to(torch.bfloat16)
     qo = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
     pad = torch.zeros(3, 4, 3, 576, dtype=torch.bfloat16)
-    _pad_queries_kernel[(3, 4)](q, pad, qo, 3, q.stride(0), q.stride(1), D_MAX=4, C=576,
-                                BLOCK_C=1024)
+    _pad_queries_kernel[(3, 4, 2)](q, pad, qo, 3, q.stride(0), q.stride(1), D_MAX=4, C=576,
+                                   BLOCK_C=1024, HB=2)
     want = torch.zeros_like(pad)
     want[0, :4], want[1, :1], want[2, :2] = q[0:4], q[4:5], q[5:7]
     res["pad_queries"] = dict(ok=bool(torch.equal(pad, want)))
@@ -569,7 +570,11 @@ MERGE_CONFIGS = [dict(), dict(pdl=True), dict(uniform=False), dict(pdl=True, uni
                  dict(batch_chunks=True), dict(batch_chunks=True, pdl=True),
                  dict(batch_chunks=True, uniform=False), dict(batch_chunks=True, chunks=6),
                  dict(batch_chunks=True, chunks=5), dict(batch_chunks=True, chunks=6,
-                                                         uniform=False), dict(chunks=0)]
+                                                         uniform=False), dict(chunks=0),
+                 dict(batch_chunks=True, batch_chunk_unroll=0),
+                 dict(batch_chunks=True, batch_chunk_unroll=8),
+                 dict(batch_chunks=True, batch_chunk_block=4, batch_chunk_num_warps=4),
+                 dict(batch_chunks=True, batch_chunk_dv_split=16, batch_chunk_num_warps=1)]
 
 
 @pytest.mark.gpu
