@@ -233,6 +233,9 @@ def main() -> None:
     ap.add_argument("--sweep-batch", action="store_true",
                     help="also time the batch chunk merge settings (MergeConfig.batch_chunk_*) "
                          "and the dependent launch (pdl)")
+    ap.add_argument("--sweep-split", action="store_true",
+                    help="also time the merge settings of batches on FlashMLA's own split (the "
+                         "default path: pdl, dv_split x num_warps)")
     ap.add_argument("--seed", type=int, default=0,
                     help="random seed (the pages' shuffle: run two to see the layout's effect)")
     ap.add_argument("--sweep-sm90", action="store_true",
@@ -332,6 +335,10 @@ def main() -> None:
         for cfg in COMPOSED_SWEEP:
             ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, 8, backend="composed",
                                                           page_size=64, merge_config=cfg)
+    if args.sweep_split and "composed" in ops:
+        for cfg in SPLIT_SWEEP:
+            ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, max_bs, backend="composed",
+                                                          page_size=64, merge_config=cfg)
     if args.sweep_batch and "composed" in ops:
         for cfg in BATCH_SWEEP:
             ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, max_bs, backend="composed",
@@ -369,7 +376,7 @@ def main() -> None:
             if plan is not None:  # the per-batch part, once per step (not per layer)
                 record(f"moeplace {kernel} plan", label, str(sum(ctx)), sum(ctx) * KV_BYTES,
                        graph_time_us(run_plan(p, op)))
-                if args.breakdown and kernel.startswith("composed"):
+                if args.breakdown and kernel in ("composed", "composed-batch-chunks"):
                     for piece, fn in composed_pieces(p, op, plan, out).items():
                         record(f"{kernel} piece: {piece}", label, str(sum(ctx)),
                                sum(ctx) * KV_BYTES, graph_time_us(fn))
@@ -442,6 +449,9 @@ BATCH_SWEEP = [MergeConfig(batch_chunks=True, batch_chunk_unroll=0),
                            batch_chunk_num_warps=1, batch_chunk_unroll=4),
                MergeConfig(batch_chunks=True, pdl=True),
                MergeConfig(pdl=True)]
+
+SPLIT_SWEEP = [MergeConfig(pdl=True), MergeConfig(dv_split=2), MergeConfig(dv_split=8),
+               MergeConfig(dv_split=8, num_warps=2), MergeConfig(dv_split=2, num_warps=8)]
 
 
 def merge_tag(cfg: MergeConfig) -> str:
@@ -571,7 +581,9 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
 
 
 def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
-    """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
+    """Callables of each launch of the composed path, to time apart (same tensors as forward).
+    A graph of one short launch times the replay's floor (10-18 µs on the H200), not the launch;
+    the launches in sequence show what each adds (their difference from the decode alone)."""
     from moeplace_kernels.mla_verify_composed import PAGE, gather_chunk_queries, tree_merge
 
     cv = op.composed
@@ -608,9 +620,11 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
                                            use_legacy=True)
 
     pieces = {"FlashMLA decode (prefix, no mask)": flash, "tree/merge kernel": merge,
-              "block table kernel": table, "FlashMLA metadata": metadata}
+              "block table kernel": table, "FlashMLA metadata": metadata,
+              "FlashMLA decode, then tree/merge (in sequence)": lambda: (flash(), merge())}
     if plan.chunks and bs > 1:
         pieces["chunk queries gather"] = gather
+        pieces["gather, then FlashMLA decode (in sequence)"] = lambda: (gather(), flash())
     return pieces
 
 
