@@ -9,8 +9,11 @@ Peers timed in the same process at the same contexts (8 heads x 9-token binary t
 --heads/--drafts say otherwise; the KV in shuffled 64-token pages, so every peer reads the same
 pool, and the composed path can):
   moeplace composed FlashMLA's decode for the prefix (no mask, with its lse) + our tree/merge
-                   kernel; timed per layer (its per-batch plan outside the graph, timed apart)
+                   kernel; timed per layer (its per-batch plan outside the graph, timed apart);
+                   batches on FlashMLA's own split and combine ("composed-batch-chunks":
+                   as balanced chunk requests, MergeConfig.batch_chunks)
   moeplace sm90    the Hopper CUDA kernel (sm_90 only), tree mask, partials merged in L2
+                   ("sm90 page 1": the same KV one token per shuffled slot, SGLang's page size 1)
   moeplace triton  the Triton kernel (the default elsewhere)
   FlashMLA         sgl-flash-mla's SM90 dense decode (``flash_mla_with_kvcache(..., causal=True,
                    use_legacy=True)``): the same KV copied into 64-token pages, a causal chain
@@ -28,6 +31,7 @@ is checked against the fp32 reference before it is timed.
     python scripts/bench_verify.py --out bench.md                # peers table
     python scripts/bench_verify.py --sweep-sm90 --out sweep.md   # + Sm90Config variants
     python scripts/bench_verify.py --rounds 3 --layers 8 --sglang-root /tmp/sgl   # every peer
+    python scripts/bench_verify.py --grid --extra-cases --rounds 3 --layers 8   # + batches x contexts
 """
 
 from __future__ import annotations
@@ -212,18 +216,32 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=9, help="draft tokens verified per request")
     ap.add_argument("--precompile", type=int, default=0,
                     help="compile the sweep configs first in this many processes")
-    ap.add_argument("--kernels", default="composed,sm90,triton,flashmla",
-                    help="peers to time, comma-separated (composed, sm90, triton, flashmla)")
+    ap.add_argument("--kernels", default="composed,composed-batch-chunks,sm90,sm90-page1,triton,"
+                                         "flashmla",
+                    help="peers to time, comma-separated (composed, composed-batch-chunks: "
+                         "batches as balanced chunk requests, sm90, sm90-page1: the "
+                         "same KV one token per shuffled slot, triton, flashmla)")
+    ap.add_argument("--grid", action="store_true",
+                    help="also time batches 1-16 x contexts 1k-185k (composed, sm90 at page "
+                         "1, FlashMLA; one round, one call per graph)")
     ap.add_argument("--extra-cases", action="store_true",
                     help="also 1k and batch 8 x 4k (the shapes the path rule is read from)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the composed path's pieces apart (FlashMLA, merge, plan)")
     ap.add_argument("--sweep-composed", action="store_true",
                     help="also time the composed path's merge-kernel settings (MergeConfig)")
+    ap.add_argument("--sweep-batch", action="store_true",
+                    help="also time the batch chunk merge settings (MergeConfig.batch_chunk_*) "
+                         "and the dependent launch (pdl)")
+    ap.add_argument("--sweep-split", action="store_true",
+                    help="also time the merge settings of batches on FlashMLA's own split (the "
+                         "default path: pdl, dv_split x num_warps)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed (the pages' shuffle: run two to see the layout's effect)")
     ap.add_argument("--sweep-sm90", action="store_true",
                     help="also time the Hopper kernel's launch settings (Sm90Config variants)")
     args = ap.parse_args()
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     ext = ver = None
     if (args.sglang_wheel or args.sglang_root) and not args.no_baseline:
         try:
@@ -292,21 +310,38 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     mixed = [int(x) for x in torch.randint(4096, 131072, (8,), generator=gen)]  # 56k..131k
     cases = [(f"b1 {c}", [c]) for c in contexts] + [("b8 mixed", mixed),
-                                                     ("b5 ragged", RAGGED_5)]
+                                                     ("b5 ragged", RAGGED_5),
+                                                     ("b8 mixed 4k-185k", MIXED_8_WIDE),
+                                                     ("b5 ragged 3k-150k", RAGGED_5_WIDE)]
     if args.extra_cases:
         cases = [("b1 1024", [1024])] + cases + [("b8 4096", [4096] * 8),
                                                  ("b8 16384", [16384] * 8)]
     kernels = args.kernels.split(",")
     flash = load_flash_mla() if "flashmla" in kernels else None
     ops = {}
+    max_bs = max(max(len(ctx) for _, ctx in cases), *GRID_BATCHES) if args.grid else \
+        max(len(ctx) for _, ctx in cases)
     for backend in [k for k in ("composed", "sm90", "triton") if k in kernels]:
         try:
-            ops[backend] = MlaVerify(H, D, 8, backend=backend, page_size=64)
+            ops[backend] = MlaVerify(H, D, max_bs, backend=backend, page_size=64)
         except (ValueError, RuntimeError) as exc:
             print(f"moeplace {backend} unavailable: {exc}", flush=True)
+    if "composed" in ops and "composed-batch-chunks" in kernels:  # batches as chunk requests
+        ops["composed-batch-chunks"] = MlaVerify(H, D, max_bs, backend="composed", page_size=64,
+                                                 merge_config=MergeConfig(batch_chunks=True))
+    page1 = {k: MlaVerify(H, D, max_bs, backend=k, page_size=1)
+             for k in ("sm90",) if f"{k}-page1" in kernels and k in ops}
     if args.sweep_composed and "composed" in ops:
         for cfg in COMPOSED_SWEEP:
             ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, 8, backend="composed",
+                                                          page_size=64, merge_config=cfg)
+    if args.sweep_split and "composed" in ops:
+        for cfg in SPLIT_SWEEP:
+            ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, max_bs, backend="composed",
+                                                          page_size=64, merge_config=cfg)
+    if args.sweep_batch and "composed" in ops:
+        for cfg in BATCH_SWEEP:
+            ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, max_bs, backend="composed",
                                                           page_size=64, merge_config=cfg)
     if args.sweep_sm90 and "sm90" in ops:
         for cfg in SM90_SWEEP:
@@ -320,6 +355,16 @@ def main() -> None:
                                 p["kv_indptr"], p["kv_indices"], 576 ** -0.5, p["mask_qlen"],
                                 "qlen_only")
         timed = {}  # peer -> (callable, recorded label, graph replays per timing)
+        for kernel, op in page1.items():  # the same KV, one token per slot, slots shuffled
+            p1 = token_slots(p)
+            run_ours(p1, op, out)()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if err < 1e-2:
+                timed[f"moeplace {kernel} page 1"] = (run_ours(p1, op, out), f"{label} (err "
+                                                      f"{err:.0e})", 50)
+            else:
+                print(f"moeplace {kernel} page 1 {label}: relative error {err:.1e}, not timed",
+                      flush=True)
         for kernel, op in ops.items():
             plan = op.plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"])
             run_ours(p, op, out, plan)()
@@ -331,9 +376,9 @@ def main() -> None:
             if plan is not None:  # the per-batch part, once per step (not per layer)
                 record(f"moeplace {kernel} plan", label, str(sum(ctx)), sum(ctx) * KV_BYTES,
                        graph_time_us(run_plan(p, op)))
-                if args.breakdown and kernel == "composed":
+                if args.breakdown and kernel in ("composed", "composed-batch-chunks"):
                     for piece, fn in composed_pieces(p, op, plan, out).items():
-                        record(f"composed piece: {piece}", label, str(sum(ctx)),
+                        record(f"{kernel} piece: {piece}", label, str(sum(ctx)),
                                sum(ctx) * KV_BYTES, graph_time_us(fn))
             timed[f"moeplace {kernel}"] = (run_ours(p, op, out, plan), f"{label} (err {err:.0e})",
                                            50)
@@ -363,6 +408,7 @@ def main() -> None:
         del p, out, timed
         torch.cuda.empty_cache()
 
+    grid_lines = run_grid(ops, page1, flash, H, D, copy_gbs) if args.grid else []
     lines = [f"Device: {name}; copy bandwidth measured in this run: {copy_gbs:.0f} GB/s "
              f"(read + write). H={H} heads, D={D}-token binary tree, KV in shuffled 64-token "
              f"pages (FlashMLA: a causal chain over its own copy in 64-token pages). Batch-8 "
@@ -375,6 +421,7 @@ def main() -> None:
         lines += ["", f"Per call, {args.layers} calls captured in one graph (back to back, as "
                   f"the layers of a server's graph):", ""]
         lines += peers_table(layered, copy_gbs)
+    lines += grid_lines
     lines += ["", "| kernel | case | tokens | µs | GB/s | % of copy |",
               "| --- | --- | --- | ---: | ---: | ---: |"]
     lines += [f"| {k} | {c} | {x} | {us:.1f} | {g:.0f} | {pc:.1f}% |"
@@ -394,11 +441,27 @@ COMPOSED_SWEEP = [MergeConfig(chunks=0), MergeConfig(chunk_num_warps=4),
                   MergeConfig(pdl=True), MergeConfig(side_stream=True)]
 
 
+BATCH_SWEEP = [MergeConfig(batch_chunks=True, batch_chunk_unroll=0),
+               MergeConfig(batch_chunks=True, batch_chunk_unroll=8),
+               MergeConfig(batch_chunks=True, batch_chunk_dv_split=8, batch_chunk_block=4,
+                           batch_chunk_num_warps=4, batch_chunk_unroll=4),
+               MergeConfig(batch_chunks=True, batch_chunk_dv_split=16, batch_chunk_block=2,
+                           batch_chunk_num_warps=1, batch_chunk_unroll=4),
+               MergeConfig(batch_chunks=True, pdl=True),
+               MergeConfig(pdl=True)]
+
+SPLIT_SWEEP = [MergeConfig(pdl=True), MergeConfig(dv_split=2), MergeConfig(dv_split=8),
+               MergeConfig(dv_split=8, num_warps=2), MergeConfig(dv_split=2, num_warps=8)]
+
+
 def merge_tag(cfg: MergeConfig) -> str:
     chunks = "auto" if cfg.chunks is None else cfg.chunks
     return (f"dv{cfg.dv_split} w{cfg.num_warps} pdl{int(cfg.pdl)} u{int(cfg.uniform)}"
             + (" side" if cfg.side_stream else "")
-            + f" ch{chunks} cdv{cfg.chunk_dv_split} cb{cfg.chunk_block} cw{cfg.chunk_num_warps}")
+            + f" ch{chunks} cdv{cfg.chunk_dv_split} cb{cfg.chunk_block} cw{cfg.chunk_num_warps}"
+            + (f" bdv{cfg.batch_chunk_dv_split} bcb{cfg.batch_chunk_block} "
+               f"bw{cfg.batch_chunk_num_warps} bu{cfg.batch_chunk_unroll}" if cfg.batch_chunks
+               else " bc0"))
 
 
 def sm90_tag(cfg: Sm90Config) -> str:
@@ -406,6 +469,71 @@ def sm90_tag(cfg: Sm90Config) -> str:
 
 
 RAGGED_5 = [1500, 9000, 31000, 77000, 120000]
+MIXED_8_WIDE = [4096, 9000, 23000, 40000, 65536, 100000, 150000, 185000]
+RAGGED_5_WIDE = [3000, 12000, 40000, 90000, 150000]
+GRID_BATCHES = [1, 2, 4, 8, 16]
+GRID_CONTEXTS = [1024, 4096, 16384, 65536, 185000]
+
+
+def run_grid(ops: dict, page1: dict, flash, H: int, D: int, copy_gbs: float) -> list[str]:
+    """Markdown: batches x contexts (every request of the batch that long), µs and TB/s of the
+    composed path (and with batches as chunk requests), the own kernel at page 1 and FlashMLA
+    (chain, page 64), each checked against the fp32 reference first; one call per graph replay."""
+    peers = [k for k in ("composed", "composed-batch-chunks") if k in ops]
+    head = ["composed", "composed-batch-chunks", "sm90 page 1", "FlashMLA"]
+    lines = ["", f"Batches x contexts (every request of a batch the same length; one call per "
+             f"graph replay, median of 20; µs (TB/s, % of copy {copy_gbs / 1e3:.2f} TB/s)):", "",
+             "| batch | context | " + " | ".join(head) + " | composed / FlashMLA | "
+             "sm90 page 1 / FlashMLA |", "| ---: | ---: |" + " ---: |" * (len(head) + 2)]
+    for bs in GRID_BATCHES:
+        for ctx in GRID_CONTEXTS:
+            p = make_problem([ctx] * bs, H, D, shuffle=True)
+            out = torch.empty(bs * D, H, 512, dtype=torch.bfloat16, device="cuda")
+            ref, _ = mla_verify_ref(p["q"], p["k_ext"], p["v_ext"], p["pool"], p["qo_indptr"],
+                                    p["kv_indptr"], p["kv_indices"], 576 ** -0.5,
+                                    p["mask_qlen"], "qlen_only")
+            fns = {}
+            for k in peers:
+                plan = ops[k].plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"])
+                fns[k] = run_ours(p, ops[k], out, plan)
+            if "sm90" in page1:
+                p1 = token_slots(p)
+                fns["sm90 page 1"] = run_ours(p1, page1["sm90"], out)
+            ok = {}
+            for k, fn in fns.items():
+                fn()
+                ok[k] = ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+            del ref
+            if flash is not None:
+                fns["FlashMLA"] = run_flash_mla(flash, p)
+                ok["FlashMLA"] = True
+            us = {}
+            for k, fn in fns.items():
+                try:
+                    us[k] = graph_time_us(fn, 20) if ok[k] else None
+                except Exception as exc:
+                    print(f"grid {k} b{bs} {ctx}: not timed ({exc!r:.200})", flush=True)
+                    us[k] = None
+            gb = bs * ctx * KV_BYTES / 1e3
+            cells = [f"{us[k]:.1f} ({gb / us[k] / 1e3:.2f}, {100 * gb / us[k] / copy_gbs:.0f}%)"
+                     if us.get(k) else ("FAIL" if k in ok and not ok[k] else "") for k in head]
+            ratio = [f"{us[k] / us['FlashMLA']:.2f}" if us.get(k) and us.get("FlashMLA") else ""
+                     for k in ("composed", "sm90 page 1")]
+            lines.append(f"| {bs} | {ctx} | " + " | ".join(cells + ratio) + " |")
+            print(lines[-1], flush=True)
+            del p, out, fns
+            torch.cuda.empty_cache()
+    return lines
+
+
+def token_slots(p):
+    """``p`` with its KV moved to one token per slot, slots shuffled (a page-size-1 pool):
+    the same values, so the same reference."""
+    n = p["kv_indices"].numel()
+    slots = torch.randperm(p["pool"].shape[0] + n, device="cuda")[:n]
+    pool = torch.zeros(p["pool"].shape[0] + n, 1, 576, dtype=p["pool"].dtype, device="cuda")
+    pool[slots] = p["pool"][p["kv_indices"]]
+    return dict(p, pool=pool, kv_indices=slots)
 
 
 def time_peers(timed: dict, rounds: int, per: int = 1) -> dict:
@@ -453,14 +581,18 @@ def peers_table(peers, copy_gbs: float) -> list[str]:
 
 
 def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
-    """Callables of each launch of the composed path, to time apart (same tensors as forward)."""
-    from moeplace_kernels.mla_verify_composed import PAGE, tree_merge
+    """Callables of each launch of the composed path, to time apart (same tensors as forward).
+    A graph of one short launch times the replay's floor (10-18 µs on the H200), not the launch;
+    the launches in sequence show what each adds (their difference from the decode alone)."""
+    from moeplace_kernels.mla_verify_composed import PAGE, gather_chunk_queries, tree_merge
 
     cv = op.composed
     bs, D, H = p["bs"], p["D"], p["H"]
     q4 = p["q"].view(bs, D, H, 576)
-    if plan.chunks:
+    if plan.chunks and bs == 1:
         q4 = q4.expand(plan.chunks, D, H, 576)
+    elif plan.chunks:  # gathered by the forward that checked this plan
+        q4 = cv.q_chunks[:plan.chunks]
     pages = p["pool"].shape[0] // PAGE
     k_cache = p["pool"][:pages * PAGE].unflatten(0, (pages, PAGE))
 
@@ -474,7 +606,11 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
     def merge():
         tree_merge(p["q"], p["k_ext"], p["v_ext"], p["mask_qlen"], 1, None, p["qo_indptr"],
                    p["kv_indptr"], o_pre, lse_pre, out, None, op.sm_scale, D, cv.config,
-                   uniform=True, chunks=plan.chunks)
+                   uniform=True, chunks=plan.chunks, chunk_start=plan.chunk_start,
+                   chunk_tail=plan.chunk_tail)
+
+    def gather():
+        gather_chunk_queries(p["q"], q4, plan.owner, p["qo_indptr"], D, True)
 
     def table():
         cv.write_table(p["kv_indptr"], p["kv_indices"], bs, plan.chunks)
@@ -483,8 +619,13 @@ def composed_pieces(p, op: MlaVerify, plan, out) -> dict:
         cv.flash.get_mla_decoding_metadata(plan.seqlens, D * H, 1, H, False, None,
                                            use_legacy=True)
 
-    return {"FlashMLA decode (prefix, no mask)": flash, "tree/merge kernel": merge,
-            "block table kernel": table, "FlashMLA metadata": metadata}
+    pieces = {"FlashMLA decode (prefix, no mask)": flash, "tree/merge kernel": merge,
+              "block table kernel": table, "FlashMLA metadata": metadata,
+              "FlashMLA decode, then tree/merge (in sequence)": lambda: (flash(), merge())}
+    if plan.chunks and bs > 1:
+        pieces["chunk queries gather"] = gather
+        pieces["gather, then FlashMLA decode (in sequence)"] = lambda: (gather(), flash())
+    return pieces
 
 
 def load_flash_mla():

@@ -42,14 +42,16 @@ INTERP_CASES = {
 }
 
 _SCRIPT = textwrap.dedent("""
-    import json, sys, torch
+    import json, sys, torch, triton
     sys.path.insert(0, {tests!r})
-    from test_mla_verify_composed import (INTERP_CASES, CHUNK_CASES, fake_flash_chunks,
-                                          fake_flash_prefix, paged_ids)
+    from test_mla_verify_composed import (INTERP_CASES, CHUNK_CASES, PLAN_CASES, chunk_index,
+                                          chunk_layout, fake_flash_chunks, fake_flash_prefix,
+                                          paged_ids)
     from test_mla_verify import make_case
     from moeplace_kernels.mla_verify_api import _MASK_MODES
     from moeplace_kernels.mla_verify_composed import (
-        tree_merge, _block_table_kernel, _chunk_table_kernel, _pad_queries_kernel)
+        tree_merge, _block_table_kernel, _chunk_plan_kernel, _chunk_queries_kernel,
+        _pad_queries_kernel)
     from moeplace_kernels.mla_verify_ref import mla_verify_ref
     res = {{}}
     scale = 576 ** -0.5
@@ -86,50 +88,78 @@ _SCRIPT = textwrap.dedent("""
                 nan=bool(out.isnan().any() or lse.isnan().any()),
                 err=((out.float() - ref).norm() / ref.norm()).item(),
                 lse_err=(lse - ref_lse).abs().max().item())
-    # One request's prefix as FlashMLA chunk requests, merged by the kernel (with the tree).
-    for i, (cid, (d, ctx, chunks)) in enumerate(CHUNK_CASES.items()):
-        case = make_case(1, [d], 2, [ctx], tree="random", layout="qlen_only", device="cpu",
-                         seed=50 + i)
-        o_pre, l_pre = fake_flash_chunks(case, d, scale, chunks)
-        ref, ref_lse = mla_verify_ref(**case, sm_scale=scale, d_max=d)
+    # The batch's prefixes as FlashMLA chunk requests, merged by the kernel (with the tree).
+    for i, (cid, (d_list, ctx, chunks)) in enumerate(CHUNK_CASES.items()):
+        H = 2
+        case = make_case(len(d_list), d_list, H, ctx, tree="random", layout="qlen_only",
+                         device="cpu", seed=50 + i)
+        d_max = max(d_list)
+        o_pre, l_pre, start, tail = fake_flash_chunks(case, d_max, scale, chunks)
+        ref, ref_lse = mla_verify_ref(**case, sm_scale=scale, d_max=d_max)
         args = (case["q"], case["k_ext"], case["v_ext"], case["mask"], _MASK_MODES["qlen_only"],
                 case["mask_indptr"], case["qo_indptr"], case["kv_indptr"])
+        T = case["q"].shape[0]
+        uniform = T == len(d_list) * d_max
+        chunked = dict(chunks=chunks, chunk_start=start, chunk_tail=tail)
         for suffix, split in (("", False), ("-split", True)):
-            out = torch.full((d, 2, 512), float("nan"), dtype=torch.bfloat16)
-            lse = torch.full((d, 2), float("nan"))
+            out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16)
+            lse = torch.full((T, H), float("nan"))
             if split:
-                o_tree = torch.full((d, 2, 512), float("nan"))
-                l_tree = torch.full((d, 2), float("nan"))
-                tree_merge(*args, None, None, None, None, scale, d, upcast=True, uniform=True,
-                           phase=1, o_tree=o_tree, l_tree=l_tree)
-                tree_merge(*args, o_pre, l_pre, out, lse, scale, d, upcast=True, uniform=True,
-                           phase=2, o_tree=o_tree, l_tree=l_tree, chunks=chunks)
+                o_tree = torch.full((T, H, 512), float("nan"))
+                l_tree = torch.full((T, H), float("nan"))
+                tree_merge(*args, None, None, None, None, scale, d_max, upcast=True,
+                           uniform=uniform, phase=1, o_tree=o_tree, l_tree=l_tree)
+                tree_merge(*args, o_pre, l_pre, out, lse, scale, d_max, upcast=True,
+                           uniform=uniform, phase=2, o_tree=o_tree, l_tree=l_tree, **chunked)
             else:
-                tree_merge(*args, o_pre, l_pre, out, lse, scale, d, upcast=True, uniform=True,
-                           chunks=chunks)
+                tree_merge(*args, o_pre, l_pre, out, lse, scale, d_max, upcast=True,
+                           uniform=uniform, **chunked)
             res["chunks-" + cid + suffix] = dict(
                 nan=bool(out.isnan().any() or lse.isnan().any()),
                 err=((out.float() - ref).norm() / ref.norm()).item(),
                 lse_err=(lse - ref_lse).abs().max().item())
-    # Chunk table: each chunk a run of whole pages, together the request's pages in order.
+    # Chunk plan: the oracle's balanced layout, page ids in order, empty chunks past the batch.
     g = torch.Generator().manual_seed(1)
-    for ctx, chunks in ((0, 4), (1, 4), (64, 4), (65, 4), (300, 4), (300, 66), (4000, 7)):
-        ids, (pages,) = paged_ids([ctx], 80, g)
-        kvp = torch.tensor([0, ctx], dtype=torch.int32)
-        width = max(1, -(-len(pages) // chunks))
-        table = torch.full((chunks, width + 2), -1, dtype=torch.int32)
+    for key, (ctx, chunks) in PLAN_CASES.items():
+        ids, pages_of = paged_ids(ctx, sum((n + 63) // 64 for n in ctx) + 5, g)
+        kvp = torch.tensor([0] + ctx, dtype=torch.int32).cumsum(0).int()
+        span, layout, n_full = chunk_layout(ctx, chunks)
+        table = torch.full((chunks, span + 2), -1, dtype=torch.int32)
         seqlens = torch.full((chunks,), -1, dtype=torch.int32)
-        _chunk_table_kernel[(chunks,)](kvp, ids, table, seqlens, table.stride(0), CHUNKS=chunks,
-                                       PAGE_SIZE=64, BLOCK=4)
-        got, ok = [], int(seqlens.sum()) == ctx
+        owner = torch.full((chunks,), -1, dtype=torch.int32)
+        start = torch.full((len(ctx) + 2,), -1, dtype=torch.int32)
+        tail = torch.full((len(ctx) + 1,), -7, dtype=torch.int32)
+        _chunk_plan_kernel[(chunks,)](kvp, ids, table, seqlens, start, tail, owner,
+                                      table.stride(0), len(ctx), CHUNKS=chunks,
+                                      B_P2=triton.next_power_of_2(len(ctx)), PAGE_SIZE=64,
+                                      BLOCK=4)
+        want_start, want_tail = chunk_index(layout, n_full, len(ctx))
+        ok = start[:len(ctx) + 1].tolist() == want_start and int(start[-1]) == -1
+        ok &= tail[:len(ctx)].tolist() == want_tail and int(tail[-1]) == -7
         for c in range(chunks):
-            n_c = int(seqlens[c])
-            ok &= 0 <= n_c <= width * 64 and bool((table[c, width:] == -1).all())
-            ok &= int(table[c, 0]) >= 0  # FlashMLA reads a first block even of an empty chunk
-            got += table[c, :(n_c + 63) // 64].tolist()
-            if n_c and c + 1 < chunks and int(seqlens[c + 1]):
-                ok &= n_c % 64 == 0  # only the last live chunk ends inside a page
-        res[f"chunk_table-{{ctx}}-{{chunks}}"] = dict(ok=bool(ok and got == pages))
+            if c < len(layout):
+                b, first, last = layout[c]
+                want_n = min(last * 64, ctx[b]) - first * 64
+                want_pages = pages_of[b][first:last]
+            else:
+                b, want_n, want_pages = len(ctx) - 1, 0, [0]
+            ok &= int(owner[c]) == b and int(seqlens[c]) == want_n
+            ok &= table[c, :len(want_pages)].tolist() == want_pages
+            ok &= bool((table[c, len(want_pages):] == -1).all())
+        res["chunk_plan-" + key] = dict(ok=bool(ok))
+    # Chunk requests' queries: each its request's drafts (ragged: only those).
+    q = torch.randn(7, 3, 576).to(torch.bfloat16)
+    for uniform, qo, d_max in ((False, [0, 4, 5, 7], 4), (True, [0, 2, 4, 6], 2)):
+        qo_t = torch.tensor(qo, dtype=torch.int32)
+        owner = torch.tensor([2, 0, 1, 1, 2], dtype=torch.int32)
+        dst = torch.zeros(5, d_max, 3, 576, dtype=torch.bfloat16)
+        _chunk_queries_kernel[(5, d_max, 2)](q, dst, owner, qo_t, 3, q.stride(0), q.stride(1),
+                                          D_MAX=d_max, UNIFORM=uniform, C=576, BLOCK_C=1024,
+                                          HB=2)
+        want = torch.zeros_like(dst)
+        for c, b in enumerate(owner.tolist()):
+            want[c, :qo[b + 1] - qo[b]] = q[qo[b]:qo[b + 1]]
+        res[f"chunk_queries-{{int(uniform)}}"] = dict(ok=bool(torch.equal(dst, want)))
     # Block table: shuffled pages, lengths 0, 1, 64, 65, 300; wider table than needed.
     g = torch.Generator().manual_seed(0)
     ctx = [0, 1, 64, 65, 300]
@@ -148,8 +178,8 @@ _SCRIPT = textwrap.dedent("""
     q = torch.randn(7, 3, 576).to(torch.bfloat16)
     qo = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
     pad = torch.zeros(3, 4, 3, 576, dtype=torch.bfloat16)
-    _pad_queries_kernel[(3, 4)](q, pad, qo, 3, q.stride(0), q.stride(1), D_MAX=4, C=576,
-                                BLOCK_C=1024)
+    _pad_queries_kernel[(3, 4, 2)](q, pad, qo, 3, q.stride(0), q.stride(1), D_MAX=4, C=576,
+                                   BLOCK_C=1024, HB=2)
     want = torch.zeros_like(pad)
     want[0, :4], want[1, :1], want[2, :2] = q[0:4], q[4:5], q[5:7]
     res["pad_queries"] = dict(ok=bool(torch.equal(pad, want)))
@@ -180,27 +210,72 @@ def fake_flash_prefix(case, d_max: int, scale: float):
     return out.to(torch.bfloat16), lse.permute(0, 2, 1)
 
 
-# id: (drafts, prefix tokens, chunks): one request, its prefix as FlashMLA chunk requests
-CHUNK_CASES = {"empty": (9, 0, 4), "one-token": (9, 1, 4), "one-page-66": (9, 64, 66),
-               "ragged-end": (5, 700, 3), "more-chunks-than-pages": (16, 130, 8),
-               "many": (9, 2000, 10), "many-steps": (9, 4000, 30)}
+# id: (drafts per request, prefix tokens per request, chunks): the prefixes as FlashMLA chunk
+# requests (one request, or a batch; empty prefixes, fewer pages than chunks, ragged drafts)
+CHUNK_CASES = {"empty": ([9], [0], 4), "one-token": ([9], [1], 4), "one-page-66": ([9], [64], 66),
+               "ragged-end": ([5], [700], 3), "more-chunks-than-pages": ([16], [130], 8),
+               "many": ([9], [2000], 10), "many-steps": ([9], [4000], 30),
+               "batch-uniform": ([9, 9, 9, 9], [65, 2000, 1, 640], 10),
+               "batch-ragged-drafts": ([9, 4, 16], [700, 0, 130], 8),
+               "batch-empty": ([5, 5], [0, 0], 4), "batch-one-each": ([3, 9], [3000, 64], 2),
+               "batch-skewed": ([9, 9, 9], [64, 9000, 130], 33)}
+
+# id: (prefix tokens per request, chunks): the chunk plan kernel against ``chunk_layout``
+PLAN_CASES = {"0-4": ([0], 4), "1-4": ([1], 4), "64-4": ([64], 4), "65-4": ([65], 4),
+              "300-4": ([300], 4), "300-66": ([300], 66), "4000-7": ([4000], 7),
+              "batch-ragged": ([0, 1, 64, 65, 3000, 129], 11),
+              "batch-skewed": ([64, 64, 20000, 0, 640], 66), "batch-exact": ([640, 640], 10),
+              "batch-tight": ([6400, 64, 64], 3), "batch-empty": ([0, 0, 0], 5)}
 
 
-def fake_flash_chunks(case, d: int, scale: float, chunks: int):
-    """``fake_flash_prefix`` of one request whose prefix FlashMLA ran as ``chunks`` requests of
-    ``_chunk_span`` tokens each: out [chunks, d, H, 512], lse [chunks, H, d] (+inf for an empty
-    chunk, FlashMLA's value; NaN in its out, which the merge must not read)."""
-    n = int(case["kv_indptr"][1])
-    span = max(-(-(-(-n // 64)) // chunks), 1) * 64
+def chunk_layout(ctx: list[int], chunks: int) -> tuple[int, list[tuple[int, int, int]], int]:
+    """The chunk plan by brute force: (S, [(request, first page, end page)] in FlashMLA's
+    order, number of full chunks), S the fewest pages per chunk such that the requests'
+    cdiv(pages, S) chunks fit in ``chunks``: every request's full runs of S pages in request
+    order, then the requests' tails (the pages left over), in request order."""
+    pages = [(n + 63) // 64 for n in ctx]
+    span = next(s for s in range(1, max(pages + [1]) + 1)
+                if sum(-(-p // s) for p in pages) <= chunks)
+    full = [(b, i * span, (i + 1) * span) for b, p in enumerate(pages) for i in range(p // span)]
+    tails = [(b, p - p % span, p) for b, p in enumerate(pages) if p % span]
+    return span, full + tails, len(full)
+
+
+def chunk_index(layout: list[tuple[int, int, int]], n_full: int,
+                bs: int) -> tuple[list[int], list[int]]:
+    """(chunk starts [B + 1]: each request's full chunks, tails [B]: its tail chunk or -1) of a
+    ``chunk_layout``, as the plan kernel writes them."""
+    start = [0]
+    for b in range(bs):
+        start.append(start[-1] + sum(1 for o, _, _ in layout[:n_full] if o == b))
+    tail = [-1] * bs
+    for c in range(n_full, len(layout)):
+        tail[layout[c][0]] = c
+    return start, tail
+
+
+def fake_flash_chunks(case, d_max: int, scale: float, chunks: int):
+    """``fake_flash_prefix`` of a batch whose prefixes FlashMLA ran as the ``chunk_layout``
+    chunk requests: out [chunks, d_max, H, 512], lse [chunks, H, d_max] (+inf for an empty
+    chunk, FlashMLA's value; NaN in its out, which the merge must not read), and the chunk
+    starts [B + 1] and tails [B] int32 (``chunk_index``)."""
+    qo, kvp = case["qo_indptr"].tolist(), case["kv_indptr"].tolist()
+    ctx = [kvp[b + 1] - kvp[b] for b in range(len(kvp) - 1)]
+    _, layout, n_full = chunk_layout(ctx, chunks)
     outs, lses = [], []
     for c in range(chunks):
-        lo, hi = min(c * span, n), min((c + 1) * span, n)
+        b, first, last = layout[c] if c < len(layout) else (0, 0, 0)
+        lo, hi = kvp[b] + min(first * 64, ctx[b]), kvp[b] + min(last * 64, ctx[b])
         sub = dict(case, kv_indices=case["kv_indices"][lo:hi],
+                   q=case["q"][qo[b]:qo[b + 1]],
+                   qo_indptr=torch.tensor([0, qo[b + 1] - qo[b]], dtype=torch.int32),
                    kv_indptr=torch.tensor([0, hi - lo], dtype=torch.int32))
-        o, l = fake_flash_prefix(sub, d, scale)
+        o, l = fake_flash_prefix(sub, d_max, scale)
         outs.append(o)
         lses.append(l.permute(0, 2, 1))
-    return torch.cat(outs), torch.cat(lses).permute(0, 2, 1)
+    start, tail = chunk_index(layout, n_full, len(ctx))
+    return (torch.cat(outs), torch.cat(lses).permute(0, 2, 1),
+            torch.tensor(start, dtype=torch.int32), torch.tensor(tail, dtype=torch.int32))
 
 
 def paged_ids(ctx: list[int], total_pages: int, gen: torch.Generator):
@@ -240,17 +315,43 @@ def test_tree_merge_kernel_in_interpreter(interp_results, cid):
 
 @pytest.mark.parametrize("cid", [f"chunks-{c}{s}" for c in CHUNK_CASES for s in ("", "-split")])
 def test_chunked_prefix_merge_in_interpreter(interp_results, cid):
-    """One request's prefix as FlashMLA chunk requests, merged with the tree in one launch and
-    after a separate tree part; empty chunks (lse +inf, out NaN) are never read."""
+    """The prefixes (one request's or a batch's) as FlashMLA chunk requests, merged with the
+    tree in one launch and after a separate tree part; empty chunks (lse +inf, out NaN) and
+    other requests' chunks are never read."""
     r = interp_results[cid]
     assert not r["nan"], "NaN in output: an empty chunk's row was read"
     assert r["err"] < 1e-2, r
     assert r["lse_err"] < 2e-2, r
 
 
-@pytest.mark.parametrize("key", ["0-4", "1-4", "64-4", "65-4", "300-4", "300-66", "4000-7"])
-def test_chunk_table_kernel_in_interpreter(interp_results, key):
-    assert interp_results["chunk_table-" + key]["ok"]
+@pytest.mark.parametrize("key", list(PLAN_CASES))
+def test_chunk_plan_kernel_in_interpreter(interp_results, key):
+    assert interp_results["chunk_plan-" + key]["ok"]
+
+
+@pytest.mark.parametrize("uniform", [0, 1])
+def test_chunk_queries_kernel_in_interpreter(interp_results, uniform):
+    assert interp_results[f"chunk_queries-{uniform}"]["ok"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_chunk_layout_is_balanced(seed):
+    """The oracle's own promises: every request's pages covered once, in order, by at most
+    ``chunks`` chunks of at most S pages, the full ones (S pages) first; S - 1 would not fit."""
+    rng = random.Random(seed)
+    chunks = rng.choice([2, 7, 33, 44, 66])
+    ctx = [rng.choice([0, 1, 64, 65, rng.randint(0, 200000)])
+           for _ in range(rng.randint(1, chunks - 1))]
+    span, layout, n_full = chunk_layout(ctx, chunks)
+    pages = [(n + 63) // 64 for n in ctx]
+    assert len(layout) <= chunks and all(0 < last - first <= span for _, first, last in layout)
+    assert all(last - first == span for _, first, last in layout[:n_full])
+    assert all(last - first < span for _, first, last in layout[n_full:])
+    for b, p in enumerate(pages):
+        runs = sorted((f, e) for o, f, e in layout if o == b)
+        assert [f for f, _ in runs] + [p] == [0] + [e for _, e in runs] or (p == 0 and not runs)
+    if span > 1:
+        assert sum(-(-p // (span - 1)) for p in pages) > chunks
 
 
 def test_block_table_kernel_in_interpreter(interp_results):
@@ -465,7 +566,15 @@ def test_composed_batch8_and_auto_route():
 
 MERGE_CONFIGS = [dict(), dict(pdl=True), dict(uniform=False), dict(pdl=True, uniform=False),
                  dict(side_stream=True), dict(side_stream=True, uniform=False),
-                 dict(dv_split=8, num_warps=2, pdl=True), dict(dv_split=2, num_warps=8)]
+                 dict(dv_split=8, num_warps=2, pdl=True), dict(dv_split=2, num_warps=8),
+                 dict(batch_chunks=True), dict(batch_chunks=True, pdl=True),
+                 dict(batch_chunks=True, uniform=False), dict(batch_chunks=True, chunks=6),
+                 dict(batch_chunks=True, chunks=5), dict(batch_chunks=True, chunks=6,
+                                                         uniform=False), dict(chunks=0),
+                 dict(batch_chunks=True, batch_chunk_unroll=0),
+                 dict(batch_chunks=True, batch_chunk_unroll=8),
+                 dict(batch_chunks=True, batch_chunk_block=4, batch_chunk_num_warps=4),
+                 dict(batch_chunks=True, batch_chunk_dv_split=16, batch_chunk_num_warps=1)]
 
 
 @pytest.mark.gpu
@@ -473,12 +582,16 @@ MERGE_CONFIGS = [dict(), dict(pdl=True), dict(uniform=False), dict(pdl=True, uni
 @pytest.mark.parametrize("d_list", [[16, 9, 1, 4, 16], [16] * 5], ids=["ragged", "uniform"])
 def test_composed_merge_configs(cfg, d_list):
     """Every merge-kernel setting the benchmark sweeps (any may become the default), on a ragged
-    batch and on one where every request has D_max drafts (row offsets computed, not loaded)."""
+    batch and on one where every request has D_max drafts (row offsets computed, not loaded);
+    the batch as chunk requests (batch_chunks: 66, or 6: one or two per request) or on
+    FlashMLA's own split (the default, or 5 chunks for 5 requests)."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
 
     op = MlaVerify(8, 16, 5, backend="composed", page_size=64,
                    merge_config=mla_verify_composed.MergeConfig(**cfg))
+    want = op.composed.chunks if cfg.get("batch_chunks") and op.composed.chunks > 5 else 0
+    assert op.composed.chunks_for(5) == want
     check_composed(paged_case(d_list, 8, [0, 65, 9000, 1, 70000], layout="full", seed=7), 16,
                    op=op)
 
@@ -521,7 +634,8 @@ def test_composed_one_request_other_shapes(heads, drafts, ctx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("merge", [dict(), dict(pdl=True), dict(side_stream=True)], ids=str)
+@pytest.mark.parametrize("merge", [dict(), dict(pdl=True), dict(side_stream=True),
+                                   dict(batch_chunks=True)], ids=str)
 @pytest.mark.parametrize("bs", [1, 4])
 def test_composed_cuda_graph_replay_with_new_lengths(merge, bs):
     """Plan and forward captured once; replays with other lengths in the same buffers (one
@@ -547,3 +661,23 @@ def test_composed_cuda_graph_replay_with_new_lengths(merge, bs):
              for seed, ctx in enumerate(lengths))
     check_graph_replay(forward, paged_case([D] * bs, H, [64, 4096, 1, 300][:bs], seed=1), cases,
                        pool_rows=(bs * cap // 64 + 8) * 64, index_rows=bs * cap, sm_scale=op.sm_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_composed_batch_chunks_skewed(seed):
+    """Batches as chunk requests (``batch_chunks``) where one request holds most of the KV (it
+    gets most chunks) and others hold a page or none, at 8 and 16 heads (66 and 44 chunks);
+    shuffled pages."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    rng = random.Random(100 + seed)
+    bs = rng.choice([2, 3, 8, 16])
+    heads = [8, 16][seed % 2]
+    ctx = [rng.choice([0, 1, 64, 3000, 150000 if b == 0 else 20000]) for b in range(bs)]
+    op = MlaVerify(heads, 9, bs, backend="composed", page_size=64,
+                   merge_config=mla_verify_composed.MergeConfig(batch_chunks=True))
+    assert op.plan(*(torch.zeros(bs + 1, dtype=torch.int32, device="cuda"),) * 2,
+                   torch.zeros(64, dtype=torch.long, device="cuda")).chunks == op.composed.chunks
+    check_composed(paged_case([9] * bs, heads, ctx, seed=seed + 30), 9, op=op)
