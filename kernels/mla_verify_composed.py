@@ -38,7 +38,8 @@ has SM parts, C) instead gives FlashMLA its prefixes as at most C chunk requests
 (``_chunk_plan_kernel`` per batch: S the fewest pages per chunk that fit the batch in C; each
 request's runs of S pages first, the short tails last), so that FlashMLA's scheduler gives each
 full chunk one SM part, splits few and its combine mostly returns at once; ``_tree_merge_kernel``
-merges each request's chunks (out, lse) with the tree part, every chunk's loads in flight, where
+merges each request's chunks (out, lse) with the tree part, CB chunks per unrolled step (each step
+still ends in a reduction over its chunks, so the steps' loads are not all in flight at once), where
 FlashMLA's combine would walk a request's splits one dependent load after another (66 for one
 request). The chunk requests' queries: one request's expanded with stride 0; a batch's gathered
 per layer by ``_chunk_queries_kernel`` (FlashMLA reads q with one batch stride).
@@ -233,9 +234,11 @@ def _load_prefix_chunks(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_
     chunks (ChunkStart[b] .. ChunkStart[b + 1]) and tail (ChunkTail[b], -1: none;
     ``_chunk_plan_kernel``) merged by log-sum-exp. All lse first (the rows' maxima and sums),
     then the values CB chunks per step, with nothing to rescale; other requests' chunks and
-    empty ones are never read. One request (BATCH False): the steps unrolled over all CHUNKS,
-    every load in flight; a batch: the first UNROLL steps unrolled (every load in flight,
-    masked past the request's chunks), then a loop over the request's chunks left, if any."""
+    empty ones are never read. One request (BATCH False): the steps unrolled over all CHUNKS;
+    a batch: the first UNROLL steps unrolled (masked past the request's chunks), then a loop over
+    the request's chunks left, if any. Each step ends in a reduction over its CB chunks, a
+    barrier: the steps run one after another (one sum reduced once at the end was measured
+    slower at batch 1, BENCHMARKS.md#verify-attention-against-flashmla)."""
     c0 = tl.load(ChunkStart + b)
     count = tl.load(ChunkStart + b + 1) - c0
     tail = tl.load(ChunkTail + b)
@@ -266,7 +269,7 @@ def _load_prefix_chunks(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_
                                  stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
                                  CB)
     else:
-        for step in tl.static_range(0, CHUNKS, CB):  # unrolled: every step's loads at once
+        for step in tl.static_range(0, CHUNKS, CB):  # unrolled
             acc += _chunk_values(O_pre, L_pre, c0, step, count, h, offs_i, offs_v, rows_ok, base,
                                  stride_pb, stride_ps, stride_ph, stride_lb, stride_lh, stride_ls,
                                  CB)
@@ -511,10 +514,10 @@ class MergeConfig:
     load at a time (66 for one request). batch_chunks: batches of more than one request take
     the chunked layout too (their queries gathered per chunk request, one launch per layer;
     merged with batch_chunk_dv_split programs per request and head of batch_chunk_num_warps
-    warps, batch_chunk_block chunks per step, the first batch_chunk_unroll steps unrolled with
-    every load in flight, then a loop over the request's chunks left); off by
-    default: FlashMLA's own split and combine serve batches, 0.97-1.16x FlashMLA's time where
-    the chunked layout took 1.04-1.27x (H200, BENCHMARKS.md#verify-attention-against-flashmla).
+    warps, batch_chunk_block chunks per step, the first batch_chunk_unroll steps unrolled, then a
+    loop over the request's chunks left); off by
+    default: FlashMLA's own split and combine serve batches, 1.01-1.12x FlashMLA's time where
+    the chunked layout took 1.07-1.20x (H200, BENCHMARKS.md#verify-attention-against-flashmla).
     """
 
     dv_split: int = 4
