@@ -283,8 +283,8 @@ def dynamic_reads(steps: RoutingSteps, layer: int, num_experts: int) -> tuple[np
     valid = ids >= 0
     parity = np.broadcast_to((row_in_step & 1)[:, None], ids.shape)
     hit[parity[valid], np.broadcast_to(step_of_row[:, None], ids.shape)[valid], ids[valid]] = True
-    both = np.count_nonzero(hit, axis=1)                     # [2, E]
-    single = np.count_nonzero(hit[0] | hit[1], axis=0)
+    both = hit.sum(axis=1)                                   # [2, E]
+    single = (hit[0] | hit[1]).sum(axis=0)
     return single.astype(np.float32), (both.sum(axis=0) - single).astype(np.float32)
 
 
@@ -352,6 +352,8 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
     """
     S, P = active.shape
     by_item = _transpose_bool(active > 0)
+    item_of, step_of = np.nonzero(by_item)                 # every item's steps at once, item-major
+    item_steps = np.split(step_of, np.searchsorted(item_of, np.arange(1, P)))
     D = np.zeros((R, S), np.int16)      # rank-major: reductions over ranks run along long rows
     top = np.zeros(S, np.int16)         # [S] max_r D, kept up to date rather than reduced per item
     fill = np.zeros(R, np.int64)
@@ -362,9 +364,9 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
     if order is None:
         order = np.argsort(-(item_tokens + 1e-9 * active.sum(axis=0)), kind="stable")
     for i in order:
-        steps = np.flatnonzero(by_item[i])
+        steps = item_steps[i]
         Di = D[:, steps]
-        score = (np.count_nonzero(Di == top[steps], axis=1)
+        score = ((Di == top[steps]).sum(axis=1)
                  + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size))
         open_ = (fill < spr) & ~holds[:, item_expert[i]]
         if not open_.any():
@@ -373,7 +375,7 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
             r = _make_room(rank, item_expert, holds, fill, spr, i)
             k = int(np.flatnonzero((rank == r) & ~holds[int(np.argmax(fill < spr)), item_expert])[0])
             free = int(np.argmax(fill < spr))
-            steps_k = np.flatnonzero(by_item[k])
+            steps_k = item_steps[k]
             D[r, steps_k] -= 1
             D[free, steps_k] += 1
             top[steps_k] = D[:, steps_k].max(axis=0)
