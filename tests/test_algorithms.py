@@ -387,8 +387,8 @@ def test_stepaware_fitted_objective_is_the_measured_one_with_replicas(monkeypatc
     seen = []
     original = stepaware_module.partition
 
-    def spy(active, search, item_tokens, item_expert, R, floor, rounds):
-        rank = original(active, search, item_tokens, item_expert, R, floor, rounds)
+    def spy(active, search, item_tokens, item_expert, R, floor, rounds, wide=None):
+        rank = original(active, search, item_tokens, item_expert, R, floor, rounds, wide)
         seen.append(float(_loads(active, rank, R).max(axis=1).mean()))
         return rank
 

@@ -151,3 +151,61 @@ def test_advise_costs_a_sample_of_layers_of_a_deep_wide_model():
     assert len(kept) == 4 and factor == 12 / 4 and kept[0] == 0 and kept[-1] == 11
     np.testing.assert_array_equal(sub.topk_ids, steps.topk_ids[:, kept])
     assert sub.model.num_experts == wide.num_experts and sub.num_steps == steps.num_steps
+
+
+@pytest.mark.parametrize("E, top_k, steps, seed", [(16, 4, 40, 0), (64, 8, 200, 1), (256, 8, 120, 2)])
+def test_dynamic_reads_match_the_slot_activity(E, top_k, steps, seed):
+    """The replica-count inputs read off the token pairs equal those of item_activity with 1 and 2 replicas."""
+    from moeplace.algorithms.stepaware import dynamic_reads, item_activity
+
+    model = tiny_model(E, top_k=top_k)
+    trace = tiny_steps(model, steps, 8, seed=seed)
+    for layer in range(model.num_moe_layers):
+        single = item_activity(trace, layer, np.ones(E, np.int64), "dynamic")[0].sum(axis=0)
+        paired = item_activity(trace, layer, np.full(E, 2), "dynamic")[0]
+        extra = paired.reshape(steps, E, 2).sum(axis=(0, 2)) - single
+        got_single, got_extra = dynamic_reads(trace, layer, E)
+        np.testing.assert_array_equal(got_single, single)
+        np.testing.assert_array_equal(got_extra, extra)
+
+
+@pytest.mark.parametrize("dispatch", ["dynamic", "static"])
+def test_slot_activity_on_sampled_rows_is_those_rows(dispatch):
+    from moeplace.algorithms.stepaware import item_activity, replica_counts
+
+    model = tiny_model(64, top_k=8)
+    trace = tiny_steps(model, 150, 16, seed=4)
+    rows = np.sort(np.random.default_rng(0).choice(150, 40, replace=False))
+    for layer in range(model.num_moe_layers):
+        replicas = replica_counts(trace, layer, 64, 32, 16, dispatch)
+        full, tokens = item_activity(trace, layer, replicas, dispatch)
+        part, part_tokens = item_activity(trace, layer, replicas, dispatch, rows=rows)
+        np.testing.assert_array_equal(part, full[rows])
+        np.testing.assert_array_equal(part_tokens, tokens)   # tokens still over every step
+
+
+@pytest.mark.parametrize("ranks, nodes", [(16, 1), (32, 4)])
+def test_robust_spares_on_many_ranks_choose_between_the_wide_search_and_naive(ranks, nodes):
+    from moeplace.algorithms.robust import WIDE_CANDIDATES, choose, robust_spares
+
+    model = tiny_model(2 * ranks, top_k=8, num_moe_layers=2)
+    problem = PlacementProblem(model, tiny_steps(model, 240, ranks, seed=5), ranks, nodes=nodes,
+                               redundant=ranks, dispatch="balanced")
+    choice = choose(problem, seed=1)
+    assert set(choice.losses) == set(WIDE_CANDIDATES)
+    assert choice.losses[choice.name] == min(choice.losses.values())
+    phy2log, _ = robust_spares(problem)
+    assert_valid_placement(phy2log, problem)
+
+
+def test_wide_table_is_on_a_sample_of_held_out_steps_and_says_so(wide_trace, tmp_path, monkeypatch):
+    from moeplace.analysis import optimize as optimize_module
+
+    monkeypatch.setattr(optimize_module, "WIDE_EVAL_CELLS", 128 * 20)
+    monkeypatch.setattr(optimize_module, "WIDE_EVAL_STEPS", 20)
+    out = tmp_path / "p.json"
+    result = CliRunner().invoke(cli, ["optimize", str(wide_trace), "--ranks", "128", "--redundant", "128",
+                                       "--holdout", "0.5", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "128 ranks: the table is on 20 of the 60 held-out steps" in result.output
+    assert json.loads(out.read_text())["metrics"]["eval_steps"] == 20

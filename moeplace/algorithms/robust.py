@@ -18,7 +18,10 @@ Folds: the trace's steps carry no request id, so the folds are FOLDS contiguous 
 block holds other requests than the rest, mostly, since a request's steps are close in time; steps of
 one request never sit in a fit and its test at random). Each fold fits every candidate on the other
 blocks, DeepSeek EPLB's first copies and no exchanges (cheap, the same for every candidate), on
-CV_LAYERS layers, and scores it on the block by the per-step optimum (``dispatch.exact``).
+CV_LAYERS layers, and scores it on the block by the per-step optimum (``dispatch.flow.optimum``).
+Above MAX_SEARCH_RANKS (wide EP) the blends' searches, which enumerate rank sets, are out of reach:
+``fitted`` (``wide_spares``, on as many steps as its real fit) and ``naive`` compete, each block scored
+on WIDE_TEST_STEPS of its steps.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeplace.algorithms import PlacementProblem
+from moeplace.algorithms import PlacementProblem, wide_spares
 from moeplace.algorithms.balanced_replicas import (EXCHANGE_CELLS, MAX_SEARCH_RANKS, add_replicas,
                                                    masks_to_phy2log, sample_size)
 from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
@@ -35,13 +38,14 @@ from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.replica_exchange import exchange_masks
 from moeplace.algorithms.stepaware import BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, stepaware
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
-from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.flow import optimum
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 
 from moeplace.algorithms import DEFAULT_EFFORT
 
 FOLDS = 3          # contiguous blocks of steps, each held out once
 CV_LAYERS = 3      # layers the choice fits, evenly spaced
+WIDE_TEST_STEPS = 500   # above MAX_SEARCH_RANKS: a held-out block is scored on this many of its steps, evenly spaced
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Candidate:
 # Most robust first: on an exact tie of the out-of-fold loss the one that trusts the capture least wins.
 CANDIDATES = (Candidate("naive", naive=True), Candidate("even", even=True), Candidate("prior 2/3", 2 / 3),
               Candidate("prior 1/3", 1 / 3), Candidate("fitted"))
+WIDE_CANDIDATES = ("naive", "fitted")   # above MAX_SEARCH_RANKS (the blends' searches enumerate rank sets)
 WHY = {"fitted": "the capture's hot and co-active experts recur in steps the fit did not see",
        "prior 1/3": "the capture's co-activation recurs only in part on steps the fit did not see",
        "prior 2/3": "the capture's hot experts recur little on steps the fit did not see",
@@ -77,9 +82,6 @@ class Choice:
     def line(self) -> str:
         """One line: which layout, and why (its out-of-fold figure against the fitted search and the naive layout)."""
         lo = self.losses
-        if not lo:
-            return (f"spare slots: the fitted search's layout (the out-of-fold choice among layouts runs on up to "
-                    f"{MAX_SEARCH_RANKS} ranks, where its exact per-step optimum is cheap)")
         return (f"spare slots: '{self.name}' layout, best on {self.folds} held-out blocks of steps "
                 f"({lo[self.name]:.3f} against fitted {lo['fitted']:.3f}, naive {lo['naive']:.3f}): "
                 f"{WHY[self.name]}")
@@ -126,6 +128,9 @@ def layer_masks(candidate: Candidate, active: np.ndarray, weight: np.ndarray, ba
     if candidate.naive:
         return replica_layout(hot_expert_spares(base, weight, ranks, redundant), E, ranks).masks, active, \
             np.ones(active.shape[0])
+    if ranks > MAX_SEARCH_RANKS:   # the wide search (``wide_spares``): fitted candidate only
+        return wide_spares.add_replicas(active, replica_layout(base, E, ranks).masks, ranks, redundant // ranks,
+                                        weight), active, np.ones(active.shape[0])
     steps, step_weight = with_prior(active, candidate.prior, num_prior, rng)
     cap = even_copies(weight, redundant) if candidate.even else None
     masks = add_replicas(steps, replica_layout(base, E, ranks).masks, ranks, redundant // ranks, weight,
@@ -139,15 +144,17 @@ def fold_blocks(num_steps: int, folds: int) -> list[np.ndarray]:
 
 
 def choose(problem: PlacementProblem, seed: int) -> Choice:
-    """The candidate with the lowest E[optimum] over held-out blocks (``fold_blocks``) and CV_LAYERS layers."""
+    """The candidate with the lowest E[optimum] over held-out blocks (``fold_blocks``) and CV_LAYERS layers.
+    Above MAX_SEARCH_RANKS only WIDE_CANDIDATES compete, each block scored on WIDE_TEST_STEPS of its steps."""
     S, L = problem.steps.num_steps, problem.model.num_moe_layers
     R, E = problem.ranks, problem.model.num_experts
+    wide = R > MAX_SEARCH_RANKS
+    candidates = tuple(c for c in CANDIDATES if not wide or c.name in WIDE_CANDIDATES)
     blocks = fold_blocks(S, FOLDS)
     if len(blocks) < 2:
-        return Choice("fitted", {c.name: 0.0 for c in CANDIDATES}, len(blocks))
+        return Choice("fitted", {c.name: 0.0 for c in candidates}, len(blocks))
     layers = np.unique(np.linspace(0, L - 1, min(CV_LAYERS, L)).round().astype(int))
-    sample = max(sample_size(problem) // 2, 1)
-    sizes = subset_sizes(R)
+    sample = sample_size(problem) if wide else max(sample_size(problem) // 2, 1)   # wide: as ``wide_spares`` fits
     jobs = [(int(layer), k) for layer in layers for k in range(len(blocks))]
     seeds = np.random.default_rng(seed).integers(2**31, size=len(jobs))
 
@@ -156,31 +163,32 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         rng = np.random.default_rng(seeds[job])
         fit_rows = np.concatenate([b for i, b in enumerate(blocks) if i != k])
         counts = step_expert_counts(problem.steps.take(fit_rows), layer)
-        test = step_expert_counts(problem.steps.take(blocks[k]), layer) > 0
+        block = blocks[k]
+        if wide and block.size > WIDE_TEST_STEPS:
+            block = block[np.unique(np.linspace(0, block.size - 1, WIDE_TEST_STEPS).astype(np.int64))]
+        test = step_expert_counts(problem.steps.take(block), layer) > 0
         weight = counts.sum(axis=0)
         base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
         active = counts > 0
         if active.shape[0] > sample:
             active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
-        out = np.zeros(len(CANDIDATES))
-        for i, candidate in enumerate(CANDIDATES):
+        out = np.zeros(len(candidates))
+        for i, candidate in enumerate(candidates):
             masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]
-            out[i] = step_optimum(subset_counts(test, masks, R), sizes).mean()
+            out[i] = optimum(test, masks, R).mean()
         return out
 
-    loss = np.zeros(len(CANDIDATES))
+    loss = np.zeros(len(candidates))
     for _, value in sorted(map_layers(held_out, len(jobs), layer_workers(PARALLEL_CELLS)), key=lambda x: x[0]):
         loss += value
     loss /= len(jobs)
     best = int(np.argmin(loss))   # the first of equals: the most robust
-    return Choice(CANDIDATES[best].name, {c.name: float(v) for c, v in zip(CANDIDATES, loss)}, len(blocks))
+    return Choice(candidates[best].name, {c.name: float(v) for c, v in zip(candidates, loss)}, len(blocks))
 
 
 def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
     """(phy2log [L, P], the choice): spare slots for balanced dispatch by the candidate ``choose`` picks,
     then fitted on all of ``problem.steps`` (first copies as ``stepaware``'s)."""
-    if problem.ranks > MAX_SEARCH_RANKS:   # the candidates' search enumerates rank sets
-        return stepaware(problem), Choice("fitted", {}, 0)
     rng = np.random.default_rng([problem.seed, 36])
     choice = choose(problem, int(rng.integers(2**31)))
     candidate = next(c for c in CANDIDATES if c.name == choice.name)

@@ -117,15 +117,18 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
     item_expert = np.repeat(np.arange(E), replicas)
     if search_moot(problem):
         return item_expert   # slot p holds item p: replicas of an expert on increasing ranks
-    active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
+    # a wide layer packs and searches on its sampled steps only: the other steps' activity is never read
+    wide = is_wide(problem.steps.num_steps, P, R)
+    active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch,
+                                        rows=rows if wide else None)
     ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
                                                                                        item_tokens), minlength=R)
     floor = min(problem.balance_floor * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
-    search = active[rows]
+    search = active if wide else active[rows]
     nodes = problem.nodes
     if nodes == 1:
         refine = problem.dispatch == "static" and replicas.max() > 1
-        rank = partition(active, search, item_tokens, item_expert, R, floor, effort / 2 if refine else effort)
+        rank = partition(active, search, item_tokens, item_expert, R, floor, effort / 2 if refine else effort, wide)
         if refine:
             # Under the static rule the replica that serves a step is the one nearest its source
             # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
@@ -134,8 +137,8 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
             for _ in range(2):
                 order = np.lexsort((item_expert, rank))
                 static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
-                active, item_tokens = item_activity(problem.steps, layer, replicas, "static", static_item)
-                rank, _ = swap_search(active[rows], item_tokens, item_expert, rank, R, floor, rounds)
+                search, item_tokens = item_activity(problem.steps, layer, replicas, "static", static_item, rows)
+                rank, _ = swap_search(search, item_tokens, item_expert, rank, R, floor, rounds)
     else:
         # Hierarchical: slots to nodes first (a node may hold up to ranks-per-node replicas of an
         # expert, one per rank), then each node's slots to its ranks. Replicas sharing a key go to
@@ -144,7 +147,6 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
         per_node = R // nodes
         replica_index = np.arange(P) - np.searchsorted(item_expert, item_expert)
         node_key = item_expert * P + replica_index // nodes
-        wide = is_wide(active.shape[0], P, R)   # then the nodes' partitions are on the sampled steps too
         node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2, wide)
         rank = np.zeros(P, np.int64)
         for n in range(nodes):
@@ -257,10 +259,13 @@ def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant:
     counts = np.ones(num_experts, np.int64)
     if redundant == 0:
         return counts
-    single_reads = item_activity(steps, layer, counts, dispatch)[0].sum(axis=0)
+    if dispatch == "dynamic" and not steps.count_steps.size:   # token rows only: read off the pairs at once
+        single_reads, extra_reads = dynamic_reads(steps, layer, num_experts)
+    else:
+        single_reads = item_activity(steps, layer, counts, dispatch)[0].sum(axis=0)
     if dispatch == "static":
         extra_reads = single_reads
-    else:
+    elif steps.count_steps.size:
         paired, _ = item_activity(steps, layer, np.full(num_experts, 2), dispatch)
         extra_reads = paired.reshape(paired.shape[0], num_experts, 2).sum(axis=(0, 2)) - single_reads
     for _ in range(redundant):
@@ -269,9 +274,25 @@ def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant:
     return counts
 
 
+def dynamic_reads(steps: RoutingSteps, layer: int, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(steps reading each expert [E], reads a second replica adds [E]) under the dynamic rule (row r to
+    replica r % 2), from the token-row pairs alone: what ``item_activity`` gives with 1 and 2 replicas."""
+    step_of_row, row_in_step, ids = steps.layer(layer)
+    S, E = steps.num_steps, num_experts
+    hit = np.zeros((2, S, E), bool)                         # [row parity, step, expert]
+    valid = ids >= 0
+    parity = np.broadcast_to((row_in_step & 1)[:, None], ids.shape)
+    hit[parity[valid], np.broadcast_to(step_of_row[:, None], ids.shape)[valid], ids[valid]] = True
+    both = hit.sum(axis=1)                                   # [2, E]
+    single = (hit[0] | hit[1]).sum(axis=0)
+    return single.astype(np.float32), (both.sum(axis=0) - single).astype(np.float32)
+
+
 def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatch: str,
-                  static_item: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  static_item: np.ndarray | None = None,
+                  rows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Which slots each step reads and the tokens each slot gets: (active [S, P] f32, item_tokens [P]).
+    rows: only these steps' rows of ``active`` ([len(rows), P]; item_tokens still over every step).
 
     Items are replicas in expert order. ``dynamic``: token row r goes to replica ``r % n``;
     ``static``: the step's source rank s sends expert e to item ``static_item[s % R, e]`` when a
@@ -280,7 +301,6 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
     S = steps.num_steps
     P = int(replicas.sum())
     first = np.concatenate([[0], np.cumsum(replicas)[:-1]])
-    active = np.zeros(S * P, np.float32)
     item_tokens = np.zeros(P)
     step, row, e = steps.layer_pairs(layer)
     if e.size:
@@ -290,8 +310,19 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
             pick = row if dispatch == "dynamic" else steps.ranks[step].astype(np.int64)
             item = (static_item[pick % static_item.shape[0], e] if dispatch == "static" and static_item is not None
                     else first[e] + pick % replicas[e])
-        active[step * P + item] = 1
         item_tokens += np.bincount(item, minlength=P)
+    if rows is not None and not steps.count_steps.size:   # only the rows asked for: a wide layer's sample
+        index = np.full(S, -1, np.int64)
+        index[rows] = np.arange(len(rows))
+        active = np.zeros(len(rows) * P, np.float32)
+        if e.size:
+            at = index[step]
+            keep = at >= 0
+            active[at[keep] * P + item[keep]] = 1
+        return active.reshape(len(rows), P), item_tokens
+    active = np.zeros(S * P, np.float32)
+    if e.size:
+        active[step * P + item] = 1
     active = active.reshape(S, P)
     if steps.count_steps.size and dispatch == "static" and static_item is not None:
         c = steps.counts[:, layer, :]
@@ -306,7 +337,8 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
             share = np.floor(c[:, has] / replicas[has]) + (j < np.mod(c[:, has], replicas[has]))
             active[steps.count_steps[:, None], first[has] + j] += share > 0
             item_tokens[first[has] + j] += share.sum(axis=0)
-    return np.minimum(active, 1, out=active), item_tokens
+    active = np.minimum(active, 1, out=active)
+    return (active if rows is None else active[rows]), item_tokens
 
 
 def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, R: int, spr: int,
@@ -320,6 +352,8 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
     """
     S, P = active.shape
     by_item = _transpose_bool(active > 0)
+    item_of, step_of = np.nonzero(by_item)                 # every item's steps at once, item-major
+    item_steps = np.split(step_of, np.searchsorted(item_of, np.arange(1, P)))
     D = np.zeros((R, S), np.int16)      # rank-major: reductions over ranks run along long rows
     top = np.zeros(S, np.int16)         # [S] max_r D, kept up to date rather than reduced per item
     fill = np.zeros(R, np.int64)
@@ -330,9 +364,9 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
     if order is None:
         order = np.argsort(-(item_tokens + 1e-9 * active.sum(axis=0)), kind="stable")
     for i in order:
-        steps = np.flatnonzero(by_item[i])
+        steps = item_steps[i]
         Di = D[:, steps]
-        score = (np.count_nonzero(Di == top[steps], axis=1)
+        score = ((Di == top[steps]).sum(axis=1)
                  + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size))
         open_ = (fill < spr) & ~holds[:, item_expert[i]]
         if not open_.any():
@@ -341,7 +375,7 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
             r = _make_room(rank, item_expert, holds, fill, spr, i)
             k = int(np.flatnonzero((rank == r) & ~holds[int(np.argmax(fill < spr)), item_expert])[0])
             free = int(np.argmax(fill < spr))
-            steps_k = np.flatnonzero(by_item[k])
+            steps_k = item_steps[k]
             D[r, steps_k] -= 1
             D[free, steps_k] += 1
             top[steps_k] = D[:, steps_k].max(axis=0)

@@ -39,6 +39,10 @@ DEFAULT_SAMPLE_STEPS = 20_000
 # evenly spaced; on Kimi-K2-shaped steps E[max distinct] on 1,000 of them was within 0.5% of that on 6,000.
 WIDE_BALANCED_RANKS = 12   # HALL_MAX_RANKS: above, the optimum and the spare search run the rule too
 WIDE_EVAL_STEPS = 1000
+# Under SGLang's rules a row's table costs held-out steps x ranks per layer; above this many cells it is on
+# WIDE_EVAL_CELLS / ranks of them (at least WIDE_EVAL_STEPS), evenly spaced: Kimi-K2-shaped on 20,000
+# steps, from 128 ranks on. The rows share their steps, so their differences stay paired.
+WIDE_EVAL_CELLS = 500_000
 
 
 def today_name(dispatch: str) -> str:
@@ -137,6 +141,12 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
         notes.append(f"balanced dispatch on {ranks} ranks: the table is on {WIDE_EVAL_STEPS:,} of the "
                      f"{held_out.num_steps:,} {'held-out' if holdout else ''} steps, evenly spaced")
         held_out = evenly_spaced(held_out, WIDE_EVAL_STEPS)
+    elif placed_as != "balanced" and held_out.num_steps * ranks > WIDE_EVAL_CELLS:
+        count = max(WIDE_EVAL_CELLS // ranks, WIDE_EVAL_STEPS)
+        if held_out.num_steps > count:
+            notes.append(f"{ranks} ranks: the table is on {count:,} of the {held_out.num_steps:,} "
+                         f"{'held-out ' if holdout else ''}steps, evenly spaced")
+            held_out = evenly_spaced(held_out, count)
 
     def problem(steps_: RoutingSteps, report: Callable[[int], None]) -> PlacementProblem:
         p = PlacementProblem(model, steps_, ranks, nodes=nodes, redundant=redundant,

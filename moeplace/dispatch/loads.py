@@ -122,7 +122,8 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
         tokens += np.bincount(step_k * ranks + phys // spr, minlength=S * ranks).reshape(S, ranks)
         hit = np.zeros(S * P, bool)
         hit[step_k * P + phys] = True
-        distinct += hit.reshape(S, ranks, spr).sum(axis=2)
+        cell = np.flatnonzero(hit)                       # (step, slot) cells read, slot = cell % P
+        distinct += np.bincount(cell // P * ranks + cell % P // spr, minlength=S * ranks).reshape(S, ranks)
 
     # Steps known only as counts: rows are unknown, so the dynamic rule is taken as spreading
     # c tokens round-robin over the replicas from the first (rows 0..c-1).
