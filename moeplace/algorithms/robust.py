@@ -14,6 +14,12 @@ steps its fit did not see (``choose``):
   first), each replica on the rank the fitted gains choose, so co-active experts can spread;
 * ``naive``: the naive layout itself (``baselines.naive_spares``).
 
+Every candidate but ``naive`` keeps the naive layout's floor: with R >= E spare slots each expert holds
+1 + R // E replicas at least (``balanced_replicas.spare_floor``), and only the surplus and the ranks go by
+gain. The floor does not depend on which experts the capture found hot: a layout that leaves a cold
+expert of the capture with one replica fewer bets that it stays cold, and on traffic where it turned hot
+that bet cost up to 5% against the naive layout (BENCHMARKS.md, spare slots when the traffic changes).
+
 Folds: the trace's steps carry no request id, so the folds are FOLDS contiguous blocks of steps (a
 block holds other requests than the rest, mostly, since a request's steps are close in time; steps of
 one request never sit in a fit and its test at random). Each fold fits every candidate on the other
@@ -29,7 +35,7 @@ import numpy as np
 
 from moeplace.algorithms import PlacementProblem
 from moeplace.algorithms.balanced_replicas import (EXCHANGE_CELLS, add_replicas, masks_to_phy2log,
-                                                   sample_size)
+                                                   sample_size, spare_floor)
 from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.replica_exchange import exchange_masks
@@ -126,7 +132,7 @@ def layer_masks(candidate: Candidate, active: np.ndarray, weight: np.ndarray, ba
     steps, step_weight = with_prior(active, candidate.prior, num_prior, rng)
     cap = even_copies(weight, redundant) if candidate.even else None
     masks = add_replicas(steps, replica_layout(base, E, ranks).masks, ranks, redundant // ranks, weight,
-                         step_weight, cap)
+                         step_weight, cap, spare_floor(E, redundant))
     return masks, steps, step_weight
 
 
