@@ -14,12 +14,13 @@ steps its fit did not see (``choose``):
 * ``prior 1/3``, ``prior 2/3``: as ``replicas``, the gains on the fitted steps blended with steps whose
   experts are drawn uniformly (a uniform prior over which experts a step activates; sizes as fitted);
 * ``even``: the naive layout's replica counts (every expert replicated as evenly as R allows, the hottest
-  first), each replica on the rank the fitted gains choose, so co-active experts can spread;
+  first) on DeepSeek EPLB's first copies, each replica on the rank the fitted gains choose, so co-active
+  experts can spread;
 * ``naive``: the naive layout itself (``baselines.naive_spares``).
 
-Each candidate is scored out of fold as it is written: the first copies and exchanges fitted to a short
+Each candidate is scored out of fold as it is written: first copies and exchanges fitted to a short
 capture can cost more on other prompts than the replicas gain (GPT-OSS fitted on 1k tokens of SORRY-Bench,
-R = 8: ``fitted`` 2.570 on GPQA, ``replicas`` 2.534, the naive layout 2.562), so they are a candidate of
+R = 8: ``fitted`` 2.570 on GPQA, ``replicas`` 2.539, the naive layout 2.562), so they are a candidate of
 their own, not a step every candidate takes.
 
 Every candidate but ``naive`` keeps the naive layout's floor: with R >= E spare slots each expert holds
