@@ -19,7 +19,9 @@ pair over all steps is one matrix product, exact. Per layer:
    slots are few (several chosen against the same state can chase the same steps), up to BATCH_MAX
    where they are many; among equal gains prefer the pair that takes an expert out of every tight set
    of more steps that are not fragile (progress toward a later gain), then the busiest expert per
-   replica, then the lower expert id and rank (deterministic);
+   replica, then the lower expert id and rank (deterministic); with R >= E spare slots every expert
+   first reaches the naive layout's 1 + R // E replicas (``spare_floor``): which experts are hot may
+   change after the capture, how many replicas every expert gets in the naive layout does not;
 4. exchange the replica sets of two experts while that lowers E[optimum] exactly (``replica_exchange``),
    within the problem's work budget: the first copies were placed before the replicas were known.
 
@@ -138,13 +140,14 @@ def spare_rounds_batch(spare: int) -> int:
 
 def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
                  expert_weight: np.ndarray, step_weight: np.ndarray | None = None,
-                 max_copies: np.ndarray | None = None) -> np.ndarray:
+                 max_copies: np.ndarray | None = None, min_copies: np.ndarray | None = None) -> np.ndarray:
     """New replica masks [E] after adding ``spare_per_rank`` replicas to every rank.
 
     active: [S, E] bool, the steps to fit; masks: [E] replica ranks before (bit sets);
     expert_weight: [E] breaks ties toward the busiest expert per replica; step_weight: [S] what each
     step counts for (default 1); max_copies: [E] most replicas each expert may end with (default: no
-    limit), passed over only where no expert under its limit has a rank with room left.
+    limit), passed over only where no expert under its limit has a rank with room left; min_copies: [E]
+    replicas each expert gets before any expert gets more (default: none), by gain among those under it.
     """
     if ranks > MAX_SEARCH_RANKS:
         raise MoeplaceError(f"balanced replica placement enumerates rank sets: at most {MAX_SEARCH_RANKS} "
@@ -178,6 +181,8 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
         if max_copies is not None and (allowed & (copies < max_copies)[:, None]).any():
             allowed &= (copies < max_copies)[:, None]   # unless no expert under its limit fits the room left
+        if min_copies is not None and (allowed & (copies < min_copies)[:, None]).any():
+            allowed &= (copies < min_copies)[:, None]   # experts under their floor first, while one fits
         if not allowed.any():
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
         tie = tie_unit * expert_weight / copies
@@ -213,7 +218,32 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
             room[r] -= 1
         fragile[hit], inter[hit], union[hit] = new_fragile, new_inter, new_union
         score += contribution(pairs)
+    if min_copies is not None:
+        masks = lift_to_floor(masks, ranks, min_copies)
     return masks.astype(np.int64)
+
+
+def lift_to_floor(masks: np.ndarray, ranks: int, min_copies: np.ndarray) -> np.ndarray:
+    """Masks [E] with every expert holding ``min_copies [E]`` replicas at least, each rank as many as before.
+
+    The greedy fill can leave an expert under its floor when the last rank with room already holds it;
+    then a replica of an expert above its floor (the one with most copies, lowest id) on a rank the
+    expert lacks (the lowest) moves to it. One exists while the floor fits: the donor holds more ranks.
+    """
+    masks = masks.copy()
+    copies = mask_bits(masks, ranks).sum(axis=1)
+    for e in np.flatnonzero(copies < min_copies):
+        while copies[e] < min_copies[e]:
+            spare = copies - min_copies
+            donor = int(np.argmax(spare))
+            if spare[donor] <= 0:
+                return masks
+            rank = int(np.flatnonzero(mask_bits(masks[donor:donor + 1] & ~masks[e], ranks)[0])[0])
+            masks[donor] &= ~(1 << rank)
+            masks[e] |= 1 << rank
+            copies[donor] -= 1
+            copies[e] += 1
+    return masks
 
 
 @dataclass(frozen=True)
@@ -300,9 +330,16 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
     rng = np.random.default_rng([search.seed, layer])
     steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
     masks = replica_layout(base, E, R).masks
-    masks = add_replicas(steps, masks, R, problem.redundant // R, counts.sum(axis=0), weight)
+    masks = add_replicas(steps, masks, R, problem.redundant // R, counts.sum(axis=0), weight,
+                         min_copies=spare_floor(E, problem.redundant))
     masks = exchange_masks(steps, weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
     return masks_to_phy2log(masks, R, problem.num_physical // R)
+
+
+def spare_floor(experts: int, redundant: int) -> np.ndarray:
+    """[E] replicas every expert holds at least with ``redundant`` spare slots: 1 + redundant // E, what the
+    naive layout gives every expert whichever is hot (one each below E spare slots: no constraint)."""
+    return np.full(experts, 1 + redundant // experts)
 
 
 def masks_to_phy2log(masks: np.ndarray, ranks: int, slots_per_rank: int) -> np.ndarray:

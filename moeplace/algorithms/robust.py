@@ -7,21 +7,35 @@ prompts change, experts that were cold turn hot and may have no second replica. 
 dispatch with spare slots the layout is chosen, among a few candidates, by its exact E[optimum] on
 steps its fit did not see (``choose``):
 
-* ``fitted``: ``stepaware``'s search as it is (replicas by exact gain on the fitted steps);
-* ``prior 1/3``, ``prior 2/3``: the same gains on the fitted steps blended with steps whose experts are
-  drawn uniformly (a uniform prior over which experts a step activates; sizes as fitted), the share given;
+* ``fitted``: ``stepaware``'s search as it is: its own first copies (fitted to the steps under dynamic
+  dispatch, for E <= BALANCED_BASE_MAX_EXPERTS), replicas by exact gain, exchanges of two experts'
+  replica sets by exact gain;
+* ``replicas``: DeepSeek EPLB's first copies, replicas by exact gain on the fitted steps, no exchanges;
+* ``prior 1/3``, ``prior 2/3``: as ``replicas``, the gains on the fitted steps blended with steps whose
+  experts are drawn uniformly (a uniform prior over which experts a step activates; sizes as fitted);
 * ``even``: the naive layout's replica counts (every expert replicated as evenly as R allows, the hottest
-  first), each replica on the rank the fitted gains choose, so co-active experts can spread;
+  first) on DeepSeek EPLB's first copies, each replica on the rank the fitted gains choose, so co-active
+  experts can spread;
 * ``naive``: the naive layout itself (``baselines.naive_spares``).
+
+Each candidate is scored out of fold as it is written: first copies and exchanges fitted to a short
+capture can cost more on other prompts than the replicas gain (GPT-OSS fitted on 1k tokens of SORRY-Bench,
+R = 8: ``fitted`` 2.570 on GPQA, ``replicas`` 2.539, the naive layout 2.562), so they are a candidate of
+their own, not a step every candidate takes.
+
+Every candidate but ``naive`` keeps the naive layout's floor: with R >= E spare slots each expert holds
+1 + R // E replicas at least (``balanced_replicas.spare_floor``), and only the surplus and the ranks go by
+gain. The floor does not depend on which experts the capture found hot: a layout that leaves a cold
+expert of the capture with one replica fewer bets that it stays cold, and on traffic where it turned hot
+that bet cost up to 5% against the naive layout (BENCHMARKS.md, spare slots when the traffic changes).
 
 Folds: the trace's steps carry no request id, so the folds are FOLDS contiguous blocks of steps (a
 block holds other requests than the rest, mostly, since a request's steps are close in time; steps of
 one request never sit in a fit and its test at random). Each fold fits every candidate on the other
-blocks, DeepSeek EPLB's first copies and no exchanges (cheap, the same for every candidate), on
-CV_LAYERS layers, and scores it on the block by the per-step optimum (``dispatch.flow.optimum``).
-Above MAX_SEARCH_RANKS (wide EP) the blends' searches, which enumerate rank sets, are out of reach:
-``fitted`` (``wide_spares``, on as many steps as its real fit) and ``naive`` compete, each block scored
-on WIDE_TEST_STEPS of its steps.
+blocks on CV_LAYERS layers (``fitted`` with no smoothed steps), and scores it on the block by the per-step
+optimum (``dispatch.flow.optimum``). Above MAX_SEARCH_RANKS (wide EP) the blends' searches, which enumerate
+rank sets, are out of reach: ``fitted`` (``wide_spares``, on as many steps as its real fit) and ``naive``
+compete, each block scored on WIDE_TEST_STEPS of its steps.
 """
 
 from __future__ import annotations
@@ -30,18 +44,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeplace.algorithms import PlacementProblem, wide_spares
-from moeplace.algorithms.balanced_replicas import (EXCHANGE_CELLS, MAX_SEARCH_RANKS, add_replicas,
-                                                   masks_to_phy2log, sample_size)
+from moeplace.algorithms import PlacementProblem, balanced_replicas, wide_spares
+from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replicas, masks_to_phy2log, sample_size,
+                                                   spare_floor)
 from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
 from moeplace.algorithms.deepseek import rebalance_experts
-from moeplace.algorithms.replica_exchange import exchange_masks
-from moeplace.algorithms.stepaware import BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, stepaware
+from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, place_layer, search_moot,
+                                           search_rows, stepaware)
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.flow import optimum
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
-
-from moeplace.algorithms import DEFAULT_EFFORT
 
 FOLDS = 3          # contiguous blocks of steps, each held out once
 CV_LAYERS = 3      # layers the choice fits, evenly spaced
@@ -51,19 +63,22 @@ WIDE_TEST_STEPS = 500   # above MAX_SEARCH_RANKS: a held-out block is scored on 
 @dataclass(frozen=True)
 class Candidate:
     """One way to fill the spare slots. prior: share of uniform steps in the objective; even: the naive
-    layout's replica counts, ranks by gain; naive: the naive layout."""
+    layout's replica counts, ranks by gain; naive: the naive layout; search: ``stepaware`` as it is."""
 
     name: str
     prior: float = 0.0
     even: bool = False
     naive: bool = False
+    search: bool = False
 
 
 # Most robust first: on an exact tie of the out-of-fold loss the one that trusts the capture least wins.
 CANDIDATES = (Candidate("naive", naive=True), Candidate("even", even=True), Candidate("prior 2/3", 2 / 3),
-              Candidate("prior 1/3", 1 / 3), Candidate("fitted"))
+              Candidate("prior 1/3", 1 / 3), Candidate("replicas"), Candidate("fitted", search=True))
 WIDE_CANDIDATES = ("naive", "fitted")   # above MAX_SEARCH_RANKS (the blends' searches enumerate rank sets)
 WHY = {"fitted": "the capture's hot and co-active experts recur in steps the fit did not see",
+       "replicas": "the capture's hot and co-active experts recur, but first copies and exchanges fitted to it "
+                   "did not carry over to steps the fit did not see",
        "prior 1/3": "the capture's co-activation recurs only in part on steps the fit did not see",
        "prior 2/3": "the capture's hot experts recur little on steps the fit did not see",
        "even": "which experts are hot changes between parts of the capture; where co-active ones sit does not",
@@ -134,7 +149,7 @@ def layer_masks(candidate: Candidate, active: np.ndarray, weight: np.ndarray, ba
     steps, step_weight = with_prior(active, candidate.prior, num_prior, rng)
     cap = even_copies(weight, redundant) if candidate.even else None
     masks = add_replicas(steps, replica_layout(base, E, ranks).masks, ranks, redundant // ranks, weight,
-                         step_weight, cap)
+                         step_weight, cap, spare_floor(E, redundant))
     return masks, steps, step_weight
 
 
@@ -169,12 +184,17 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         test = step_expert_counts(problem.steps.take(block), layer) > 0
         weight = counts.sum(axis=0)
         base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
-        active = counts > 0
-        if active.shape[0] > sample:
-            active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
+        rows = np.arange(counts.shape[0])
+        if rows.size > sample:
+            rows = np.sort(rng.choice(rows.size, sample, replace=False))
+        active = counts[rows] > 0
         out = np.zeros(len(candidates))
         for i, candidate in enumerate(candidates):
-            masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]
+            if candidate.search and not wide:
+                fold = replace(problem, steps=problem.steps.take(fit_rows), progress=lambda n: None)
+                masks = replica_layout(search_layer(fold, layer, base, rows, rng), E, R).masks
+            else:
+                masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]
             out[i] = optimum(test, masks, R).mean()
         return out
 
@@ -186,23 +206,34 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
     return Choice(candidates[best].name, {c.name: float(v) for c, v in zip(candidates, loss)}, len(blocks))
 
 
+def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray,
+                 rng: np.random.Generator) -> np.ndarray:
+    """phy2log [P] of one layer as ``stepaware`` places it under balanced dispatch with spare slots (its
+    first copies, replicas by gain on ``rows`` of the steps, exchanges), without smoothed steps.
+    reference: [E] DeepSeek EPLB's first copies of the layer."""
+    E, L = problem.model.num_experts, problem.model.num_moe_layers
+    first = reference
+    if E <= BALANCED_BASE_MAX_EXPERTS:
+        base = replace(problem, redundant=0, dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT)
+        search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)
+        first = place_layer(base, layer, reference, search, base.effort / L)
+    spares = balanced_replicas.SpareSearch(problem.steps.take(rows), 0.0, int(rng.integers(2**31)))
+    return balanced_replicas.place(problem, layer, first, spares)
+
+
 def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
     """(phy2log [L, P], the choice): spare slots for balanced dispatch by the candidate ``choose`` picks,
-    then fitted on all of ``problem.steps`` (first copies as ``stepaware``'s)."""
+    then fitted on all of ``problem.steps`` as it was scored."""
     rng = np.random.default_rng([problem.seed, 36])
     choice = choose(problem, int(rng.integers(2**31)))
     candidate = next(c for c in CANDIDATES if c.name == choice.name)
-    if candidate.name == "fitted":
+    if candidate.search:
         return stepaware(problem), choice
     if candidate.naive:
         return naive_spares(problem), choice
     L, R, E = problem.model.num_moe_layers, problem.ranks, problem.model.num_experts
     weight = problem.steps.expert_token_counts()
-    if E > BALANCED_BASE_MAX_EXPERTS:
-        base = rebalance_experts(weight, E, 1, 1, R, False)[0]
-    else:
-        base = stepaware(replace(problem, redundant=0, dispatch="dynamic",
-                                 effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None))
+    base = rebalance_experts(weight, E, 1, 1, R, False)[0]     # as scored out of fold
     sample = sample_size(problem)
     rows = problem.steps.take(np.sort(rng.choice(problem.steps.num_steps, sample, replace=False))) \
         if problem.steps.num_steps > sample else problem.steps
@@ -211,10 +242,8 @@ def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
     def place(layer: int) -> np.ndarray:
         counts = step_expert_counts(rows, layer)
         layer_rng = np.random.default_rng(seeds[layer])
-        masks, steps, step_weight = layer_masks(candidate, counts > 0, weight[layer], base[layer], R,
-                                                problem.redundant, sample // 2, layer_rng)
-        if not candidate.even:   # an exchange swaps two experts' replica counts too: kept for the blends only
-            masks = exchange_masks(steps, step_weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
+        masks = layer_masks(candidate, counts > 0, weight[layer], base[layer], R, problem.redundant, sample // 2,
+                            layer_rng)[0]
         return masks_to_phy2log(masks, R, problem.num_physical // R)
 
     out = np.zeros((L, problem.num_physical), np.int64)
