@@ -57,7 +57,7 @@ from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
 
-from bench_inputs import GPTOSS, example_steps, gptoss_steps
+from bench_inputs import GPTOSS, example_steps, gptoss_steps, pct
 
 RANKS = 8
 WINDOW = 9
@@ -144,10 +144,6 @@ def measure(case: Case) -> list[dict]:
               f"({pct(r['moeplace'], today)})  naive {r['naive']:.3f} ({pct(r['naive'], today)})  DeepSeek "
               f"{today:.3f}  bound {r['bound']:.3f}  fitted {r['fitted']:.3f}  {seconds:.1f} s", flush=True)
     return rows
-
-
-def pct(value: float, base: float) -> str:
-    return f"{100 * (value / base - 1):+.1f}%"
 
 
 def print_grid(rows: list[dict]) -> None:

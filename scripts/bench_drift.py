@@ -49,7 +49,7 @@ from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
 
-from bench_inputs import GPTOSS, VERIFY_TOKENS, example_steps, gptoss_steps
+from bench_inputs import GPTOSS, VERIFY_TOKENS, example_steps, gptoss_steps, pct
 
 RANKS = 8
 DATASETS = {"MMLU": ("mmlu_test", "mmlu_validation", "mmlu_dev"), "MMLU-Pro": ("mmlu_pro_test", "mmlu_pro_validation"),
@@ -182,10 +182,6 @@ def measure(case: Case) -> list[dict]:
                   f"fitted {r['fitted']:.3f}  naive {r['naive']:.3f}  DeepSeek {r['deepseek']:.3f}  "
                   f"bound {r['bound']:.3f}  {seconds:.1f} s", flush=True)
     return rows
-
-
-def pct(value: float, base: float) -> str:
-    return f"{100 * (value / base - 1):+.1f}%"
 
 
 def print_grid(rows: list[dict]) -> None:

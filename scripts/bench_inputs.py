@@ -51,3 +51,8 @@ def kimi_shaped(layers: int, num_steps: int, tokens_per_step: int = VERIFY_TOKEN
     model = ModelSpec(f"SYNTHETIC kimi-k2-shaped, {layers} of {KIMI_MOE_LAYERS} MoE layers", layers + 1,
                       tuple(range(1, layers + 1)), 384, 8)
     return synthetic_steps(num_steps, tokens_per_step=tokens_per_step, model=model, seed=seed)[1]
+
+
+def pct(value: float, base: float) -> str:
+    """``value`` against ``base`` as a signed percentage, e.g. "-20.0%"."""
+    return f"{100 * (value / base - 1):+.1f}%"

@@ -49,6 +49,7 @@ from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replica
                                                    spare_floor)
 from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
 from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.algorithms.smoothed_steps import weighted_union
 from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, place_layer, search_moot,
                                            search_rows, stepaware)
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
@@ -117,13 +118,9 @@ def uniform_steps(active: np.ndarray, num_steps: int, rng: np.random.Generator) 
 def with_prior(active: np.ndarray, share: float, num_prior: int,
                rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """(steps [S + n, E], weight [S + n]): ``active`` and n uniform steps making up ``share`` of the weight."""
-    S = active.shape[0]
-    if share <= 0 or S == 0:
-        return active, np.ones(S)
-    n = max(num_prior, 1)
-    total = S + n
-    weight = np.concatenate([np.full(S, (1 - share) * total / S), np.full(n, share * total / n)])
-    return np.concatenate([active, uniform_steps(active, n, rng)]), weight
+    if share <= 0 or active.shape[0] == 0:
+        return active, np.ones(active.shape[0])
+    return weighted_union(active, uniform_steps(active, max(num_prior, 1), rng), share)
 
 
 def even_copies(weight: np.ndarray, redundant: int) -> np.ndarray:

@@ -34,10 +34,15 @@ def with_smoothed_steps(active: np.ndarray, share: float, num_smoothed: int,
     """(steps [S + n, E], weight [S + n]): ``active [S, E]`` and n = ``num_smoothed`` independent steps
     drawn from it, weighted so that the smoothed ones make up ``share`` of the total (mean weight 1).
     share 0: the steps alone, each weight 1."""
-    S = active.shape[0]
-    if share <= 0 or S == 0:
-        return active, np.ones(S)
-    n = max(num_smoothed, 1)
+    if share <= 0 or active.shape[0] == 0:
+        return active, np.ones(active.shape[0])
+    return weighted_union(active, independent_steps(active, max(num_smoothed, 1), rng), share)
+
+
+def weighted_union(active: np.ndarray, extra: np.ndarray, share: float) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [S + n, E], weight [S + n]): ``active [S, E]`` then ``extra [n, E]``, weighted so that the extra
+    steps make up ``share`` of the total (mean weight 1)."""
+    S, n = active.shape[0], extra.shape[0]
     total = S + n
     weight = np.concatenate([np.full(S, (1 - share) * total / S), np.full(n, share * total / n)])
-    return np.concatenate([active, independent_steps(active, n, rng)]), weight
+    return np.concatenate([active, extra]), weight
