@@ -129,3 +129,31 @@ def _config(tmp_path: Path, config: dict) -> Path:
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     return path
+
+
+def test_advise_where_tp_moe_cannot_run_compares_the_ep_splits(tmp_path):
+    # 8 GPUs, intermediate 100: TP8 would split it in 12.5 columns (SGLang refuses), EP4xTP2 and EP8 run
+    config = _config(tmp_path, {**QWEN_LIKE, "moe_intermediate_size": 100})
+    code, out, err = invoke("advise", tiny_npz(tmp_path / "t.npz"), "--ranks", 8, "--effort", 1e6, "--model", config)
+    assert code == 0, err
+    assert "TP-MoE cannot run on 8 GPUs (the experts' intermediate size 100 does not split over MoE TP 8" in out
+    head = next(line for line in out.splitlines() if line.startswith("tokens/step"))
+    assert "TP cost model" not in out and "EP4xTP2" in head and "TP8" not in head.split()
+    code, out, err = invoke("advise", tiny_npz(tmp_path / "t.npz"), "--ranks", 8, "--effort", 1e6, "--model", config,
+                            "--json")
+    data = json.loads(out)
+    assert data["at_trace"] is None and data["grid"] == [] and data["tp_cost_model"] is None
+    assert "does not split over MoE TP 8" in data["tp_moe_refused"]
+    assert [r["name"] for r in data["layouts"]][:2] == ["EP8", "EP8+8"]
+
+
+def test_advise_with_no_split_that_runs_is_one_line_before_the_work(tmp_path, capsys):
+    from moeplace.cli import main
+
+    # 32 experts + 4 spare slots on 12 GPUs: the experts split over no EP size with an MoE TP that divides 100
+    config = _config(tmp_path, {**QWEN_LIKE, "moe_intermediate_size": 100})
+    with pytest.raises(SystemExit) as e:
+        main(["advise", str(tiny_npz(tmp_path / "t.npz")), "--ranks", "12", "--redundant", "4", "--model", str(config)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "no EP x TP split of 12 GPUs runs this model's 32 experts" in err

@@ -13,9 +13,8 @@ from moeplace.commands.costing import memory_warning, resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, slots_count, trace_options
 from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
-from moeplace.analysis.layouts import layer_sample, scaled
 from moeplace.analysis.layouts import (EVEN, Layout, LayoutCosts, candidate_layouts, compare_layouts, fastest,
-                              layout_flips)
+                                       layer_sample, layout_flips, scaled, split_refusal)
 from moeplace.analysis.optimize import DEFAULT_SAMPLE_STEPS, evenly_spaced, split_steps
 from moeplace.analysis.report import steps_phrase
 
@@ -70,6 +69,13 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     memory = memory_warning(model, ranks, spares, costing, fewer="fewer (--redundant)")
     if memory:
         click.echo(f"warning: the layouts with spare slots: {memory}", err=True)
+    candidates = candidate_layouts(ranks, model.num_experts, costing.shape.intermediate, spares)
+    if not candidates:   # it depends on the flags and the model only
+        raise MoeplaceError(f"no EP x TP split of {ranks} GPUs runs this model's {model.num_experts} experts "
+                            f"(intermediate size {costing.shape.intermediate}) with {spares} spare slots or none: "
+                            f"SGLang needs the experts (and spares) to split over the EP groups and the intermediate "
+                            f"size over MoE TP; try another --ranks or --redundant")
+    tp_refusal = split_refusal(ranks, 1, model.num_experts, costing.shape.intermediate)
     steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
         raise src.no_steps_error(mode)
@@ -88,26 +94,28 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
             return tp_file
         return costing.layout(layout, model.num_experts, batch)
     layouts = compare_layouts(steps.model, fit, sample, samples,
-                              candidate_layouts(ranks, model.num_experts, costing.shape.intermediate, spares),
+                              candidates,
                               layout_cost, trace_batch, effort, lambda n: click.echo(f"placing: {n}", err=True))
     layouts = [scaled(r, layer_factor) for r in layouts]
     flips = layout_flips(layouts)
     ep_row = next((r for r in layouts if r.layout == Layout(ranks, ranks, redundant)), layouts[0])
-    tp_row = next(r for r in layouts if r.layout.ep == 1)
-    here = ep_vs_tp(ep_row, tp_row)
-    grid = [ep_vs_tp(ep_row, tp_row, batch) for batch in BATCH_GRID]
-    flip = flip_batch(grid)
-    flips_ep_tp = flip_batches(grid)
-    ep_cost, tp_cost = layout_cost(ep_row.layout, trace_batch), layout_cost(tp_row.layout, trace_batch)
+    tp_row = next((r for r in layouts if r.layout.ep == 1), None)   # None where TP-MoE cannot run
+    here = ep_vs_tp(ep_row, tp_row) if tp_row else None
+    grid = [ep_vs_tp(ep_row, tp_row, batch) for batch in BATCH_GRID] if tp_row else []
+    flip = flip_batch(grid) if tp_row else None
+    flips_ep_tp = flip_batches(grid) if tp_row else []
+    ep_cost = layout_cost(ep_row.layout, trace_batch)
+    tp_cost = layout_cost(tp_row.layout, trace_batch) if tp_row else None
     if as_json:
         def row(v):
             return {"batch": v.batch, "ep_us": v.ep_us, "tp_us": v.tp_us, "ep_placement": v.ep_placement,
                     "winner": v.winner, "speedup": v.speedup}
         echo_json({"trace": trace, "ranks": ranks, "fit_steps": fit.num_steps, "eval_steps": sample.num_steps,
                    "evaluated_on": f"{which} steps", "layers_costed": layers_used,
-                   "at_trace": row(here), "grid": [row(v) for v in grid],
+                   "at_trace": row(here) if here else None, "grid": [row(v) for v in grid],
+                   "tp_moe_refused": tp_refusal,
                    "flip_batch": flip, "flips": [{"batch": at, "below": lo, "above": hi} for at, lo, hi in flips_ep_tp],
-                   "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json(),
+                   "ep_cost_model": ep_cost.to_json(), "tp_cost_model": tp_cost.to_json() if tp_cost else None,
                    "layouts": [{"name": r.layout.name, "ep_size": r.layout.ep, "moe_tp": r.layout.moe_tp,
                                 "spares": r.layout.spares, "rule": r.layout.rule, "at_trace_us": r.at_trace,
                                 "grid_us": {str(b): v for b, v in r.grid.items()},
@@ -123,11 +131,15 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
                + " (the table's batches are built from those)"
                + ("" if layers_used == model.num_moe_layers else
                   f"; on {layers_used} of the {model.num_moe_layers} MoE layers, evenly spaced, scaled to all"))
-    name = {"ep": f"EP ({ep_row.layout.name}, {here.ep_placement} placement)", "tp": f"TP-MoE ({tp_row.layout.name})"}
-    click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
-               f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
-               f"{here.tp_us / 1e3:.2f} ms of MoE per step, {model.num_moe_layers} layers)"
-               + ep_tp_flips(flips_ep_tp) + ".")
+    if here is None:
+        click.echo(f"TP-MoE cannot run on {ranks} GPUs ({tp_refusal}): the layouts below are EP splits only.")
+    else:
+        name = {"ep": f"EP ({ep_row.layout.name}, {here.ep_placement} placement)",
+                "tp": f"TP-MoE ({tp_row.layout.name})"}
+        click.echo(f"At this trace's traffic ({here.batch} tokens per step, {sample.num_steps} {which} steps): "
+                   f"{name[here.winner]} is faster, {here.speedup:.2f}x (EP {here.ep_us / 1e3:.2f} ms vs TP-MoE "
+                   f"{here.tp_us / 1e3:.2f} ms of MoE per step, {model.num_moe_layers} layers)"
+                   + ep_tp_flips(flips_ep_tp) + ".")
     unmeasured = [r.layout.name for r in layouts if any(
         isinstance(layout_cost(r.layout, b).provenance.get("derived_from"), list) for b in (trace_batch, *r.grid))]
     echo_layouts(layouts, flips, ranks, trace_batch, unmeasured)
@@ -135,7 +147,8 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
                "SGLang's kernel config for it (16-row blocks while the step's tokens are at most the GPU's slots, "
                "64-row blocks above: its default, no tuned file ships for these shapes) and its launch grid.")
     click.echo(f"EP cost model at {trace_batch} tokens per step: {ep_cost.describe()}")
-    click.echo(f"TP cost model at {trace_batch} tokens per step: {tp_cost.describe()}")
+    if tp_cost:
+        click.echo(f"TP cost model at {trace_batch} tokens per step: {tp_cost.describe()}")
 
 
 def ep_tp_flips(flips: list[tuple[float, str, str]]) -> str:
