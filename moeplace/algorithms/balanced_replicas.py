@@ -44,6 +44,7 @@ from moeplace.algorithms import wide_spares
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
 from moeplace.dispatch.balanced import mask_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.exact import by_size, step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.flow import HALL_MAX_RANKS
 from moeplace.errors import MoeplaceError
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps, _ranges
@@ -53,7 +54,7 @@ from moeplace.algorithms import DEFAULT_EFFORT
 if TYPE_CHECKING:
     from moeplace.algorithms import PlacementProblem
 
-MAX_SEARCH_RANKS = 12
+MAX_SEARCH_RANKS = HALL_MAX_RANKS   # the search enumerates Hall's rank sets, as the exact optimum does
 SEARCH_CELLS = 1_200_000  # steps sampled for the search: at most this many step x (rank sets + experts)
 MODEL_SEARCH_CELLS = 29_000_000   # and over all layers at most this many, so optimize stays seconds on a deep
                                   # model: 24 layers of up to 32 experts at 8 ranks (GPT-OSS-20B) keep their whole

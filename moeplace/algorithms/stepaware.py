@@ -41,7 +41,7 @@ SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
 BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispatch are DeepSeek EPLB's
 # Wide EP (many ranks, few slots each): above this many step x slot x rank cells a layer's greedy packing
-# and its swap search see a sample of the steps (``wide_rows``), and the swap search runs only the rounds
+# and its swap search see a sample of the steps (``search_rows``, ``is_wide``), and the swap search runs only the rounds
 # the work budget pays for, none if one costs more (a round's [S, R, R] table grows with the square of
 # the ranks). Kimi-K2-sized layers on 14,000 steps pass it from 64 ranks on.
 WIDE_CELLS = 200_000_000

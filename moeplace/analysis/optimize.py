@@ -14,6 +14,7 @@ from moeplace.analysis.metrics import max_distinct_means
 from moeplace.analysis.report import Evaluation, evaluate, steps_phrase
 from moeplace.cost.model import CostModel
 from moeplace.dispatch.by_cost import PLACED_AS
+from moeplace.dispatch.flow import HALL_MAX_RANKS
 from moeplace.errors import MoeplaceError
 from moeplace.files.placement import Placement
 from moeplace.parallel import layer_workers
@@ -34,10 +35,9 @@ AGGREGATE_SAMPLE_STEPS = 4000
 # routing, placements fitted on 5,000 to 200,000 steps are within 0.1% of each other on steps no fit saw,
 # and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md#how-many-steps-to-fit, bench_sampling.py).
 DEFAULT_SAMPLE_STEPS = 20_000
-# Balanced dispatch on more than 12 ranks: every row of the table runs the rule step by step (its
+# Balanced dispatch on more than HALL_MAX_RANKS ranks: every row of the table runs the rule step by step (its
 # augmenting paths grow with the square of the ranks), so the table is on this many held-out steps,
 # evenly spaced; on Kimi-K2-shaped steps E[max distinct] on 1,000 of them was within 0.5% of that on 6,000.
-WIDE_BALANCED_RANKS = 12   # HALL_MAX_RANKS: above, the optimum and the spare search run the rule too
 WIDE_EVAL_STEPS = 1000
 # Under SGLang's rules a row's table costs held-out steps x ranks per layer; above this many cells it is on
 # WIDE_EVAL_CELLS / ranks of them (at least WIDE_EVAL_STEPS), evenly spaced: Kimi-K2-shaped on 20,000
@@ -137,7 +137,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
             raise MoeplaceError(f"the {which} steps route no token to any expert (every expert id is -1, none): "
                                 "nothing to place or measure")
     placed_as = PLACED_AS.get(dispatch, dispatch)
-    if placed_as == "balanced" and ranks > WIDE_BALANCED_RANKS and held_out.num_steps > WIDE_EVAL_STEPS:
+    if placed_as == "balanced" and ranks > HALL_MAX_RANKS and held_out.num_steps > WIDE_EVAL_STEPS:
         notes.append(f"balanced dispatch on {ranks} ranks: the table is on {WIDE_EVAL_STEPS:,} of the "
                      f"{held_out.num_steps:,} {'held-out' if holdout else ''} steps, evenly spaced")
         held_out = evenly_spaced(held_out, WIDE_EVAL_STEPS)

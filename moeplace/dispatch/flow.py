@@ -34,7 +34,8 @@ def optimum(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
     if ranks <= HALL_MAX_RANKS:
         return step_optimum(subset_counts(active, masks, ranks), subset_sizes(ranks))
     counts = np.asarray(active > 0, np.int64)
-    return fast_rule(counts, masks, ranks, max_augment=None, floor=lower_bound(counts > 0, masks, ranks)).distinct.max(axis=1)
+    floor = lower_bound(counts > 0, masks, ranks)   # a step at its bound takes no more paths
+    return fast_rule(counts, masks, ranks, max_augment=None, floor=floor).distinct.max(axis=1)
 
 
 def lower_bound(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
