@@ -219,45 +219,65 @@ def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: RuleWe
     s, e = np.nonzero(base.pick >= 0)
     blocks = np.bincount(s * R + base.pick[s, e], blk(counts[s, e]), S * R).astype(np.int64).reshape(S, R)
     live = np.flatnonzero((w.pair * counts.sum(axis=1) >= w.read) | ((w.block > 0) & (blocks.sum(axis=1) > 0)))
-    replica = bits[multi][None, :, :]                                     # [1, M, R]
+    replica = bits[multi]                                                 # [M, R]
     big = np.iinfo(np.int64).max // 8
     for _ in range(max_rounds):
         if not live.size:
             break
-        n = live.size
-        rows = np.arange(n)
-        here = alloc[live][:, :, :, None]                                 # [n, M, R source, 1]
-        there = alloc[live][:, :, None, :]                                # [n, M, 1, R target]
         cost = w.read * distinct[live] + w.pair * tokens[live] + w.block * blocks[live]   # [n, R]
-        top = cost.max(axis=1)[:, None, None, None]
-        dest = cost[:, None, None, :] + w.read * (there == 0)
-        allowed = ((cost == top[:, 0, 0])[:, None, :, None] & (here > 0) & replica[:, :, None, :]
-                   & ~np.eye(R, dtype=bool)[None, None])
+        top = cost.max(axis=1)
+        # The candidate moves: (row, expert i, source rank at the maximum) with tokens there, in (row, i,
+        # source) order, each against every target rank [c, R]; only the busiest ranks' experts are
+        # gathered, so a round costs the candidates times R, not steps x M x R x R.
+        at_top, src = np.nonzero(cost == top[:, None])
+        held = alloc[live[at_top], :, src] > 0                            # [t, M]
+        t, i = np.nonzero(held)
+        row, src = at_top[t], src[t]
+        order = np.lexsort((src, i, row))
+        row, i, src = row[order], i[order], src[order]
+        c = row.size
+        here = alloc[live[row], i, src][:, None]                          # [c, 1]
+        there = alloc[live[row], i, :]                                    # [c, R]
+        top_c = top[row][:, None]
+        dest = cost[row] + w.read * (there == 0)
+        allowed = replica[i] & (np.arange(R)[None, :] != src[:, None])
 
         def value(m):
-            left = top - w.read * (m == here) - w.pair * m - w.block * (blk(here) - blk(here - m))
+            left = top_c - w.read * (m == here) - w.pair * m - w.block * (blk(here) - blk(here - m))
             return np.maximum(left, dest + w.pair * m + w.block * (blk(there + m) - blk(there)))
 
-        shares = [np.broadcast_to(here, allowed.shape)]                   # WHOLE, LEVEL, BLOCK
+        shares = [np.broadcast_to(here, (c, R))]                          # WHOLE, LEVEL, BLOCK
         values = [np.where(allowed, value(here), big)]
         if w.pair:
-            level = np.clip((top - dest) // 2, 1, np.maximum(here - 1, 1))
+            level = np.clip((top_c - dest) // 2, 1, np.maximum(here - 1, 1))
             shares.append(level)
             values.append(np.where(allowed & (here >= 2), value(level), big))
         if w.block:
             past = here - w.block_m * ((here - 1) // w.block_m)
-            shares.append(np.broadcast_to(past, allowed.shape))
+            shares.append(np.broadcast_to(past, (c, R)))
             values.append(np.where(allowed & (here > w.block_m), value(past), big))
         kinds = [WHOLE] + ([LEVEL] if w.pair else []) + ([BLOCK] if w.block else [])
-        key = np.min([v * 4 + k for v, k in zip(values, kinds)], axis=0).reshape(n, -1)   # ties: the kind order,
-        flat = key.argmin(axis=1)                                                         # then expert, source,
-        chosen = key[rows, flat]                                                          # target
-        ok = chosen // 4 < top[:, 0, 0, 0]
-        live, rows, flat, kind = live[ok], rows[ok], flat[ok], chosen[ok] % 4
-        i, src, r = flat // (R * R), flat // R % R, flat % R
+        key = np.min([v * 4 + k for v, k in zip(values, kinds)], axis=0).ravel()   # ties: the kind order, then
+        # the first (expert, source, target) in each row's flattened block, as np.argmin over them
+        n = live.size
+        start = np.searchsorted(row, np.arange(n)) * R
+        has = np.bincount(row, minlength=n) > 0
+        first = np.full(n, -1, np.int64)
+        if c:
+            row_min = np.minimum.reduceat(key, start[has])
+            best_key = np.full(n, big * 4, np.int64)
+            best_key[has] = row_min
+            hit = np.flatnonzero(key == best_key[np.repeat(row, R)])
+            first[has] = hit[np.searchsorted(hit, start[has])]
+        ok = has & (first >= 0)
+        ok[ok] = key[first[ok]] // 4 < top[ok]
+        flat = first[ok]
+        cand, r = flat // R, flat % R
+        live, kind = live[ok], key[flat] % 4
+        i, src = i[cand], src[cand]
         m = np.zeros(live.size, np.int64)
         for k, share in zip(kinds, shares):
-            m = np.where(kind == k, share[rows, i, src, r], m)
+            m = np.where(kind == k, share[cand, r], m)
         had, got = alloc[live, i, src], alloc[live, i, r]
         alloc[live, i, src] -= m
         alloc[live, i, r] += m
