@@ -268,6 +268,34 @@ def test_pair_slots_follow_the_allocation_in_row_order():
     np.testing.assert_array_equal(step, 0)
 
 
+@pytest.mark.parametrize("ranks, redundant, tokens", [(4, 4, 64), (8, 8, 256), (16, 16, 128)])
+def test_pair_slots_equal_a_per_pair_walk_of_the_allocation(ranks, redundant, tokens):
+    """Every pair's slot against a naive walk: each (step, expert)'s pairs in row order fill its ranks in
+    increasing rank order, ``alloc`` tokens each (batches large enough that experts split)."""
+    model = ModelSpec("SYNTHETIC", 2, (1,), 32, 4)
+    steps = verify_batches(synthetic_steps(400, tokens_per_step=9, model=model)[1], tokens, 6, seed=2).steps
+    phy2log = solve("stepaware", PlacementProblem(model, steps, ranks, redundant=redundant, dispatch="balanced",
+                                                  effort=2e6))[0]
+    cost = CostModel(10.0, 1.0, 0.0)
+    step, slot = pair_slots(steps, 0, phy2log, ranks, cost)
+    layout = replica_layout(phy2log, 32, ranks)
+    counts = step_expert_counts(steps, 0)
+    alloc = cost_rule(counts, layout.masks, ranks, rule_weights(cost)).full_alloc(counts)
+    assert (np.count_nonzero(alloc, axis=2) > 1).any()                 # some expert is split
+    step_of_row, _, ids = steps.layer(0)
+    expect, used = [], {}
+    for row in range(ids.shape[0]):
+        for e in ids[row]:
+            if e < 0:
+                continue
+            s = int(step_of_row[row])
+            k = used.get((s, e), 0)
+            used[(s, e)] = k + 1
+            rank = int(np.searchsorted(np.cumsum(alloc[s, e]), k, side="right"))
+            expect.append(layout.slots[e, rank])
+    np.testing.assert_array_equal(slot, expect)
+
+
 def kimi_shaped(layers: int = 2, steps: int = 800):
     model = ModelSpec("SYNTHETIC kimi-k2-shaped", layers + 1, tuple(range(1, layers + 1)), 384, 8)
     return synthetic_steps(steps, tokens_per_step=9, model=model)[1]

@@ -439,7 +439,14 @@ def pair_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
         first = np.searchsorted(key[order], key[order], side="left")
         position = np.empty(split.size, np.int64)
         position[order] = np.arange(split.size) - first
-        ends = np.cumsum(chosen.alloc[step[split], where[expert[split]]], axis=1)   # [n, R]
-        rank = (position[:, None] >= ends).sum(axis=1)
+        # each (step, expert)'s cumulative tokens by rank, once per pair group; a pair's rank is the
+        # number of those ends at or below its position (one sorted search over all groups)
+        group, inverse = np.unique(key, return_inverse=True)
+        ends = np.cumsum(chosen.alloc[group // steps.model.num_experts, where[group % steps.model.num_experts]],
+                         axis=1)                                          # [groups, R]
+        span = int(ends[:, -1].max()) + 1
+        R = ends.shape[1]
+        flat_ends = (np.arange(group.size)[:, None] * span + ends).ravel()
+        rank = np.searchsorted(flat_ends, inverse * span + position, side="right") - inverse * R
         slot[split] = layout.slots[expert[split], rank]
     return step, slot
