@@ -434,19 +434,15 @@ def pair_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int,
     where[chosen.multi] = np.arange(chosen.multi.size)
     split = np.flatnonzero(where[expert] >= 0)
     if split.size:
-        key = step[split] * steps.model.num_experts + expert[split]
-        order = np.argsort(key, kind="stable")                            # row order within (step, expert)
-        first = np.searchsorted(key[order], key[order], side="left")
-        position = np.empty(split.size, np.int64)
-        position[order] = np.arange(split.size) - first
-        # each (step, expert)'s cumulative tokens by rank, once per pair group; a pair's rank is the
-        # number of those ends at or below its position (one sorted search over all groups)
-        group, inverse = np.unique(key, return_inverse=True)
-        ends = np.cumsum(chosen.alloc[group // steps.model.num_experts, where[group % steps.model.num_experts]],
-                         axis=1)                                          # [groups, R]
-        span = int(ends[:, -1].max()) + 1
-        R = ends.shape[1]
-        flat_ends = (np.arange(group.size)[:, None] * span + ends).ravel()
-        rank = np.searchsorted(flat_ends, inverse * span + position, side="right") - inverse * R
+        # the split pairs by (step, expert), row order kept; each group's ranks in increasing order, alloc
+        # tokens each, are then the ranks of its pairs in that order (a group's alloc sums to its pairs)
+        E = steps.model.num_experts
+        key = step[split] * E + expert[split]
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        group = sorted_key[np.concatenate([[True], sorted_key[1:] != sorted_key[:-1]])]
+        alloc = chosen.alloc[group // E, where[group % E]]                # [groups, R]
+        rank = np.empty(split.size, np.int64)
+        rank[order] = np.repeat(np.tile(np.arange(ranks), group.size), alloc.ravel())
         slot[split] = layout.slots[expert[split], rank]
     return step, slot
