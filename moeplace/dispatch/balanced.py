@@ -46,7 +46,6 @@ from moeplace.trace.steps import _ranges
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md#rules-compared: how often the cap is reached)
 MAX_RANKS = 64     # masks are int64 bit sets
-CHUNK_CELLS = 4_000_000   # fast_rule solves at most this many steps x ranks x ranks at once (its [S, R, R] table)
 
 
 @dataclass(frozen=True)
@@ -200,18 +199,11 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
               max_augment: int | None = MAX_AUGMENT, pairs: ActivePairs | None = None,
               floor: np.ndarray | None = None) -> Dispatch:
     """``fast_rule_step`` for every row of ``counts [S, E]`` (whole tokens) at once: the same picks,
-    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already. Steps never
-    interact, so many steps on many ranks are solved in chunks of CHUNK_CELLS / R^2 (the same picks).
+    vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already.
     floor: [S] a lower bound on each step's optimum; a step whose maximum reaches it takes no more paths
     (its maximum is then optimal, its picks no longer the rule's: for callers that need the optimum only)."""
     S, E = counts.shape
     R = ranks
-    chunk = max(CHUNK_CELLS // (R * R), 1)
-    if S > chunk and R > 16:
-        parts = [fast_rule(counts[lo:lo + chunk], masks, ranks, max_augment,
-                           floor=None if floor is None else floor[lo:lo + chunk]) for lo in range(0, S, chunk)]
-        return Dispatch(*(np.concatenate([getattr(p, name) for p in parts])
-                          for name in ("pick", "distinct", "tokens", "augments")))
     counts = np.asarray(counts, np.int64)
     bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
@@ -256,102 +248,99 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
              tokens: np.ndarray, augments: np.ndarray, max_augment: int | None,
              floor: np.ndarray | None = None) -> None:
     """Step 3 of the fast rule for all steps, in place (see ``fast_rule_step``). bits: [E, R] replica
-    ranks; multi: the experts with several, ascending."""
+    ranks; multi: the experts with several, ascending.
+
+    Each round searches every live step at once over its moves as a list of edges (step, a, b, expert:
+    an active expert on rank a with a replica on rank b), rebuilt from the picks each round: a step has
+    a few dozen such edges however many ranks there are, so a round costs the edges, not steps x R x R."""
     R = distinct.shape[1]
-    top = distinct.max(axis=1)
-    live = np.flatnonzero(distinct.min(axis=1) <= top - 2)                # the steps a path may help
-    # state by row: row i is step live[i] as it stood here, and ``rows`` follows ``live`` as it shrinks
-    rows = np.arange(live.size)
-    pick_m = pick[live[:, None], multi]                                   # [n, M] kept in step with pick
-    mbits = bits[multi]                                                   # [M, R]
-    # reach[i, b, a]: how many experts on rank a of row i have a replica on rank b (kept up to date);
-    # int16 counts, and a last so that a rank's sources are contiguous bits (``_bit_sets``)
-    row, col = np.nonzero(pick_m >= 0)                                    # active (row, expert) pairs
-    rep_col, rep_rank = np.nonzero(mbits)                                 # each expert's replica ranks
-    first = np.searchsorted(rep_col, np.arange(mbits.shape[0] + 1))
-    per = first[col + 1] - first[col]
-    which = _ranges(first[col], per)
-    cell = (np.repeat(row, per) * R + rep_rank[which]) * R + np.repeat(pick_m[row, col].astype(np.int64), per)
-    reach = np.bincount(cell, minlength=live.size * R * R).astype(np.int16).reshape(live.size, R, R)
-    bit = np.uint64(1) << np.arange(R, dtype=np.uint64)
+
+    def needs_path(d: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        top = d.max(axis=1)
+        keep = d.min(axis=1) <= top - 2
+        return keep & (top > floor[steps]) if floor is not None else keep
+
+    live = np.flatnonzero(needs_path(distinct, np.arange(distinct.shape[0])))   # the steps a path may help
+    pick_m = pick[live[:, None], multi].astype(np.int64)                  # [n, M] kept in step with pick
+    rows = np.arange(live.size)                                           # live[i]'s row of pick_m
+    rep_expert, rep_rank = np.nonzero(bits[multi])                        # each expert's replica ranks
+    first = np.searchsorted(rep_expert, np.arange(multi.size + 1))
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
         rounds += 1
-        d = distinct[live]
-        top = d.max(axis=1)
-        keep = d.min(axis=1) <= top - 2
-        if floor is not None:
-            keep &= top > floor[live]
-        live, rows, d, top = live[keep], rows[keep], d[keep], top[keep]
+        keep = needs_path(distinct[live], live)
+        live, rows = live[keep], rows[keep]
         if not live.size:
             return
         n = live.size
-        edge = reach[rows] > 0                                            # [n, b, a], as it was at the search
-        into = _bit_sets(edge)                                            # [n, b] bit set of the ranks a -> b
-        roots = d == top[:, None]                                         # [n, R]
-        # breadth first from the ranks at the maximum; levels[t]: the ranks first reached in t moves
-        seen, levels = roots.copy(), [roots]
+        d = distinct[live]
+        top = d.max(axis=1)
+        # the edges, by step, then expert, then target rank
+        pm = pick_m[rows]
+        k, j = np.nonzero(pm >= 0)
+        per = first[j + 1] - first[j]
+        eb = rep_rank[_ranges(first[j], per)]
+        ek, ej, ea = np.repeat(k, per), np.repeat(j, per), np.repeat(pm[k, j], per)
+        move = ea != eb
+        ek, ej, ea, eb = ek[move], ej[move], ea[move], eb[move]
+        # breadth first from the ranks at the maximum; level[i, r]: moves from them to reach rank r (-1: not
+        # reached); the first level with a rank two experts lighter holds the target (least loaded, lowest)
+        level = np.where(d == top[:, None], 0, -1)
+        low = d <= top[:, None] - 2
         target = np.full(n, -1, np.int64)
         depth = np.zeros(n, np.int64)
         searching = np.ones(n, bool)
-        low = d <= top[:, None] - 2
-        while True:
-            frontier = (levels[-1] * bit).sum(axis=1)                     # [n] bit set of the last level
-            nxt = ((into & frontier[:, None]) != 0) & ~seen & searching[:, None]
-            seen |= nxt
-            hit = nxt & low
-            found = hit.any(axis=1)
-            if found.any():
-                key = np.where(hit[found], d[found] * R + np.arange(R), np.iinfo(np.int64).max)
-                target[found] = key.argmin(axis=1)
-                depth[found] = len(levels)
-            searching &= ~found & nxt.any(axis=1)
-            levels.append(nxt)
-            if not searching.any():
-                break
+        t = 0
+        while searching.any():
+            step_edge = searching[ek] & (level[ek, ea] == t) & (level[ek, eb] < 0)
+            nk, nb = ek[step_edge], eb[step_edge]
+            level[nk, nb] = t + 1
+            t += 1
+            hit = low[nk, nb]
+            if hit.any():
+                hk, hb = nk[hit], nb[hit]
+                key = d[hk, hb] * R + hb
+                best = np.full(n, np.iinfo(np.int64).max)
+                np.minimum.at(best, hk, key)
+                found = np.flatnonzero(best < np.iinfo(np.int64).max)
+                target[found] = best[found] % R
+                depth[found] = t
+                searching[found] = False
+            reached = np.zeros(n, bool)
+            reached[nk] = True
+            searching &= reached
         ok = target >= 0
-        live, rows, target, depth, edge = live[ok], rows[ok], target[ok], depth[ok], edge[ok]
-        if not live.size:
+        if not ok.any():
             return
-        levels = np.stack(levels)[:, ok]                                  # [T, n, R]
-        # the paths back from their targets: each rank's parent is the lowest rank of the level before
-        # that reaches it (the rank it was found from)
-        b, moves = target.copy(), []
-        while (walking := depth > 0).any():
+        # the paths back from their targets: a rank's parent is the lowest rank of the level before with an
+        # edge to it; the move takes the lowest-id expert of that edge
+        b, walking = np.where(ok, target, -1), ok & (depth > 0)
+        moves = []
+        while walking.any():
+            back = walking[ek] & (eb == b[ek]) & (level[ek, ea] == depth[ek] - 1)
+            parent = np.full(n, R)
+            np.minimum.at(parent, ek[back], ea[back])
+            on = back & (ea == parent[ek])
+            expert = np.full(n, multi.size)
+            np.minimum.at(expert, ek[on], ej[on])
             w = np.flatnonzero(walking)
-            bb = b[w]
-            a = (levels[depth[w] - 1, w] & edge[w, bb, :]).argmax(axis=1)
-            moves.append((w, a, bb))
-            b[w] = a
+            moves.append((w, parent[w], b[w], expert[w]))
+            b[w] = parent[w]
             depth[w] -= 1
-        # every move of a path at once: a move a -> b takes the lowest-id expert on a with a replica on b,
-        # and the other moves of its path take experts off other ranks (a path visits a rank once), so
-        # none changes another's choice; and a rank is a path's source once and its target once, so
-        # each update below touches a (step, rank) at most once.
-        w, a, bb = (np.concatenate(x) for x in zip(*moves))
-        s, i = live[w], rows[w]
-        j = ((pick_m[i] == a[:, None]) & mbits[:, bb].T).argmax(axis=1)   # lowest expert id
-        e = multi[j]
+            walking &= depth > 0
+        # every move of a path at once: the moves of a path take experts off distinct ranks (a path visits a
+        # rank once), so none changes another's choice, and each update touches a (step, rank) once
+        w, a, bb, jj = (np.concatenate(x) for x in zip(*moves))
+        s, e = live[w], multi[jj]
         pick[s, e] = bb
-        pick_m[i, j] = bb
+        pick_m[rows[w], jj] = bb
         c = counts[s, e]
         tokens[s, a] -= c
         tokens[s, bb] += c
-        reach[i, :, a] -= bits[e]
-        reach[i, :, bb] += bits[e]
-        distinct[live, b] -= 1
-        distinct[live, target] += 1
-        augments[live] += 1
-
-
-def _bit_sets(edge: np.ndarray) -> np.ndarray:
-    """[n, R] uint64: bit a of [i, b] set where ``edge [n, R, R]`` (bool) has [i, b, a]; ``packbits``
-    rather than a 64-bit multiply-sum over a (the rounds' largest cost on many ranks)."""
-    n, R, _ = edge.shape
-    packed = np.packbits(edge, axis=2, bitorder="little")                # [n, R, ceil(R / 8)] uint8
-    out = np.zeros((n, R, 8), np.uint8)
-    out[:, :, :packed.shape[2]] = packed
-    return out.view("<u8")[:, :, 0].astype(np.uint64, copy=False)
+        done = np.flatnonzero(ok)
+        distinct[live[done], b[done]] -= 1
+        distinct[live[done], target[done]] += 1
+        augments[live[done]] += 1
 
 
 # ----------------------------------------------------------------------------- exact solver (oracle)
