@@ -86,7 +86,8 @@ def mask_bits(masks: np.ndarray, ranks: int) -> np.ndarray:
 
 
 def _bits(mask: int) -> list[int]:
-    return [r for r in range(int(mask).bit_length()) if (int(mask) >> r) & 1]
+    m = int(mask) & ((1 << 64) - 1)   # rank 63 is the int64's sign bit
+    return [r for r in range(m.bit_length()) if (m >> r) & 1]
 
 
 # ----------------------------------------------------------------------------- one step (the rule)
@@ -263,8 +264,14 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
     live = np.flatnonzero(needs_path(distinct, np.arange(distinct.shape[0])))   # the steps a path may help
     pick_m = pick[live[:, None], multi].astype(np.int64)                  # [n, M] kept in step with pick
     rows = np.arange(live.size)                                           # live[i]'s row of pick_m
+    # the candidate moves, one per (row, active multi-replica expert, replica rank): the expert on its
+    # picked rank a could go to rank b; kept for the rows still live, a move only while a != b
     rep_expert, rep_rank = np.nonzero(bits[multi])                        # each expert's replica ranks
     first = np.searchsorted(rep_expert, np.arange(multi.size + 1))
+    k, j = np.nonzero(pick_m >= 0)
+    per = first[j + 1] - first[j]
+    all_k, all_j, all_b = np.repeat(k, per), np.repeat(j, per), rep_rank[_ranges(first[j], per)]
+    position = np.full(live.size, -1)                                     # a pick_m row's place in live
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
         rounds += 1
@@ -275,57 +282,56 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         n = live.size
         d = distinct[live]
         top = d.max(axis=1)
-        # the edges, by step, then expert, then target rank
-        pm = pick_m[rows]
-        k, j = np.nonzero(pm >= 0)
-        per = first[j + 1] - first[j]
-        eb = rep_rank[_ranges(first[j], per)]
-        ek, ej, ea = np.repeat(k, per), np.repeat(j, per), np.repeat(pm[k, j], per)
-        move = ea != eb
-        ek, ej, ea, eb = ek[move], ej[move], ea[move], eb[move]
-        # breadth first from the ranks at the maximum; level[i, r]: moves from them to reach rank r (-1: not
-        # reached); the first level with a rank two experts lighter holds the target (least loaded, lowest)
-        level = np.where(d == top[:, None], 0, -1)
-        low = d <= top[:, None] - 2
+        position[:] = -1
+        position[rows] = np.arange(n)
+        on = position[all_k] >= 0
+        all_k, all_j, all_b = all_k[on], all_j[on], all_b[on]             # the rows that left stay gone
+        all_a = pick_m[all_k, all_j]
+        move = all_a != all_b
+        ek, ej, ea, eb = position[all_k[move]], all_j[move], all_a[move], all_b[move]   # by row, expert, rank
+        fa, fb = ek * R + ea, ek * R + eb                                 # flat (row, rank) of each end
+        # breadth first from the ranks at the maximum; level[i * R + r]: moves from them to reach rank r
+        # (-1: not reached); the first level with a rank two experts lighter holds the target (least
+        # loaded, lowest). A rank's parent: the lowest rank of the level before with an edge to it; its
+        # expert: the lowest-id expert of that edge.
+        level = np.where(d == top[:, None], 0, -1).ravel()
+        low = (d <= top[:, None] - 2).ravel()
+        parent = np.full(n * R, R)
+        expert = np.full(n * R, multi.size)
         target = np.full(n, -1, np.int64)
         depth = np.zeros(n, np.int64)
-        searching = np.ones(n, bool)
         t = 0
-        while searching.any():
-            step_edge = searching[ek] & (level[ek, ea] == t) & (level[ek, eb] < 0)
-            nk, nb = ek[step_edge], eb[step_edge]
-            level[nk, nb] = t + 1
+        while ek.size:
+            new = (level[fa] == t) & (level[fb] < 0)
+            nk, na, nb, nj = ek[new], ea[new], fb[new], ej[new]
+            level[nb] = t + 1
+            np.minimum.at(parent, nb, na)
+            first_edge = na == parent[nb]
+            np.minimum.at(expert, nb[first_edge], nj[first_edge])
             t += 1
-            hit = low[nk, nb]
+            hit = low[nb]
+            searching = np.zeros(n, bool)
+            searching[nk] = True                                          # rows that reached a new rank
             if hit.any():
-                hk, hb = nk[hit], nb[hit]
-                key = d[hk, hb] * R + hb
-                best = np.full(n, np.iinfo(np.int64).max)
-                np.minimum.at(best, hk, key)
-                found = np.flatnonzero(best < np.iinfo(np.int64).max)
-                target[found] = best[found] % R
+                key = np.full(n, np.iinfo(np.int64).max)
+                np.minimum.at(key, nk[hit], d.ravel()[nb[hit]] * R + nb[hit] % R)
+                found = np.flatnonzero(key < np.iinfo(np.int64).max)
+                target[found] = key[found] % R
                 depth[found] = t
                 searching[found] = False
-            reached = np.zeros(n, bool)
-            reached[nk] = True
-            searching &= reached
+            still = searching[ek]
+            ek, ej, ea, eb, fa, fb = ek[still], ej[still], ea[still], eb[still], fa[still], fb[still]
         ok = target >= 0
         if not ok.any():
             return
-        # the paths back from their targets: a rank's parent is the lowest rank of the level before with an
-        # edge to it; the move takes the lowest-id expert of that edge
-        b, walking = np.where(ok, target, -1), ok & (depth > 0)
+        # the paths back from their targets along the parents
+        b, walking = np.where(ok, target, -1), ok.copy()
         moves = []
         while walking.any():
-            back = walking[ek] & (eb == b[ek]) & (level[ek, ea] == depth[ek] - 1)
-            parent = np.full(n, R)
-            np.minimum.at(parent, ek[back], ea[back])
-            on = back & (ea == parent[ek])
-            expert = np.full(n, multi.size)
-            np.minimum.at(expert, ek[on], ej[on])
             w = np.flatnonzero(walking)
-            moves.append((w, parent[w], b[w], expert[w]))
-            b[w] = parent[w]
+            at = w * R + b[w]
+            moves.append((w, parent[at], b[w], expert[at]))
+            b[w] = parent[at]
             depth[w] -= 1
             walking &= depth > 0
         # every move of a path at once: the moves of a path take experts off distinct ranks (a path visits a
