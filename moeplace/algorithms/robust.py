@@ -174,12 +174,12 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         layer, k = jobs[job]
         rng = np.random.default_rng(seeds[job])
         fit_rows = np.concatenate([b for i, b in enumerate(blocks) if i != k])
-        fit_steps = problem.steps.take(fit_rows)
-        counts = step_expert_counts(fit_steps, layer)
+        layer_counts = step_expert_counts(problem.steps, layer)
+        counts = layer_counts[fit_rows]
         block = blocks[k]
         if wide and block.size > WIDE_TEST_STEPS:
             block = block[np.unique(np.linspace(0, block.size - 1, WIDE_TEST_STEPS).astype(np.int64))]
-        test = step_expert_counts(problem.steps.take(block), layer) > 0
+        test = layer_counts[block] > 0
         weight = counts.sum(axis=0)
         base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
         rows = np.arange(counts.shape[0])
@@ -189,7 +189,7 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         out = np.zeros(len(candidates))
         for i, candidate in enumerate(candidates):
             if candidate.search and not wide:
-                fold = replace(problem, steps=fit_steps, progress=lambda n: None)
+                fold = replace(problem, steps=problem.steps.take(fit_rows), progress=lambda n: None)
                 masks = replica_layout(search_layer(fold, layer, base, rows, rng), E, R).masks
             else:
                 masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplace.dispatch.balanced import mask_bits
+from moeplace.dispatch.balanced import Dispatch, mask_bits
 from moeplace.dispatch.flow import closure, exact_dispatch
 from moeplace.errors import MoeplaceError
 
@@ -44,12 +44,15 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     tie_unit = 1e-6 / max(float(expert_weight.max(initial=0)), 1e-12)
     active_f = np.asarray(active, np.float32)
     bit = np.uint64(1) << np.arange(ranks, dtype=np.uint64)
+    dispatch = None
     while room.sum():
         on = mask_bits(masks, ranks)                                            # [E, R]
         allowed = ~on & (room > 0)[None, :]
         if not allowed.any():
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
-        gain = replica_gains(active_f, masks, ranks, bit)
+        # each round's dispatch starts from the last one's: the replicas added since open a few paths
+        dispatch = exact_dispatch(active_f, masks, ranks, None if dispatch is None else dispatch.pick)
+        gain = replica_gains(active_f, masks, ranks, bit, dispatch)
         total = np.where(allowed, gain + (tie_unit * expert_weight / copies)[:, None], -np.inf)
         chosen, taken = set(), np.zeros(ranks, np.int64)
         for k in np.argsort(-total, axis=None, kind="stable"):
@@ -65,10 +68,12 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     return masks
 
 
-def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, bit: np.ndarray) -> np.ndarray:
+def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, bit: np.ndarray,
+                  chosen: Dispatch | None = None) -> np.ndarray:
     """[E, R] the closure score of a replica of expert e on rank r over the steps ``active [S, E]`` (0/1
-    float32) under the replica ranks ``masks [E]`` (see the module docstring)."""
-    chosen = exact_dispatch(active, masks, ranks)
+    float32) under the replica ranks ``masks [E]`` (see the module docstring); chosen: their exact
+    dispatch (``flow.exact_dispatch``), where the caller has it."""
+    chosen = exact_dispatch(active, masks, ranks) if chosen is None else chosen
     d = chosen.distinct                                                         # [S, R]
     top = d.max(axis=1)
     reach = closure(chosen.pick, d, masks)                                      # [S] bit sets

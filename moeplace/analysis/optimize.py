@@ -187,7 +187,9 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
                                           algorithm="deepseek", trace=str(trace.path)), **placements}
         rules[baseline], costs[baseline] = today_rule(dispatch), reference_cost_model or cost_model
 
-    workers = layer_workers(held_out.num_steps * (model.num_experts + redundant) * model.num_moe_layers)
+    # every placement is measured on every layer: the work is theirs together
+    workers = layer_workers(held_out.num_steps * (model.num_experts + redundant) * model.num_moe_layers
+                            * len(placements))
 
     evals = evaluate(placements, [held_out], costs, rules, workers)   # each row under its own rule and cost model
     fitted_sample = evenly_spaced(fit, FITTED_SAMPLE_STEPS)

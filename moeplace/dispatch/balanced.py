@@ -198,16 +198,27 @@ def active_pairs(counts: np.ndarray) -> ActivePairs:
 
 def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
               max_augment: int | None = MAX_AUGMENT, pairs: ActivePairs | None = None,
-              floor: np.ndarray | None = None) -> Dispatch:
+              floor: np.ndarray | None = None, start: np.ndarray | None = None) -> Dispatch:
     """``fast_rule_step`` for every row of ``counts [S, E]`` (whole tokens) at once: the same picks,
     vectorised over steps. pairs: ``active_pairs(counts)``, where the caller has it already.
     floor: [S] a lower bound on each step's optimum; a step whose maximum reaches it takes no more paths
-    (its maximum is then optimal, its picks no longer the rule's: for callers that need the optimum only)."""
+    (its maximum is then optimal, its picks no longer the rule's: for callers that need the optimum only).
+    start: [S, E] picks to take step 3 from instead of steps 1-2 (each active expert on one of its replicas:
+    an earlier answer for fewer replicas), for callers that need an exact dispatch, not the rule's."""
     S, E = counts.shape
     R = ranks
     counts = np.asarray(counts, np.int64)
     bits = mask_bits(masks, R)                                            # [E, R]
     nrep = bits.sum(axis=1)
+    if start is not None:
+        pick = np.array(start, copy=True)
+        s, e = np.nonzero(pick >= 0)
+        cell = s * R + pick[s, e]
+        distinct = np.bincount(cell, minlength=S * R).reshape(S, R)
+        tokens = np.bincount(cell, weights=counts[s, e], minlength=S * R).astype(np.int64).reshape(S, R)
+        augments = np.zeros(S, np.int64)
+        _augment(counts, bits, np.flatnonzero(nrep > 1), pick, distinct, tokens, augments, max_augment, floor)
+        return Dispatch(pick, distinct, tokens, augments)
     pairs = active_pairs(counts) if pairs is None else pairs
     flat, step_of, expert_of, tok = pairs.flat, pairs.step, pairs.expert, pairs.tokens
     single = nrep[expert_of] == 1
