@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.balanced_replicas import add_replicas, masks_to_phy2log, replica_gains
 from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
-from moeplace.dispatch.balanced import (MAX_AUGMENT, exact_assign, fast_rule, fast_rule_step, rank_loads,
+from moeplace.dispatch.balanced import (MAX_AUGMENT, mask_bits, exact_assign, fast_rule, fast_rule_step, rank_loads,
                                replica_layout, step_expert_counts)
 from moeplace.dispatch.loads import balanced_loads, layer_rank_loads, token_slots
 from moeplace.errors import MoeplaceError
@@ -141,8 +141,9 @@ def test_replica_layout_and_its_errors():
     np.testing.assert_array_equal(layout.slots, [[0, 3, -1], [1, -1, 5], [-1, 2, -1], [-1, -1, 4]])
     with pytest.raises(MoeplaceError, match="expert 4 has no replica"):
         replica_layout(phy2log, 5, 3)
-    with pytest.raises(MoeplaceError, match="ranks"):
-        replica_layout(np.arange(65), 65, 65)
+    wide = replica_layout(np.arange(65), 65, 65)   # beyond 64 ranks: the replica sets as bools
+    np.testing.assert_array_equal(wide.masks, np.eye(65, dtype=bool))
+    np.testing.assert_array_equal(mask_bits(replica_layout(np.arange(64), 64, 64).masks, 64), np.eye(64, dtype=bool))
 
 
 # ----------------------------------------------------------------------------- the placement for it

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplace.dispatch.balanced import Dispatch, mask_bits
+from moeplace.dispatch.balanced import Dispatch, mask_bits, pack_bits
 from moeplace.dispatch.flow import closure, exact_dispatch
 from moeplace.errors import MoeplaceError
 
@@ -31,28 +31,26 @@ ROUNDS = 6                # replicas go in about this many rounds (each re-solve
 
 def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
                  expert_weight: np.ndarray) -> np.ndarray:
-    """New replica masks [E] (int64 bit sets) after adding ``spare_per_rank`` replicas to every rank.
+    """New replica sets after adding ``spare_per_rank`` replicas to every rank, as ``masks`` holds them
+    (``ReplicaLayout.masks``: int64 bit sets [E], or [E, R] bool beyond 64 ranks).
 
-    active: [S, E] bool, the steps to fit; masks: [E] replica ranks before; expert_weight: [E] tokens,
-    the tie-break toward the busiest expert per replica.
+    active: [S, E] bool, the steps to fit; masks: replica ranks before; expert_weight: [E] tokens, the
+    tie-break toward the busiest expert per replica.
     """
-    masks = np.asarray(masks, np.int64).copy()
-    E = masks.shape[0]
+    on = mask_bits(masks, ranks).copy()                                         # [E, R]
     room = np.full(ranks, spare_per_rank, np.int64)
     batch = max(-(-spare_per_rank * ranks // ROUNDS), 1)
-    copies = mask_bits(masks, ranks).sum(axis=1)
+    copies = on.sum(axis=1)
     tie_unit = 1e-6 / max(float(expert_weight.max(initial=0)), 1e-12)
     active_f = np.asarray(active, np.float32)
-    bit = np.uint64(1) << np.arange(ranks, dtype=np.uint64)
     dispatch = None
     while room.sum():
-        on = mask_bits(masks, ranks)                                            # [E, R]
         allowed = ~on & (room > 0)[None, :]
         if not allowed.any():
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
         # each round's dispatch starts from the last one's: the replicas added since open a few paths
-        dispatch = exact_dispatch(active_f, masks, ranks, None if dispatch is None else dispatch.pick)
-        gain = replica_gains(active_f, masks, ranks, bit, dispatch)
+        dispatch = exact_dispatch(active_f, on, ranks, None if dispatch is None else dispatch.pick)
+        gain = replica_gains(active_f, on, ranks, dispatch)
         total = np.where(allowed, gain + (tie_unit * expert_weight / copies)[:, None], -np.inf)
         chosen, taken = set(), np.zeros(ranks, np.int64)
         for k in np.argsort(-total, axis=None, kind="stable"):
@@ -62,22 +60,20 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
             if taken[r] < room[r] and e not in chosen:
                 chosen.add(e)
                 taken[r] += 1
-                masks[e] |= np.int64(1) << np.int64(r) if r < 63 else np.int64(-(1 << 63))
+                on[e, r] = True
                 copies[e] += 1
         room -= taken
-    return masks
+    return pack_bits(on) if np.asarray(masks).ndim == 1 else on
 
 
-def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, bit: np.ndarray,
-                  chosen: Dispatch | None = None) -> np.ndarray:
+def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, chosen: Dispatch | None = None) -> np.ndarray:
     """[E, R] the closure score of a replica of expert e on rank r over the steps ``active [S, E]`` (0/1
-    float32) under the replica ranks ``masks [E]`` (see the module docstring); chosen: their exact
+    float32) under the replica ranks ``masks`` (see the module docstring); chosen: their exact
     dispatch (``flow.exact_dispatch``), where the caller has it."""
     chosen = exact_dispatch(active, masks, ranks) if chosen is None else chosen
     d = chosen.distinct                                                         # [S, R]
     top = d.max(axis=1)
-    reach = closure(chosen.pick, d, masks)                                      # [S] bit sets
-    inside = (reach[:, None] & bit) != 0                                        # [S, R]
+    inside = closure(chosen.pick, d, masks)                                     # [S, R]
     share = 1.0 / (d == top[:, None]).sum(axis=1)                               # [S]
     light = (~inside & (d <= top[:, None] - 2)).astype(np.float32)              # [S, R] where a replica helps
     pick = chosen.pick.astype(np.int64)

@@ -45,14 +45,15 @@ from moeplace.errors import MoeplaceError
 from moeplace.trace.steps import _ranges
 
 MAX_AUGMENT = 16   # augmenting paths per step on the GPU (BENCHMARKS.md#rules-compared: how often the cap is reached)
-MAX_RANKS = 64     # masks are int64 bit sets
+MASK_RANKS = 64    # up to here a layout's replica sets are int64 bit sets (what the GPU kernels read), beyond [E, R] bool
 
 
 @dataclass(frozen=True)
 class ReplicaLayout:
     """Where one layer's replicas are, as the dispatch needs it.
 
-    masks: [E] int64, bit r set when expert e has a replica on rank r
+    masks: [E] int64, bit r set when expert e has a replica on rank r (up to MASK_RANKS ranks; beyond,
+        [E, R] bool); every function here takes either, reading it through ``mask_bits``
     slots: [E, R] int64 physical slot of e's replica on rank r (the lowest one), -1 where none
     """
 
@@ -66,8 +67,8 @@ class ReplicaLayout:
 
 def replica_layout(phy2log: np.ndarray, num_experts: int, ranks: int) -> ReplicaLayout:
     """The layout of one layer's map ``phy2log [P]`` (rank r owns slots [r*P/R, (r+1)*P/R))."""
-    if not 1 <= ranks <= MAX_RANKS:
-        raise MoeplaceError(f"balanced dispatch supports 1 to {MAX_RANKS} ranks, got {ranks}")
+    if ranks < 1:
+        raise MoeplaceError(f"balanced dispatch needs at least one rank, got {ranks}")
     P = phy2log.shape[0]
     rank_of = np.arange(P) // (P // ranks)
     slots = np.full((num_experts, ranks), -1, np.int64)
@@ -76,18 +77,24 @@ def replica_layout(phy2log: np.ndarray, num_experts: int, ranks: int) -> Replica
     if np.any((slots < 0).all(axis=1)):
         missing = int(np.flatnonzero((slots < 0).all(axis=1))[0])
         raise MoeplaceError(f"expert {missing} has no replica in the placement")
-    masks = ((slots >= 0).astype(np.int64) << np.arange(ranks, dtype=np.int64)).sum(axis=1)
-    return ReplicaLayout(masks, slots)
+    return ReplicaLayout(pack_bits(slots >= 0), slots)
+
+
+def pack_bits(bits: np.ndarray) -> np.ndarray:
+    """Replica sets ``bits [E, R]`` (bool) as ``ReplicaLayout.masks`` holds them: int64 bit sets up to
+    MASK_RANKS ranks, else the bools themselves."""
+    R = bits.shape[1]
+    if R > MASK_RANKS:
+        return np.asarray(bits, bool)
+    return (np.asarray(bits).astype(np.int64) << np.arange(R, dtype=np.int64)).sum(axis=1)
 
 
 def mask_bits(masks: np.ndarray, ranks: int) -> np.ndarray:
-    """[N, R] bool: bit r of each of the bit sets ``masks [N]`` (an expert's replica ranks, a set of ranks)."""
-    return ((np.asarray(masks, np.int64)[:, None] >> np.arange(ranks)) & 1).astype(bool)
-
-
-def _bits(mask: int) -> list[int]:
-    m = int(mask) & ((1 << 64) - 1)   # rank 63 is the int64's sign bit
-    return [r for r in range(m.bit_length()) if (m >> r) & 1]
+    """[N, R] bool: the replica sets ``masks`` (int64 bit sets [N], or [N, R] bool) as bools."""
+    masks = np.asarray(masks)
+    if masks.ndim == 2:
+        return masks.astype(bool, copy=False)
+    return ((masks.astype(np.int64)[:, None] >> np.arange(ranks)) & 1).astype(bool)
 
 
 # ----------------------------------------------------------------------------- one step (the rule)
@@ -100,13 +107,14 @@ def fast_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int,
     Written for clarity: this is the statement the vectorised and GPU versions must match exactly.
     """
     E = counts.shape[0]
+    bits = mask_bits(masks, ranks)
     load, tok = [0] * ranks, [0] * ranks
     pick = [-1] * E
     multi = []
     for e in range(E):
         if counts[e] <= 0:
             continue
-        cand = _bits(masks[e])
+        cand = list(np.flatnonzero(bits[e]))
         if len(cand) == 1:
             pick[e] = cand[0]
             load[cand[0]] += 1
@@ -114,7 +122,7 @@ def fast_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int,
         else:
             multi.append(e)
     for e in multi:
-        r = min(_bits(masks[e]), key=lambda r: (load[r], tok[r], r))
+        r = min(np.flatnonzero(bits[e]), key=lambda r: (load[r], tok[r], r))
         pick[e] = r
         load[r] += 1
         tok[r] += counts[e]
@@ -130,7 +138,7 @@ def fast_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int,
             for b in range(ranks):
                 if b in seen:
                     continue
-                a = next((a for a in level if any(pick[e] == a and (masks[e] >> b) & 1 for e in multi)), None)
+                a = next((a for a in level if any(pick[e] == a and bits[e, b] for e in multi)), None)
                 if a is not None:
                     parent[b] = a
                     nxt.append(b)
@@ -144,7 +152,7 @@ def fast_rule_step(counts: np.ndarray, masks: np.ndarray, ranks: int,
         b = target
         while b not in roots:
             a = parent[b]
-            e = next(e for e in multi if pick[e] == a and (masks[e] >> b) & 1)
+            e = next(e for e in multi if pick[e] == a and bits[e, b])
             pick[e] = b
             tok[a] -= counts[e]
             tok[b] += counts[e]
@@ -222,7 +230,7 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     pairs = active_pairs(counts) if pairs is None else pairs
     flat, step_of, expert_of, tok = pairs.flat, pairs.step, pairs.expert, pairs.tokens
     single = nrep[expert_of] == 1
-    pick = np.full(S * E, -1, np.int8)                                    # ranks <= MAX_RANKS fit in int8
+    pick = np.full(S * E, -1, np.int8 if R <= 127 else np.int16)
     home = bits.argmax(axis=1)
     r1 = home[expert_of[single]]
     pick[flat[single]] = r1
@@ -372,6 +380,7 @@ def exact_assign(counts: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarra
     from scipy.sparse.csgraph import maximum_flow
 
     active = np.flatnonzero(np.asarray(counts) > 0)
+    bits = mask_bits(masks, ranks)
     A = active.size
     pick = np.full(counts.shape[0], -1, np.int64)
     if A == 0:
@@ -381,7 +390,7 @@ def exact_assign(counts: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarra
     for i, e in enumerate(active):
         rows.append(src)
         cols.append(1 + i)
-        for r in _bits(masks[e]):
+        for r in np.flatnonzero(bits[e]):
             rows.append(1 + i)
             cols.append(1 + A + r)
     rows += [1 + A + r for r in range(ranks)]

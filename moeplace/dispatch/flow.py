@@ -1,4 +1,4 @@
-"""Balanced dispatch's per-step optimum at any width up to ``MAX_RANKS``, in polynomial time.
+"""Balanced dispatch's per-step optimum at any width, in polynomial time.
 
 Dimension letters: S steps, E logical experts, R ranks.
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeplace.dispatch.balanced import MAX_RANKS, Dispatch, fast_rule
+from moeplace.dispatch.balanced import Dispatch, fast_rule, mask_bits
 from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
 
 HALL_MAX_RANKS = 12   # up to here the rank-set enumeration (4,096 sets) is exact and the faster one
@@ -43,8 +43,9 @@ def optimum(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
 def lower_bound(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
     """[S] a lower bound on each step's optimum: the active experts spread evenly over the ranks, and the
     most active experts with a single replica on one rank."""
-    single = np.flatnonzero((masks & (masks - 1)) == 0)                  # one bit set: one replica
-    home = np.log2(masks[single].astype(np.uint64).astype(np.float64)).round().astype(np.int64)
+    bits = mask_bits(masks, ranks)
+    single = np.flatnonzero(bits.sum(axis=1) == 1)                       # one replica
+    home = bits[single].argmax(axis=1)
     step, which = np.nonzero(active[:, single])
     forced = np.bincount(step * ranks + home[which], minlength=active.shape[0] * ranks)
     spread = -(-active.sum(axis=1) // ranks)
@@ -52,21 +53,19 @@ def lower_bound(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray
 
 
 def closure(pick: np.ndarray, distinct: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """[S] uint64 bit set of the ranks reachable from each step's busiest ranks by moves "an expert on
-    rank a to its replica on rank b", given an exact dispatch (``exact_dispatch``: pick [S, E], distinct
-    [S, R]). Every expert on those ranks has all its replicas among them."""
+    """[S, R] bool: the ranks reachable from each step's busiest ranks by moves "an expert on rank a to its
+    replica on rank b", given an exact dispatch (``exact_dispatch``: pick [S, E], distinct [S, R]). Every
+    expert on those ranks has all its replicas among them."""
     S, R = distinct.shape
-    if R > MAX_RANKS:
-        raise ValueError(f"at most {MAX_RANKS} ranks")
-    umasks = np.asarray(masks, np.int64).view(np.uint64)
-    step, expert = np.nonzero(pick >= 0)
-    out = np.zeros((S, R), np.uint64)                    # out[s, a]: ranks the experts on a can move to
-    np.bitwise_or.at(out, (step, pick[step, expert].astype(np.int64)), umasks[expert])
-    bit = np.uint64(1) << np.arange(R, dtype=np.uint64)
-    reached = ((distinct == distinct.max(axis=1, keepdims=True)) * bit).sum(axis=1, dtype=np.uint64)
+    bits = mask_bits(masks, R)
+    step, expert = np.nonzero((pick >= 0) & (bits.sum(axis=1) > 1))     # the experts that can move
+    rep_expert, rep_rank = np.nonzero(bits[expert])                       # each active expert's replica ranks
+    s, b = step[rep_expert], rep_rank
+    a = pick[s, expert[rep_expert]].astype(np.int64)
+    source, dest = s * R + a, s * R + b                                   # the moves, as flat (step, rank)
+    reached = (distinct == distinct.max(axis=1, keepdims=True)).ravel()
     while True:
-        inside = (reached[:, None] & bit) != 0
-        grown = reached | np.bitwise_or.reduce(np.where(inside, out, np.uint64(0)), axis=1)
-        if np.array_equal(grown, reached):
-            return reached
-        reached = grown
+        grow = reached[source] & ~reached[dest]
+        if not grow.any():
+            return reached.reshape(S, R)
+        reached[dest[grow]] = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplace.cost.model import CostModel
-from moeplace.dispatch.balanced import MAX_AUGMENT, MAX_RANKS, ActivePairs, fast_rule, replica_layout, step_expert_counts
+from moeplace.dispatch.balanced import MAX_AUGMENT, ActivePairs, fast_rule, replica_layout, step_expert_counts
 from moeplace.dispatch.by_cost import layer_dispatch, pair_slots
 from moeplace.dispatch.flow import optimum as exact_optimum
 from moeplace.errors import MoeplaceError
@@ -207,9 +207,7 @@ def balanced_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: 
 def replica_optimum(active: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
     """[S] the best max distinct experts per rank that the replicas of ``phy2log`` allow in each step
     (``active [S, E]``: the steps' active experts, bool or 0/1 float32): exact (``moeplace.dispatch.flow``:
-    Hall's formula on few ranks, the uncapped rule on many); NaN beyond ``MAX_RANKS`` ranks."""
-    if ranks > MAX_RANKS:   # balanced dispatch's bit sets end here; no figure rather than a wrong one
-        return np.full(active.shape[0], np.nan)
+    Hall's formula on few ranks, the uncapped rule on many)."""
     masks = replica_layout(phy2log, active.shape[1], ranks).masks
     return exact_optimum(active, masks, ranks)
 
