@@ -7,7 +7,7 @@ Baseline: SGLang's `deepseek` and `deepseek_hierarchical` (sglang.srt.eplb.eplb_
 one expert group per node), fitted on the same steps with the same slots; the naive spare layout (DeepSeek EPLB
 plus a replica of the hottest experts, moeplace.algorithms.baselines.naive_spares); and the per-step bound
 (ceil(distinct experts / ranks)). Every row is scored on the same held-out steps (the last 30%) under the same
-dispatch rule: balanced where the ranks allow it (at most 64, experts splitting evenly), else SGLang's dynamic.
+dispatch rule: balanced where the experts split evenly over the ranks (its first copies), else SGLang's dynamic.
 Output: a table on stdout; --json FILE writes the figures; --work DIR keeps the traces and placements.
 
     python scripts/bench_wide_ep.py [--shapes kimi-k2,deepseek-v3] [--widths 8,16,32,64,128,144,256,320]
@@ -99,7 +99,7 @@ def bench_width(trace: Path, shape_experts: int, ranks: int, work: Path) -> list
     from moeplace.trace.load import open_trace
 
     spares = spare_slots(shape_experts, ranks)
-    balanced = ranks <= 64 and shape_experts % ranks == 0
+    balanced = shape_experts % ranks == 0
     dispatch = "balanced" if balanced else "dynamic"
     rows = []
     for nodes in ([1] if ranks < 16 else [1, ranks // GPUS_PER_NODE]):
