@@ -54,8 +54,9 @@ def rank_cross_sends(rank_sends: np.ndarray, source: np.ndarray, nodes: int) -> 
     total = rank_sends.sum(axis=1)
     if nodes == 1 or S == 0:
         return np.zeros_like(total), total
-    per_node = rank_sends.reshape(S, nodes, R // nodes).sum(axis=2)          # [S, N]
-    return total - per_node[np.arange(S), node[np.asarray(source, np.int64)]], total
+    per_node = R // nodes
+    own = node[np.asarray(source, np.int64)][:, None] * per_node + np.arange(per_node)   # [S, R/N] source's node
+    return total - np.take_along_axis(rank_sends, own, axis=1).sum(axis=1), total
 
 
 def static_cross_sends(expert_sends: np.ndarray, phy2log: np.ndarray, ranks: int, nodes: int,
@@ -75,5 +76,5 @@ def static_cross_sends(expert_sends: np.ndarray, phy2log: np.ndarray, ranks: int
     rank_of_slot = np.arange(phy2log.shape[0]) // (phy2log.shape[0] // ranks)
     held = np.zeros((nodes, E), bool)                                          # [N, E] a replica on node n
     held[node_of_rank(ranks, nodes)[rank_of_slot], phy2log] = True
-    remote = ~held[node_of_rank(ranks, nodes)[np.asarray(source, np.int64)]]   # [S, E]
-    return (expert_sends * remote).sum(axis=1), total
+    near = held[node_of_rank(ranks, nodes)[np.asarray(source, np.int64)]]     # [S, E] a replica on the source's node
+    return np.where(near, 0, expert_sends).sum(axis=1), total
