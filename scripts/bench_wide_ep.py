@@ -102,8 +102,8 @@ def score(steps_file: Path, placements: dict[str, Path | np.ndarray], ranks: int
             sends = step_expert_counts(held, layer)
             for name, p in loaded.items():
                 cross, total = static_cross_sends(sends, p.phy2log[layer], ranks, nodes, source)
-                static[name][0] += int(cross.sum())
-                static[name][1] += int(total.sum())
+                static[name][0] += cross
+                static[name][1] += total
         for e in evals:
             out[e.name].update(cross_node_share=e.summary["cross_node_share"],
                                cross_node_sends_per_layer=e.summary["cross_node_sends_per_layer"],

@@ -155,6 +155,11 @@ def layer_cases(draw):
     return ranks, nodes, phy2log, expert_sends, source
 
 
+def per_step(count, sends: np.ndarray, source: np.ndarray) -> np.ndarray:
+    """[S, 2] (cross, all) of each step alone, by ``count(sends[s:s+1], source[s:s+1])``."""
+    return np.array([count(sends[s:s + 1], source[s:s + 1]) for s in range(sends.shape[0])])
+
+
 def rank_sends_of(expert_sends: np.ndarray, phy2log: np.ndarray, ranks: int) -> np.ndarray:
     """[S, R] sends per rank where every expert's sends go to its first replica."""
     rank_of = (np.arange(phy2log.size) // (phy2log.size // ranks))[np.unique(phy2log, return_index=True)[1]]
@@ -165,13 +170,17 @@ def rank_sends_of(expert_sends: np.ndarray, phy2log: np.ndarray, ranks: int) -> 
 @given(layer_cases())
 def test_property_share_bounds_and_one_node(case):
     ranks, nodes, phy2log, expert_sends, source = case
-    for cross, total in (static_cross_sends(expert_sends, phy2log, ranks, nodes, source),
-                         rank_cross_sends(rank_sends_of(expert_sends, phy2log, ranks), source, nodes)):
-        np.testing.assert_array_equal(total, expert_sends.sum(axis=1))
-        assert np.all((0 <= cross) & (cross <= total))
-    for cross, _ in (static_cross_sends(expert_sends, phy2log, ranks, 1, source),
-                     rank_cross_sends(rank_sends_of(expert_sends, phy2log, ranks), source, 1)):
-        assert not cross.any()
+    by_rank = rank_sends_of(expert_sends, phy2log, ranks)
+    for n in (nodes, 1):
+        static = per_step(lambda x, src: static_cross_sends(x, phy2log, ranks, n, src), expert_sends, source)
+        blind = per_step(lambda x, src: rank_cross_sends(x, src, n), by_rank, source)
+        for steps in (static, blind):
+            np.testing.assert_array_equal(steps[:, 1], expert_sends.sum(axis=1))
+            assert np.all((0 <= steps[:, 0]) & (steps[:, 0] <= steps[:, 1]))
+            if n == 1:
+                assert not steps[:, 0].any()
+        assert static_cross_sends(expert_sends, phy2log, ranks, n, source) == tuple(static.sum(axis=0))
+        assert rank_cross_sends(by_rank, source, n) == tuple(blind.sum(axis=0))
 
 
 @settings(max_examples=40, deadline=None)
@@ -184,15 +193,15 @@ def test_property_static_replicas_on_more_nodes_keep_more_inside(case):
     per_node = ranks // nodes
     if E % per_node == 0:
         everywhere = np.tile(np.arange(E).reshape(per_node, -1), (nodes, 1)).ravel()   # each node holds all E
-        cross, total = static_cross_sends(expert_sends, everywhere, ranks, nodes, source)
-        assert not cross.any() and total.sum() == expert_sends.sum()
+        assert static_cross_sends(expert_sends, everywhere, ranks, nodes, source) == (0, expert_sends.sum())
     by_rank = phy2log.reshape(ranks, -1)
     if by_rank.shape[1] < E:
         rng = np.random.default_rng(int(expert_sends.sum()))
         spare = [rng.choice(np.setdiff1d(np.arange(E), row)) for row in by_rank]
         more = np.column_stack([by_rank, spare]).ravel()                                # each rank: one more
-        assert np.all(static_cross_sends(expert_sends, more, ranks, nodes, source)[0]
-                      <= static_cross_sends(expert_sends, phy2log, ranks, nodes, source)[0])
+        count = lambda placed: per_step(lambda x, src: static_cross_sends(x, placed, ranks, nodes, src),
+                                        expert_sends, source)[:, 0]
+        assert np.all(count(more) <= count(phy2log))
 
 
 @settings(max_examples=40, deadline=None)
@@ -204,7 +213,7 @@ def test_property_static_closed_form_is_the_table_at_any_seed(case, seed):
     node = node_of_rank(ranks, nodes)
     spr = phy2log.size // ranks
     remote = node[table[source] // spr] != node[source][:, None]                          # [S, E]
-    cross, _ = static_cross_sends(expert_sends, phy2log, ranks, nodes, source)
+    cross = per_step(lambda x, src: static_cross_sends(x, phy2log, ranks, nodes, src), expert_sends, source)[:, 0]
     np.testing.assert_array_equal(cross, (expert_sends * remote).sum(axis=1))
 
 
@@ -214,8 +223,10 @@ def test_single_copy_static_and_by_rank_agree():
     phy2log = rng.permutation(24)
     expert_sends = rng.integers(0, 4, (30, 24))
     source = rng.integers(0, 8, 30)
-    np.testing.assert_array_equal(static_cross_sends(expert_sends, phy2log, 8, 4, source)[0],
-                                  rank_cross_sends(rank_sends_of(expert_sends, phy2log, 8), source, 4)[0])
+    static = per_step(lambda x, src: static_cross_sends(x, phy2log, 8, 4, src), expert_sends, source)
+    blind = per_step(lambda x, src: rank_cross_sends(x, src, 4), rank_sends_of(expert_sends, phy2log, 8), source)
+    np.testing.assert_array_equal(static, blind)
+    assert 0 < static[:, 0].sum() < static[:, 1].sum()
 
 
 def test_source_ranks_spread_round_robin_only_when_the_steps_name_too_few():

@@ -158,7 +158,7 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
                 cross, sent = (static_cross_sends(counts, phy2log, R, placement.nodes, source)
                                if rule == "static" and placement.num_redundant else
                                rank_cross_sends(tokens, source, placement.nodes))
-                out[-1].update(cross_node_sends=cross.sum(), sends=sent.sum())
+                out[-1].update(cross_node_sends=cross, sends=sent)
         return out
 
     step_tokens = max_step_tokens(steps)

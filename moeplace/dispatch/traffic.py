@@ -45,23 +45,23 @@ def source_ranks(step_ranks: np.ndarray, ranks: int, first: int = 0) -> tuple[np
     return (first + np.arange(step_ranks.shape[0], dtype=np.int64)) % ranks, True
 
 
-def rank_cross_sends(rank_sends: np.ndarray, source: np.ndarray, nodes: int) -> tuple[np.ndarray, np.ndarray]:
-    """(cross-node sends [S], all sends [S]) of one layer where the receiving rank does not depend on
-    the source: rank_sends [S, R] the (token, expert) sends each rank receives in each step; source [S]
-    the step's source rank."""
+def rank_cross_sends(rank_sends: np.ndarray, source: np.ndarray, nodes: int) -> tuple[int, int]:
+    """(cross-node sends, all sends) of one layer's steps where the receiving rank does not depend on the
+    source: rank_sends [S, R] the (token, expert) sends each rank receives in each step; source [S] the
+    step's source rank."""
     S, R = rank_sends.shape
-    node = node_of_rank(R, nodes)
-    total = rank_sends.sum(axis=1)
+    total = int(rank_sends.sum())
     if nodes == 1 or S == 0:
-        return np.zeros_like(total), total
+        return 0, total
     per_node = R // nodes
-    own = node[np.asarray(source, np.int64)][:, None] * per_node + np.arange(per_node)   # [S, R/N] source's node
-    return total - np.take_along_axis(rank_sends, own, axis=1).sum(axis=1), total
+    first = np.arange(S) * R + node_of_rank(R, nodes)[np.asarray(source, np.int64)] * per_node   # [S] flat
+    same = rank_sends.ravel()[(first[:, None] + np.arange(per_node)).ravel()].sum()        # on the source's node
+    return total - int(same), total
 
 
 def static_cross_sends(expert_sends: np.ndarray, phy2log: np.ndarray, ranks: int, nodes: int,
-                       source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(cross-node sends [S], all sends [S]) of one layer under SGLang's ``static`` rule, its table made
+                       source: np.ndarray) -> tuple[int, int]:
+    """(cross-node sends, all sends) of one layer's steps under SGLang's ``static`` rule, its table made
     with these nodes (``dispatch.loads.static_dispatch_table``).
 
     expert_sends: [S, E] sends to each logical expert in each step; phy2log: [P] the layer's map; source:
@@ -70,11 +70,11 @@ def static_cross_sends(expert_sends: np.ndarray, phy2log: np.ndarray, ranks: int
     else to any replica: a send crosses nodes exactly when its expert has no replica on the source's node,
     whatever the seed of the fair choice."""
     S, E = expert_sends.shape
-    total = expert_sends.sum(axis=1)
+    total = int(expert_sends.sum())
     if nodes == 1 or S == 0:
-        return np.zeros_like(total), total
+        return 0, total
     rank_of_slot = np.arange(phy2log.shape[0]) // (phy2log.shape[0] // ranks)
     held = np.zeros((nodes, E), bool)                                          # [N, E] a replica on node n
     held[node_of_rank(ranks, nodes)[rank_of_slot], phy2log] = True
     near = held[node_of_rank(ranks, nodes)[np.asarray(source, np.int64)]]     # [S, E] a replica on the source's node
-    return np.where(near, 0, expert_sends).sum(axis=1), total
+    return int(np.where(near, 0, expert_sends).sum()), total
