@@ -8,6 +8,10 @@ one expert group per node), fitted on the same steps with the same slots; the na
 plus a replica of the hottest experts, moeplace.algorithms.baselines.naive_spares); and the per-step bound
 (ceil(distinct experts / ranks)). Every row is scored on the same held-out steps (the last 30%) under the same
 dispatch rule: balanced where the experts split evenly over the ranks (its first copies), else SGLang's dynamic.
+Over nodes, each row's cross-node token traffic on the same held-out steps (moeplace.dispatch.traffic): the share
+of (token, expert) sends received on another node than the step's source rank under that rule, and under SGLang's
+static rule (DeepEP: a source rank keeps its own node's replica where one is), the SYNTHETIC steps spread over the
+ranks round robin.
 Output: a table on stdout; --json FILE writes the figures; --work DIR keeps the traces and placements.
 
     python scripts/bench_wide_ep.py [--shapes kimi-k2,deepseek-v3] [--widths 8,16,32,64,128,144,256,320]
@@ -71,10 +75,13 @@ def sglang_placement(weight: np.ndarray, slots: int, ranks: int, nodes: int, hie
 
 
 def score(steps_file: Path, placements: dict[str, Path | np.ndarray], ranks: int, nodes: int, dispatch: str) -> dict:
-    """E[max distinct] and E[per-step optimum] on the held-out steps of each placement, and the bound."""
+    """E[max distinct] and E[per-step optimum] on the held-out steps of each placement, and the bound; over
+    nodes, the share of sends that cross nodes under ``dispatch`` and under SGLang's static rule."""
     from moeplace.analysis.optimize import split_steps
     from moeplace.analysis.report import evaluate
     from moeplace.cost.model import CostModel
+    from moeplace.dispatch.balanced import step_expert_counts
+    from moeplace.dispatch.traffic import source_ranks, static_cross_sends
     from moeplace.files.placement import Placement, load_placement
     from moeplace.trace.load import open_trace
 
@@ -88,6 +95,19 @@ def score(steps_file: Path, placements: dict[str, Path | np.ndarray], ranks: int
             loaded[name] = Placement(trace.model, ranks, p, nodes=nodes, algorithm=name)
     evals = evaluate(loaded, [held], CostModel(), dispatch, workers=1)
     out = {e.name: {"e_max_distinct": e.summary["e_max_distinct"], "optimum": e.summary["optimum"]} for e in evals}
+    if nodes > 1:
+        source = source_ranks(held.ranks, ranks)[0]
+        static = {name: [0, 0] for name in loaded}
+        for layer in range(trace.model.num_moe_layers):
+            sends = step_expert_counts(held, layer)
+            for name, p in loaded.items():
+                cross, total = static_cross_sends(sends, p.phy2log[layer], ranks, nodes, source)
+                static[name][0] += cross
+                static[name][1] += total
+        for e in evals:
+            out[e.name].update(cross_node_share=e.summary["cross_node_share"],
+                               cross_node_sends_per_layer=e.summary["cross_node_sends_per_layer"],
+                               static_cross_node_share=static[e.name][0] / static[e.name][1])
     out["bound"] = evals[0].summary["lower_bound"]
     out["held_out_steps"] = held.num_steps
     return out
@@ -129,7 +149,9 @@ def bench_width(trace: Path, shape_experts: int, ranks: int, work: Path) -> list
 
 def format_row(r: dict) -> str:
     names = [k for k in r if isinstance(r[k], dict)]
-    quality = "  ".join(f"{k} {r[k]['e_max_distinct']:.3f}" for k in names)
+    quality = "  ".join(f"{k} {r[k]['e_max_distinct']:.3f}" + (
+        f" (cross-node {100 * r[k]['cross_node_share']:.1f}%, static {100 * r[k]['static_cross_node_share']:.1f}%)"
+        if "cross_node_share" in r[k] else "") for k in names)
     return (f"{r['trace']:<14} R={r['ranks']:<4} nodes={r['nodes']:<3} spares={r['spares']:<4} {r['dispatch']:<9} "
             f"optimize {r['optimize_wall_s']:6.1f} s wall {r['optimize_cpu_s']:6.1f} s CPU | {quality}  "
             f"bound {r['bound']:.3f}")

@@ -16,6 +16,7 @@ from moeplace.cost.model import CostModel
 from moeplace.dispatch.balanced import active_pairs, step_expert_counts
 from moeplace.dispatch.loads import (balanced_loads, balancedness, layer_rank_loads, max_step_tokens,
                                      rank_extra_blocks, replica_optimum, static_dispatch_table)
+from moeplace.dispatch.traffic import rank_cross_sends, source_ranks, static_cross_sends
 from moeplace.errors import MoeplaceError
 from moeplace.files.placement import Placement
 from moeplace.parallel import map_layers
@@ -40,10 +41,16 @@ class LayerSums:
     rank_distinct: np.ndarray = field(default=None)     # [L, R] sum of distinct per rank
     step_max_hist: np.ndarray = field(default=None)     # [L, 65] histogram of per-step max distinct (last bin: 64+)
     expert_tokens: np.ndarray | None = None             # [L, E] tokens per logical expert (set on first chunk)
+    nodes: int = 1                                      # nodes the ranks span; > 1: cross-node traffic too
+    cross_node_sends: np.ndarray = field(default=None)  # [L] (token, expert) sends to another node than the
+    sends: np.ndarray = field(default=None)             # [L]     step's source rank's, and all sends
+    round_robin: bool = False                           # the steps' source ranks were taken round robin
+                                                        #     (``moeplace.dispatch.traffic.source_ranks``)
 
     def __post_init__(self) -> None:
         L, R = self.num_layers, self.ranks
-        for name in ("max_distinct", "mean_distinct", "lower_bound", "optimum", "max_cost", "mean_cost"):
+        for name in ("max_distinct", "mean_distinct", "lower_bound", "optimum", "max_cost", "mean_cost",
+                     "cross_node_sends", "sends"):
             setattr(self, name, np.zeros(L))
         self.rank_tokens = np.zeros((L, R))
         self.rank_distinct = np.zeros((L, R))
@@ -119,13 +126,16 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
     decoding threads is not safe)."""
     static_tables = static_tables or [None] * len(placements)
     rules = [dispatch] * len(placements) if isinstance(dispatch, str) else list(dispatch)
+    sources = [source_ranks(steps.ranks, p.ranks, s.steps) if p.nodes > 1 else (None, False)
+               for p, s in zip(placements, sums)]   # the source rank of each step, for cross-node traffic
 
     def layer_totals(layer: int) -> list[dict[str, Any]]:
         activity = layer_activity(steps, layer)
         distinct_total = activity.distinct_total()
         counts = pairs = None   # [S, E] and its active pairs, made once for the placements with spare slots
         out = []
-        for placement, cost_model, tables, rule in zip(placements, cost_models, static_tables, rules):
+        for placement, cost_model, tables, rule, (source, _) in zip(placements, cost_models, static_tables, rules,
+                                                                   sources):
             R, phy2log = placement.ranks, placement.phy2log[layer]
             table = tables[layer] if tables is not None else None
             if placement.num_redundant == 0:
@@ -144,6 +154,11 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
             extra = (rank_extra_blocks(steps, layer, phy2log, R, rule, cost_model, table)
                      if cost_model.needs_blocks(step_tokens) else 0)
             out.append(_totals(distinct, tokens, optimum, np.ceil(distinct_total / R), cost_model, extra))
+            if placement.nodes > 1:   # the source decides the replica only under static, with spare slots
+                cross, sent = (static_cross_sends(counts, phy2log, R, placement.nodes, source)
+                               if rule == "static" and placement.num_redundant else
+                               rank_cross_sends(tokens, source, placement.nodes))
+                out[-1].update(cross_node_sends=cross, sends=sent)
         return out
 
     step_tokens = max_step_tokens(steps)
@@ -153,7 +168,9 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
             for name, value in placement_totals.items():
                 getattr(layer_sums, name)[layer] += value
     tokens = steps.expert_token_counts()
-    for layer_sums in sums:
+    for layer_sums, placement, (_, round_robin) in zip(sums, placements, sources):
+        layer_sums.nodes = placement.nodes
+        layer_sums.round_robin |= round_robin
         layer_sums.steps += steps.num_steps
         layer_sums.expert_tokens = tokens if layer_sums.expert_tokens is None else layer_sums.expert_tokens + tokens
 
@@ -213,7 +230,7 @@ def summarize(sums: LayerSums) -> dict[str, Any]:
     e_max = sums.max_distinct / n
     lower = sums.lower_bound / n
     optimum = sums.optimum / n
-    return {
+    out = {
         "steps": n,
         "e_max_distinct": float(e_max.mean()),
         "e_mean_distinct": float((sums.mean_distinct / n).mean()),
@@ -233,6 +250,21 @@ def summarize(sums: LayerSums) -> dict[str, Any]:
             "moe_us": (sums.max_cost / n).tolist(),
         },
     }
+    if sums.nodes > 1:
+        out.update(cross_node_traffic(sums))
+        out["per_layer"]["cross_node_share"] = (sums.cross_node_sends / np.maximum(sums.sends, 1)).tolist()
+    return out
+
+
+def cross_node_traffic(sums: LayerSums) -> dict[str, Any]:
+    """The cross-node figures of ``sums`` (``moeplace.dispatch.traffic``): the share of (token, expert) sends
+    received on another node than the step's source rank's, and such sends per step and MoE layer and per
+    step (all MoE layers), means over the steps."""
+    cross = float(sums.cross_node_sends.sum())
+    return {"nodes": sums.nodes, "cross_node_share": cross / max(float(sums.sends.sum()), 1.0),
+            "cross_node_sends_per_layer": cross / sums.steps / sums.num_layers,
+            "cross_node_sends_per_step": cross / sums.steps,
+            "source_ranks": "round robin" if sums.round_robin else "trace"}
 
 
 def gap_closed(value: float, baseline: float, lower_bound: float) -> float:

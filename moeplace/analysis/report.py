@@ -50,6 +50,11 @@ def evaluate(placements: dict[str, Placement], chunks: Iterable[RoutingSteps],
     return [Evaluation(name, p, s, summarize(s)) for (name, p), s in zip(items, sums)]
 
 
+# What a row carries of a placement over nodes (``analysis.metrics.cross_node_traffic``)
+CROSS_NODE_KEYS = ("nodes", "cross_node_share", "cross_node_sends_per_layer", "cross_node_sends_per_step",
+                   "source_ranks")
+
+
 def comparison_rows(evals: list[Evaluation], baseline: str | None = None) -> list[dict[str, Any]]:
     """One row per placement with the headline metrics; "vs" and gap closed are against ``baseline``
     (default: the first placement)."""
@@ -66,6 +71,7 @@ def comparison_rows(evals: list[Evaluation], baseline: str | None = None) -> lis
                                                  s["lower_bound"]),
             "token_balancedness": s["token_balancedness"],
             "moe_us_per_step": s["moe_us_per_step"],
+            **{k: s[k] for k in CROSS_NODE_KEYS if k in s},
         })
     return rows
 
@@ -76,17 +82,21 @@ def format_table(rows: list[dict[str, Any]], baseline: str | None) -> str:
     When a placement has spare slots, a "per-step opt." column: the E[max distinct] its replicas allow
     with the best replica choice in every step (what balanced dispatch reaches when its rule is exact).
     When every row has ``fitted_e_max_distinct`` (optimize with a holdout), a "fitted" column beside
-    E[max distinct]: the same on fitted steps."""
+    E[max distinct]: the same on fitted steps. When every placement spans nodes, "cross-node" and
+    "cross-node/layer" columns: its cross-node token traffic (``analysis.metrics.cross_node_traffic``)."""
     head = ["placement", "E[max distinct]", "fitted", "per-step opt.", "lower bound", "vs baseline", "gap closed",
-            "token bal.", "MoE µs/step"]
+            "token bal.", "MoE µs/step", "cross-node", "cross-node/layer"]
     body = [[r["placement"], f"{r['e_max_distinct']:.3f}", f"{r.get('fitted_e_max_distinct', 0):.3f}",
              f"{r['optimum']:.3f}", f"{r['lower_bound']:.3f}", f"{r['vs_baseline_pct']:+.1f}%",
-             f"{r['gap_closed_pct']:.0f}%", f"{r['token_balancedness']:.3f}", f"{r['moe_us_per_step']:.0f}"]
+             f"{r['gap_closed_pct']:.0f}%", f"{r['token_balancedness']:.3f}", f"{r['moe_us_per_step']:.0f}",
+             f"{100 * r.get('cross_node_share', 0):.1f}%", f"{r.get('cross_node_sends_per_layer', 0):.1f}"]
             for r in rows]
     spares = any(r["spare_slots"] for r in rows)
     fitted = all("fitted_e_max_distinct" in r for r in rows)
+    cross = all("cross_node_share" in r for r in rows)
     keep = [i for i in range(len(head)) if (baseline is not None or head[i] not in ("vs baseline", "gap closed"))
-            and (spares or head[i] != "per-step opt.") and (fitted or head[i] != "fitted")]
+            and (spares or head[i] != "per-step opt.") and (fitted or head[i] != "fitted")
+            and (cross or not head[i].startswith("cross-node"))]
     head, body = [head[i] for i in keep], [[b[i] for i in keep] for b in body]
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -97,6 +107,14 @@ def format_table(rows: list[dict[str, Any]], baseline: str | None) -> str:
     if spares:
         lines.append("per-step opt.: the best E[max distinct] each placement's replicas allow, choosing the "
                      "replica of every active expert per step (exact; balanced dispatch's rule reaches it)")
+    if cross:
+        nodes = rows[0]["nodes"]
+        lines.append(f"cross-node: share of the (token, expert) sends whose replica is on another of the {nodes} nodes "
+                     f"than the step's source rank (ranks split evenly over the nodes, in order); cross-node/layer: "
+                     f"those sends per step and MoE layer")
+        if any(r["source_ranks"] == "round robin" for r in rows):
+            lines.append("note: the steps name fewer source ranks than the layout has ranks, so they are taken to "
+                         "come from its ranks round robin (DP attention spreads requests over the ranks)")
     return "\n".join(lines)
 
 

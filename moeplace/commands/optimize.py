@@ -52,7 +52,8 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 @click.command()
 @trace_options
 @click.option("--nodes", type=ranks_count(), default=1, show_default=True,
-              help="Nodes the ranks span; > 1 places hierarchically (nodes, then ranks).")
+              help="Nodes the ranks span; > 1 places hierarchically (nodes, then ranks), and the table adds each "
+                   "placement's cross-node token traffic (share of (token, expert) sends to another node).")
 @click.option("--ep-size", type=ranks_count(), default=None,
               help="EP groups (SGLang's --ep-size with --tp-size set to --ranks): each expert is split over the "
                    "--ranks / EP-SIZE GPUs of its group (SGLang's MoE TP), and the placement is for the groups. "
