@@ -43,8 +43,9 @@ BALANCED_BASE_MAX_EXPERTS = 128   # above, the first copies under balanced dispa
 # Wide EP (many ranks, few slots each): above this many step x slot x rank cells a layer's greedy packing
 # and its swap search see a sample of the steps (``search_rows``, ``is_wide``), and the swap search runs only the rounds
 # the work budget pays for, none if one costs more (a round's [S, R, R] table grows with the square of
-# the ranks). Kimi-K2-sized layers on 14,000 steps pass it from 64 ranks on.
-WIDE_CELLS = 200_000_000
+# the ranks). Kimi-K2-sized layers on 14,000 steps pass it from 16 ranks on (at 16 and 32 ranks under balanced
+# dispatch this halved optimize's time for 0.2-0.4% more E[max distinct]: BENCHMARKS.md#wide-expert-parallelism).
+WIDE_CELLS = 50_000_000
 WIDE_SEARCH_CELLS = 24_000_000   # a wide layer's sampled steps x slots x ranks
 DEAR_ROUND_CELLS = 100_000_000   # a swap round dearer than this runs only within the budget (~0.3 s at 128 ranks)
 
