@@ -41,8 +41,8 @@ DEFAULT_SAMPLE_STEPS = 20_000
 WIDE_EVAL_STEPS = 1000
 # Under SGLang's rules a row's table costs held-out steps x ranks per layer; above this many cells it is on
 # WIDE_EVAL_CELLS / ranks of them (at least WIDE_EVAL_STEPS), evenly spaced: Kimi-K2-shaped on 20,000
-# steps, from 128 ranks on. The rows share their steps, so their differences stay paired.
-WIDE_EVAL_CELLS = 500_000
+# steps, from 64 ranks on. The rows share their steps, so their differences stay paired.
+WIDE_EVAL_CELLS = 250_000
 
 
 def today_name(dispatch: str) -> str:
