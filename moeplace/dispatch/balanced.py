@@ -290,6 +290,7 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
     k, j = np.nonzero(pick_m >= 0)
     per = first[j + 1] - first[j]
     all_k, all_j, all_b = np.repeat(k, per), np.repeat(j, per), rep_rank[_ranges(first[j], per)]
+    M = multi.size
     position = np.full(live.size, -1)                                     # a pick_m row's place in live
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
@@ -303,11 +304,12 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         top = d.max(axis=1)
         position[:] = -1
         position[rows] = np.arange(n)
-        on = position[all_k] >= 0
-        all_k, all_j, all_b = all_k[on], all_j[on], all_b[on]             # the rows that left stay gone
-        all_a = pick_m[all_k, all_j]
-        move = all_a != all_b
-        ek, ej, ea, eb = position[all_k[move]], all_j[move], all_a[move], all_b[move]   # by row, expert, rank
+        if not keep.all():                                                # the rows that left stay gone
+            on = np.flatnonzero(position[all_k] >= 0)
+            all_k, all_j, all_b = all_k.take(on), all_j.take(on), all_b.take(on)
+        all_a = pick_m.take(all_k * M + all_j)
+        move = np.flatnonzero(all_a != all_b)
+        ek, ej, ea, eb = position.take(all_k.take(move)), all_j.take(move), all_a.take(move), all_b.take(move)
         fa, fb = ek * R + ea, ek * R + eb                                 # flat (row, rank) of each end
         # breadth first from the ranks at the maximum; level[i * R + r]: moves from them to reach rank r
         # (-1: not reached); the first level with a rank two experts lighter holds the target (least
