@@ -15,19 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.balanced_replicas import add_replicas, lift_to_floor, spare_floor
+from moeplace.algorithms.balanced_replicas import add_replicas, lift_to_floor, sample_size, spare_floor
 from moeplace.algorithms.baselines import hot_expert_spares
-from moeplace.algorithms import robust
-from moeplace.algorithms.balanced_replicas import sample_size
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.robust import (CANDIDATES, CV_CELLS, CV_LAYERS, choose, cv_layers, even_copies, fold_blocks,
                                         layer_masks, robust_spares, uniform_steps)
-from moeplace.dispatch.balanced import step_expert_counts
-from moeplace.dispatch.flow import optimum
 from moeplace.analysis.staleness import staleness
 from moeplace.cost.model import CostModel
-from moeplace.dispatch.balanced import mask_bits, replica_layout
+from moeplace.dispatch.balanced import mask_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.flow import optimum
 from moeplace.files.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 from test_algorithms import assert_valid_placement, tiny_model, tiny_steps
@@ -95,23 +92,28 @@ def test_fold_blocks_are_contiguous_and_cover(S, folds):
     assert all(np.all(np.diff(b) == 1) for b in blocks)
 
 
-def layers_by_budget(problem: PlacementProblem) -> int:
-    """``cv_layers`` written out: add a layer while every fold's fit of every candidate on it stays within
-    CV_CELLS (a fold fits each candidate but naive on up to half the search's sample of its steps, a blend
-    on a quarter of the sample in uniform steps more; a step costs its rank sets and experts)."""
+def layers_by_budget(problem: PlacementProblem, num_steps: int) -> int:
+    """``cv_layers`` written out for a trace of ``num_steps``: add a layer while every fold's fit of every
+    candidate on it stays within CV_CELLS (a fold fits each candidate but naive on up to half the search's
+    sample of its steps, a blend on a quarter of the sample in uniform steps more; a step costs its rank sets
+    and experts)."""
     L = problem.model.num_moe_layers
     half = sample_size(problem) // 2
     cells = 2 ** problem.ranks + problem.model.num_experts
     per_layer = 0
-    for block in fold_blocks(problem.steps.num_steps, 3):
+    for block in fold_blocks(num_steps, 3):
         for candidate in CANDIDATES:
             if candidate.name != "naive":
-                fitted = min(problem.steps.num_steps - block.size, half)
+                fitted = min(num_steps - block.size, half)
                 per_layer += cells * (fitted + (half // 2 if candidate.prior else 0))
     layers = 0
     while layers < L and (layers + 1) * per_layer <= CV_CELLS:
         layers += 1
     return min(L, max(layers, CV_LAYERS))
+
+
+def budget_layers(problem: PlacementProblem, num_steps: int) -> int:
+    return cv_layers(problem, fold_blocks(num_steps, 3), CANDIDATES, sample_size(problem) // 2)
 
 
 @settings(max_examples=30, deadline=None, derandomize=True)
@@ -121,27 +123,19 @@ def test_cv_layers_spend_the_budget_on_short_traces(shape, num_steps):
     for a longer trace."""
     E, ranks, L = shape
     model = tiny_model(E, top_k=4, num_moe_layers=L)
-    shorter, longer = (PlacementProblem(model, RoutingSteps.empty(model), ranks, redundant=ranks) for _ in range(2))
-    for problem, steps in ((shorter, num_steps), (longer, 2 * num_steps)):
-        problem.steps = type("Sized", (), {"num_steps": steps})()     # cv_layers reads the step count only
-    got = [cv_layers(p, fold_blocks(p.steps.num_steps, 3), CANDIDATES, sample_size(p) // 2) for p in (shorter, longer)]
-    assert got == [layers_by_budget(shorter), layers_by_budget(longer)]
+    problem = PlacementProblem(model, RoutingSteps.empty(model), ranks, redundant=ranks)
+    got = [budget_layers(problem, n) for n in (num_steps, 2 * num_steps)]
+    assert got == [layers_by_budget(problem, n) for n in (num_steps, 2 * num_steps)]
     assert min(CV_LAYERS, L) <= got[1] <= got[0] <= L
 
 
 def test_choice_scores_more_layers_on_a_short_trace():
-    """A short capture of a deep model is scored on more layers than CV_LAYERS; a long one on CV_LAYERS."""
+    """A short capture of a deep model is scored on more layers than CV_LAYERS; Kimi K2's shape on CV_LAYERS."""
     model = tiny_model(32, top_k=4, num_moe_layers=24)
     short = PlacementProblem(model, tiny_steps(model, 60, 8, 1), 8, redundant=8, dispatch="balanced")
-    assert choose(short, seed=0).layers == cv_layers(short, fold_blocks(60, 3), CANDIDATES,
-                                                      sample_size(short) // 2) > CV_LAYERS
-    assert layers_by_budget(replace_steps(short, 20_000)) == CV_LAYERS
-
-
-def replace_steps(problem: PlacementProblem, num_steps: int) -> PlacementProblem:
-    problem = PlacementProblem(problem.model, problem.steps, problem.ranks, redundant=problem.redundant)
-    problem.steps = type("Sized", (), {"num_steps": num_steps})()
-    return problem
+    assert choose(short, seed=0).layers == budget_layers(short, 60) > CV_LAYERS
+    kimi = tiny_model(384, top_k=8, num_moe_layers=60)
+    assert budget_layers(PlacementProblem(kimi, RoutingSteps.empty(kimi), 8, redundant=96), 14_000) == CV_LAYERS
 
 
 @pytest.mark.parametrize("E,ranks,redundant,layers", [(16, 4, 4, 2), (32, 8, 8, 5), (32, 8, 32, 3)])

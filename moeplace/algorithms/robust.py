@@ -168,9 +168,10 @@ def fold_blocks(num_steps: int, folds: int) -> list[np.ndarray]:
 def cv_layers(problem: PlacementProblem, blocks: list[np.ndarray], candidates: tuple[Candidate, ...],
               sample: int) -> int:
     """Layers the choice scores: as many as CV_CELLS of fitting work allows, CV_LAYERS at least, all at most.
-    A layer's work: each fold fits each candidate but ``naive`` on up to ``sample`` of its steps (the blends on
-    ``sample // 2`` uniform steps more), each step costing its rank sets and experts (``sample_size``'s cells)."""
-    S, L = problem.steps.num_steps, problem.model.num_moe_layers
+    A layer's work: each fold (``blocks``, the held-out step indices; the rest is fitted) fits each candidate but
+    ``naive`` on up to ``sample`` of its steps (the blends on ``sample // 2`` uniform steps more), each step
+    costing its rank sets and experts (``sample_size``'s cells)."""
+    S, L = sum(block.size for block in blocks), problem.model.num_moe_layers
     cells = (1 << problem.ranks) + problem.model.num_experts
     fitted = sum(min(S - block.size, sample) for block in blocks)
     per_layer = cells * sum(fitted + (len(blocks) * (sample // 2) if c.prior else 0)
