@@ -176,9 +176,10 @@ def measure(case: Case) -> list[dict]:
             r = dict(case=case.label, fit_steps=case.fit.num_steps, scored=name, steps=int(active[0].shape[0]),
                      R=R, E=E, chosen=choice.name, moeplace=e_opt(active, ours), fitted=e_opt(active, fitted),
                      naive=e_opt(active, naive), deepseek=e_opt(active, today), bound=bound(active),
-                     out_of_fold=choice.losses, fit_seconds=seconds)
+                     out_of_fold=choice.losses, scored_layers=choice.layers, fit_seconds=seconds)
             rows.append(r)
-            print(f"  {r['case']:32s} -> {name:12s} R {R:4d}: moeplace {r['moeplace']:.3f} [{choice.name}]  "
+            print(f"  {r['case']:32s} -> {name:12s} R {R:4d}: moeplace {r['moeplace']:.3f} [{choice.name}, "
+                  f"{choice.layers} layers]  "
                   f"fitted {r['fitted']:.3f}  naive {r['naive']:.3f}  DeepSeek {r['deepseek']:.3f}  "
                   f"bound {r['bound']:.3f}  {seconds:.1f} s", flush=True)
     return rows

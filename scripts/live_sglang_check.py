@@ -20,6 +20,9 @@ operators do (SIGTERM, SIGINT) and checks, in the servers themselves:
             SGLang's Triton backend; the kernels' outputs on the same inputs against fp32
   kv_sort   MOEPLACE_KV_SORT=1 under churn: healthy after it; KV allocation runs (MOEPLACE_KV_STATS)
             beside the same churn without it
+  stale     `moeplace report CAPTURE --placement P --json` on the capture, P fitted by `optimize` on its first
+            half (8 ranks, balanced dispatch, a spare slot a rank): exit 0 and the staleness verdict
+            (keep, or re-place with the share to gain), recorded as the check's detail
   launch    `moeplace launch --placement` starts the server, SGLang's --init-expert-location loading
             the map (the tracer's shard header records the map in force); another model's placement
             is refused before SGLang starts
@@ -413,6 +416,41 @@ def check_capture(server: Server, captured: Path, cap: subprocess.CompletedProce
                  figures)
 
 
+STALE_RANKS = 8   # the stale check's placement: one node of 8 GPUs, one spare slot a rank, balanced dispatch
+STALE_VERDICT = re.compile(r"^(keep: |re-place: \d+% to gain)")
+
+
+def check_stale(captured: Path, work: Path, max_steps: int | None = None) -> Check:
+    """The stale-placement check on a capture: a placement fitted by `optimize` on the capture's first half
+    (``--holdout 0.5``), then `report CAPTURE --placement P --json`, which must exit 0 with a staleness
+    verdict (keep, or re-place and the share to gain). max_steps: both commands' --max-steps."""
+    spec = ["--ranks", str(STALE_RANKS), "--mode", "verify", "--dispatch", "balanced"]
+    limit = ["--max-steps", str(max_steps)] if max_steps else []
+    placement = work / "stale-placement.json"
+    t0 = time.monotonic()
+    fit = moeplace("optimize", str(captured), *spec, "--redundant", str(STALE_RANKS), "--holdout", "0.5", *limit,
+                   "-o", str(placement), cwd=work)
+    fit_s = time.monotonic() - t0
+    figures: dict[str, Any] = {"optimize_rc": fit.returncode, "optimize_s": round(fit_s, 1)}
+    if fit.returncode != 0:
+        return Check("stale", False, f"optimize on the capture's first half failed (exit {fit.returncode}): "
+                                     f"{fit.stderr.strip()[-400:]}", figures)
+    t0 = time.monotonic()
+    rep = moeplace("report", str(captured), *spec, "--placement", str(placement), *limit, "--json", cwd=work)
+    figures.update(report_rc=rep.returncode, report_s=round(time.monotonic() - t0, 1))
+    if rep.returncode != 0:
+        return Check("stale", False, f"report --placement failed (exit {rep.returncode}): {rep.stderr.strip()[-400:]}",
+                     figures)
+    stale = json.loads(rep.stdout).get("staleness")
+    if not stale:
+        return Check("stale", False, "report --placement --json has no staleness verdict (a capture under "
+                                     "20 verify steps?)", figures)
+    figures.update({k: stale[k] for k in ("current", "refit", "naive", "to_gain", "fit_steps", "scored_steps")})
+    figures["verdict"] = stale["line"]
+    ok = bool(STALE_VERDICT.match(stale["line"]))
+    return Check("stale", ok, stale["line"] if ok else f"no keep / re-place verdict: {stale['line']}", figures)
+
+
 def check_verify(pairs: list[tuple[str, Server, Server]], timings: dict, agree: dict) -> Check:
     figures, problems = {"attention_outputs_same_inputs": agree}, []
     for label, base, ours in pairs:
@@ -683,6 +721,7 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
         guarded(checks, "trace", lambda: check_trace([(s, signal.Signals(sig).name, stops[s.name])
                                                       for s, sig in how], work))
         guarded(checks, "capture", lambda: check_capture(s_trees, cap_path, captured, work))
+        guarded(checks, "stale", lambda: check_stale(cap_path, work))
         guarded(checks, "verify", lambda: check_verify([("trees", s_trees, s_trees_k),
                                                         ("chains", s_chain, s_chain_k)], timings, agree))
         guarded(checks, "kv_sort", lambda: check_kv_sort(s_trees, s_trees_k, healthy, kv_before))

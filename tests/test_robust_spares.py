@@ -15,13 +15,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.balanced_replicas import add_replicas, lift_to_floor, spare_floor
+from moeplace.algorithms.balanced_replicas import add_replicas, lift_to_floor, sample_size, spare_floor
 from moeplace.algorithms.baselines import hot_expert_spares
-from moeplace.algorithms.robust import CANDIDATES, choose, even_copies, fold_blocks, robust_spares, uniform_steps
+from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.algorithms.robust import (CANDIDATES, CV_CELLS, CV_LAYERS, choose, cv_layers, even_copies, fold_blocks,
+                                        layer_masks, robust_spares, uniform_steps)
 from moeplace.analysis.staleness import staleness
 from moeplace.cost.model import CostModel
-from moeplace.dispatch.balanced import mask_bits, replica_layout
+from moeplace.dispatch.balanced import mask_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.flow import optimum
 from moeplace.files.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 from test_algorithms import assert_valid_placement, tiny_model, tiny_steps
@@ -87,6 +90,78 @@ def test_fold_blocks_are_contiguous_and_cover(S, folds):
     blocks = fold_blocks(S, folds)
     assert np.array_equal(np.concatenate(blocks), np.arange(S))
     assert all(np.all(np.diff(b) == 1) for b in blocks)
+
+
+def layers_by_budget(problem: PlacementProblem, num_steps: int) -> int:
+    """``cv_layers`` written out for a trace of ``num_steps``: add a layer while every fold's fit of every
+    candidate on it stays within CV_CELLS (a fold fits each candidate but naive on up to half the search's
+    sample of its steps, a blend on a quarter of the sample in uniform steps more; a step costs its rank sets
+    and experts)."""
+    L = problem.model.num_moe_layers
+    half = sample_size(problem) // 2
+    cells = 2 ** problem.ranks + problem.model.num_experts
+    per_layer = 0
+    for block in fold_blocks(num_steps, 3):
+        for candidate in CANDIDATES:
+            if candidate.name != "naive":
+                fitted = min(num_steps - block.size, half)
+                per_layer += cells * (fitted + (half // 2 if candidate.prior else 0))
+    layers = 0
+    while layers < L and (layers + 1) * per_layer <= CV_CELLS:
+        layers += 1
+    return min(L, max(layers, CV_LAYERS))
+
+
+def budget_layers(problem: PlacementProblem, num_steps: int) -> int:
+    return cv_layers(problem, fold_blocks(num_steps, 3), CANDIDATES, sample_size(problem) // 2)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(st.sampled_from([(32, 8, 24), (64, 8, 12), (16, 4, 60), (384, 8, 60)]), st.integers(6, 30_000))
+def test_cv_layers_spend_the_budget_on_short_traces(shape, num_steps):
+    """As many layers as CV_CELLS of fitting allows, CV_LAYERS at least, every layer at most; never more
+    for a longer trace."""
+    E, ranks, L = shape
+    model = tiny_model(E, top_k=4, num_moe_layers=L)
+    problem = PlacementProblem(model, RoutingSteps.empty(model), ranks, redundant=ranks)
+    got = [budget_layers(problem, n) for n in (num_steps, 2 * num_steps)]
+    assert got == [layers_by_budget(problem, n) for n in (num_steps, 2 * num_steps)]
+    assert min(CV_LAYERS, L) <= got[1] <= got[0] <= L
+
+
+def test_choice_scores_more_layers_on_a_short_trace():
+    """A short capture of a deep model is scored on more layers than CV_LAYERS; Kimi K2's shape on CV_LAYERS."""
+    model = tiny_model(32, top_k=4, num_moe_layers=24)
+    short = PlacementProblem(model, tiny_steps(model, 60, 8, 1), 8, redundant=8, dispatch="balanced")
+    assert choose(short, seed=0).layers == budget_layers(short, 60) > CV_LAYERS
+    kimi = tiny_model(384, top_k=8, num_moe_layers=60)
+    assert budget_layers(PlacementProblem(kimi, RoutingSteps.empty(kimi), 8, redundant=96), 14_000) == CV_LAYERS
+
+
+@pytest.mark.parametrize("E,ranks,redundant,layers", [(16, 4, 4, 2), (32, 8, 8, 5), (32, 8, 32, 3)])
+def test_choice_losses_match_a_plain_rescoring(E, ranks, redundant, layers):
+    """The choice's out-of-fold figures of the candidates that draw nothing at random (naive, even,
+    replicas: every fitted step is in the search's sample here) against a plain re-scoring: each fold's
+    steps copied out, each candidate fitted on them and scored on the held-out block, averaged over the
+    folds and the layers the choice scored."""
+    model = tiny_model(E, top_k=4, num_moe_layers=layers)
+    steps = drifting_steps(model, 150, E, True)
+    problem = PlacementProblem(model, steps, ranks, redundant=redundant, dispatch="balanced")
+    choice = choose(problem, seed=1)
+    scored = np.unique(np.linspace(0, layers - 1, choice.layers).round().astype(int))
+    blocks = fold_blocks(steps.num_steps, 3)
+    for candidate in (c for c in CANDIDATES if c.name in ("naive", "even", "replicas")):
+        total = []
+        for layer in scored:
+            for k, block in enumerate(blocks):
+                fit = steps.take(np.concatenate([b for i, b in enumerate(blocks) if i != k]))
+                counts = step_expert_counts(fit, int(layer))
+                weight = counts.sum(axis=0)
+                base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, ranks, False)[0][0]
+                masks = layer_masks(candidate, counts > 0, weight, base, ranks, redundant, 0,
+                                    np.random.default_rng(0))[0]
+                total.append(optimum(step_expert_counts(steps.take(block), int(layer)) > 0, masks, ranks).mean())
+        assert choice.losses[candidate.name] == pytest.approx(np.mean(total), abs=1e-12), candidate.name
 
 
 def drifting_steps(model, num_steps: int, seed: int, moved: bool) -> RoutingSteps:

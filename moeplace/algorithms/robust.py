@@ -32,10 +32,15 @@ that bet cost up to 5% against the naive layout (BENCHMARKS.md, spare slots when
 Folds: the trace's steps carry no request id, so the folds are FOLDS contiguous blocks of steps (a
 block holds other requests than the rest, mostly, since a request's steps are close in time; steps of
 one request never sit in a fit and its test at random). Each fold fits every candidate on the other
-blocks on CV_LAYERS layers (``fitted`` with no smoothed steps), and scores it on the block by the per-step
-optimum (``dispatch.flow.optimum``). Above MAX_SEARCH_RANKS (wide EP) the blends' searches, which enumerate
-rank sets, are out of reach: ``fitted`` (``wide_spares``, on as many steps as its real fit) and ``naive``
-compete, each block scored on WIDE_TEST_STEPS of its steps.
+blocks (``fitted`` with no smoothed steps) and scores it on the block by the per-step optimum
+(``dispatch.flow.optimum``), on evenly spaced layers: as many as CV_CELLS of fitting work allows
+(``cv_layers``), CV_LAYERS at least. A short capture is cheap to fit, so it is scored on more layers:
+there a candidate's out-of-fold figure on few layers is mostly noise (its held-out blocks hold a few
+dozen steps, and a blend's uniform steps are one random draw), and the noisiest candidate wins by luck
+(GPT-OSS fitted on 1k tokens of MMLU-Pro, R = 8: on 3 layers ``prior 1/3`` 2.425 out of fold against
+``fitted`` 2.445, on SORRY-Bench 2.384 against 2.310). Above MAX_SEARCH_RANKS (wide EP) the blends'
+searches, which enumerate rank sets, are out of reach: ``fitted`` (``wide_spares``, on as many steps as its
+real fit) and ``naive`` compete on CV_LAYERS layers, each block scored on WIDE_TEST_STEPS of its steps.
 """
 
 from __future__ import annotations
@@ -57,7 +62,10 @@ from moeplace.dispatch.flow import optimum
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 
 FOLDS = 3          # contiguous blocks of steps, each held out once
-CV_LAYERS = 3      # layers the choice fits, evenly spaced
+CV_LAYERS = 3      # layers the choice fits at least, evenly spaced
+CV_CELLS = 15_000_000   # the choice's fitting work over its layers (``cv_layers``): steps fitted x (rank sets +
+                        # experts), every fold and candidate; Kimi K2's shape (377 steps a fold, 640 cells) needs
+                        # 13e6 for CV_LAYERS layers, GPT-OSS-20B fitted on 1k tokens (75 steps, 288 cells) 2.1e6 a layer
 WIDE_TEST_STEPS = 500   # above MAX_SEARCH_RANKS: a held-out block is scored on this many of its steps, evenly spaced
 
 
@@ -88,22 +96,24 @@ WHY = {"fitted": "the capture's hot and co-active experts recur in steps the fit
 
 @dataclass(frozen=True)
 class Choice:
-    """The chosen candidate and each candidate's mean E[optimum] on held-out blocks (``losses``)."""
+    """The chosen candidate and each candidate's mean E[optimum] on held-out blocks (``losses``), over
+    ``folds`` blocks and ``layers`` layers."""
 
     name: str
     losses: dict[str, float]
     folds: int
+    layers: int
 
     @property
     def line(self) -> str:
         """One line: which layout, and why (its out-of-fold figure against the fitted search and the naive layout)."""
         lo = self.losses
-        return (f"spare slots: '{self.name}' layout, best on {self.folds} held-out blocks of steps "
-                f"({lo[self.name]:.3f} against fitted {lo['fitted']:.3f}, naive {lo['naive']:.3f}): "
+        return (f"spare slots: '{self.name}' layout, best on {self.folds} held-out blocks of steps, "
+                f"{self.layers} layers ({lo[self.name]:.3f} against fitted {lo['fitted']:.3f}, naive {lo['naive']:.3f}): "
                 f"{WHY[self.name]}")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "folds": self.folds, "out_of_fold": dict(self.losses)}
+        return {"name": self.name, "folds": self.folds, "layers": self.layers, "out_of_fold": dict(self.losses)}
 
 
 def uniform_steps(active: np.ndarray, num_steps: int, rng: np.random.Generator) -> np.ndarray:
@@ -155,31 +165,49 @@ def fold_blocks(num_steps: int, folds: int) -> list[np.ndarray]:
     return [b for b in np.array_split(np.arange(num_steps), min(folds, num_steps)) if b.size]
 
 
+def cv_layers(problem: PlacementProblem, blocks: list[np.ndarray], candidates: tuple[Candidate, ...],
+              sample: int) -> int:
+    """Layers the choice scores: as many as CV_CELLS of fitting work allows, CV_LAYERS at least, all at most.
+    A layer's work: each fold (``blocks``, the held-out step indices; the rest is fitted) fits each candidate but
+    ``naive`` on up to ``sample`` of its steps (the blends on ``sample // 2`` uniform steps more), each step
+    costing its rank sets and experts (``sample_size``'s cells)."""
+    S, L = sum(block.size for block in blocks), problem.model.num_moe_layers
+    cells = (1 << problem.ranks) + problem.model.num_experts
+    fitted = sum(min(S - block.size, sample) for block in blocks)
+    per_layer = cells * sum(fitted + (len(blocks) * (sample // 2) if c.prior else 0)
+                            for c in candidates if not c.naive)
+    return int(min(L, max(CV_LAYERS, CV_CELLS // max(per_layer, 1))))
+
+
 def choose(problem: PlacementProblem, seed: int) -> Choice:
-    """The candidate with the lowest E[optimum] over held-out blocks (``fold_blocks``) and CV_LAYERS layers.
-    Above MAX_SEARCH_RANKS only WIDE_CANDIDATES compete, each block scored on WIDE_TEST_STEPS of its steps."""
+    """The candidate with the lowest E[optimum] over held-out blocks (``fold_blocks``) and ``cv_layers`` layers.
+    Above MAX_SEARCH_RANKS only WIDE_CANDIDATES compete on CV_LAYERS layers, each block scored on
+    WIDE_TEST_STEPS of its steps."""
     S, L = problem.steps.num_steps, problem.model.num_moe_layers
     R, E = problem.ranks, problem.model.num_experts
     wide = R > MAX_SEARCH_RANKS
     candidates = tuple(c for c in CANDIDATES if not wide or c.name in WIDE_CANDIDATES)
     blocks = fold_blocks(S, FOLDS)
     if len(blocks) < 2:
-        return Choice("fitted", {c.name: 0.0 for c in candidates}, len(blocks))
-    layers = np.unique(np.linspace(0, L - 1, min(CV_LAYERS, L)).round().astype(int))
+        return Choice("fitted", {c.name: 0.0 for c in candidates}, len(blocks), 0)
     sample = sample_size(problem) if wide else max(sample_size(problem) // 2, 1)   # wide: as ``wide_spares`` fits
+    count = CV_LAYERS if wide else cv_layers(problem, blocks, candidates, sample)
+    layers = np.unique(np.linspace(0, L - 1, min(count, L)).round().astype(int))
     jobs = [(int(layer), k) for layer in layers for k in range(len(blocks))]
     seeds = np.random.default_rng(seed).integers(2**31, size=len(jobs))
 
     def held_out(job: int) -> np.ndarray:
         layer, k = jobs[job]
         rng = np.random.default_rng(seeds[job])
+        # the layer's counts of every step once; a fold's rows are indexed from them (a copy of the fold's
+        # steps would copy every layer's routing)
+        every = step_expert_counts(problem.steps, layer)
         fit_rows = np.concatenate([b for i, b in enumerate(blocks) if i != k])
-        layer_counts = step_expert_counts(problem.steps, layer)
-        counts = layer_counts[fit_rows]
+        counts = every[fit_rows]
         block = blocks[k]
         if wide and block.size > WIDE_TEST_STEPS:
             block = block[np.unique(np.linspace(0, block.size - 1, WIDE_TEST_STEPS).astype(np.int64))]
-        test = layer_counts[block] > 0
+        test = (every[block] > 0).astype(np.float32)   # 0/1 once: each candidate's score reads it (``subset_counts``)
         weight = counts.sum(axis=0)
         base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
         rows = np.arange(counts.shape[0])
@@ -189,8 +217,7 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         out = np.zeros(len(candidates))
         for i, candidate in enumerate(candidates):
             if candidate.search and not wide:
-                fold = replace(problem, steps=problem.steps.take(fit_rows), progress=lambda n: None)
-                masks = replica_layout(search_layer(fold, layer, base, rows, rng), E, R).masks
+                masks = replica_layout(search_layer(problem, layer, base, fit_rows, rows, rng), E, R).masks
             else:
                 masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]
             out[i] = optimum(test, masks, R).mean()
@@ -201,21 +228,23 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         loss += value
     loss /= len(jobs)
     best = int(np.argmin(loss))   # the first of equals: the most robust
-    return Choice(candidates[best].name, {c.name: float(v) for c, v in zip(candidates, loss)}, len(blocks))
+    return Choice(candidates[best].name, {c.name: float(v) for c, v in zip(candidates, loss)}, len(blocks),
+                  len(layers))
 
 
-def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray,
-                 rng: np.random.Generator) -> np.ndarray:
-    """phy2log [P] of one layer as ``stepaware`` places it under balanced dispatch with spare slots (its
-    first copies, replicas by gain on ``rows`` of the steps, exchanges), without smoothed steps.
-    reference: [E] DeepSeek EPLB's first copies of the layer."""
+def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, fit_rows: np.ndarray,
+                 rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """phy2log [P] of one layer as ``stepaware`` places it under balanced dispatch with spare slots, fitted
+    on ``fit_rows`` of the problem's steps (its first copies, replicas by gain on ``fit_rows[rows]``,
+    exchanges), without smoothed steps. reference: [E] DeepSeek EPLB's first copies of the layer."""
     E, L = problem.model.num_experts, problem.model.num_moe_layers
     first = reference
-    if E <= BALANCED_BASE_MAX_EXPERTS:
-        base = replace(problem, redundant=0, dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT)
+    if E <= BALANCED_BASE_MAX_EXPERTS:   # the first copies' search reads every fitted step
+        base = replace(problem, steps=problem.steps.take(fit_rows), redundant=0, dispatch="dynamic",
+                       effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
         search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)
         first = place_layer(base, layer, reference, search, base.effort / L)
-    spares = balanced_replicas.SpareSearch(problem.steps.take(rows), 0.0, int(rng.integers(2**31)))
+    spares = balanced_replicas.SpareSearch(problem.steps.take(fit_rows[rows]), 0.0, int(rng.integers(2**31)))
     return balanced_replicas.place(problem, layer, first, spares)
 
 
@@ -245,7 +274,8 @@ def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
         return masks_to_phy2log(masks, R, problem.num_physical // R)
 
     out = np.zeros((L, problem.num_physical), np.int64)
-    for layer, phy2log in map_layers(place, L, layer_workers(rows.num_steps * problem.num_physical * L)):
+    # each layer is a replica search (~0.03 s at Kimi K2's size, seeded per layer): worth a pool, as the choice's
+    for layer, phy2log in map_layers(place, L, layer_workers(PARALLEL_CELLS)):
         out[layer] = phy2log
         problem.progress(1)
     return out, choice
