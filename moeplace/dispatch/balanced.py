@@ -310,7 +310,8 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         all_a = pick_m.take(all_k * M + all_j)
         move = np.flatnonzero(all_a != all_b)
         ek, ej, ea, eb = position.take(all_k.take(move)), all_j.take(move), all_a.take(move), all_b.take(move)
-        fa, fb = ek * R + ea, ek * R + eb                                 # flat (row, rank) of each end
+        # [5, edges]: row, expert, source rank, and the flat (row, rank) of each end; one take filters them
+        edges = np.stack([ek, ej, ea, ek * R + ea, ek * R + eb])
         # breadth first from the ranks at the maximum; level[i * R + r]: moves from them to reach rank r
         # (-1: not reached); the first level with a rank two experts lighter holds the target (least
         # loaded, lowest). A rank's parent: the lowest rank of the level before with an edge to it; its
@@ -322,9 +323,9 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         target = np.full(n, -1, np.int64)
         depth = np.zeros(n, np.int64)
         t = 0
-        while ek.size:
-            new = (level[fa] == t) & (level[fb] < 0)
-            nk, na, nb, nj = ek[new], ea[new], fb[new], ej[new]
+        while edges.shape[1]:
+            new = np.flatnonzero((level[edges[3]] == t) & (level[edges[4]] < 0))
+            nk, nj, na, _, nb = edges.take(new, axis=1)
             level[nb] = t + 1
             np.minimum.at(parent, nb, na)
             first_edge = na == parent[nb]
@@ -340,8 +341,7 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
                 target[found] = key[found] % R
                 depth[found] = t
                 searching[found] = False
-            still = searching[ek]
-            ek, ej, ea, eb, fa, fb = ek[still], ej[still], ea[still], eb[still], fa[still], fb[still]
+            edges = edges.take(np.flatnonzero(searching[edges[0]]), axis=1)
         ok = target >= 0
         if not ok.any():
             return
