@@ -21,6 +21,16 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 GRACE_S = 1.0   # from the signal to the process's end
 
 
+@pytest.fixture(autouse=True)
+def sigint_as_at_a_terminal():
+    """The commands here start with SIGINT handled, as a foreground command whose user presses Ctrl-C does: a
+    test run started in the background of a shell script has SIGINT ignored (POSIX), which its children would
+    inherit through exec, and a command that inherits SIGINT ignored rightly keeps ignoring it."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _signal_after(argv: list[str], delay: float, signum: int, cwd: Path) -> tuple[int | None, float, str]:
     """Run ``argv``, send ``signum`` after ``delay`` s: (exit code, seconds from the signal to its end, stderr);
     exit code None if it ran on past the grace time (then it is killed)."""
