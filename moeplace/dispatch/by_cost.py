@@ -258,22 +258,16 @@ def cost_rule(counts: np.ndarray, masks: np.ndarray, ranks: int, weights: RuleWe
             values.append(np.where(allowed & (here > w.block_m), value(past), big))
         kinds = [WHOLE] + ([LEVEL] if w.pair else []) + ([BLOCK] if w.block else [])
         key = np.min([v * 4 + k for v, k in zip(values, kinds)], axis=0).ravel()   # ties: the kind order, then
-        # the first (expert, source, target) in each row's flattened block, as np.argmin over them
-        n = live.size
-        start = np.searchsorted(row, np.arange(n)) * R
-        has = np.bincount(row, minlength=n) > 0
-        first = np.full(n, -1, np.int64)
-        if c:
-            row_min = np.minimum.reduceat(key, start[has])
-            best_key = np.full(n, big * 4, np.int64)
-            best_key[has] = row_min
-            hit = np.flatnonzero(key == best_key[np.repeat(row, R)])
-            first[has] = hit[np.searchsorted(hit, start[has])]
-        ok = has & (first >= 0)
-        ok[ok] = key[first[ok]] // 4 < top[ok]
-        flat = first[ok]
+        # the first (expert, source, target) of the row: a stable sort by row, then key, puts each row's
+        # choice first (as np.argmin over its flattened block)
+        row_of = np.repeat(row, R)
+        by_key = np.lexsort((key, row_of))
+        flat = by_key[np.flatnonzero(np.diff(row_of[by_key], prepend=-1))]   # [rows with a candidate]
+        ok = key[flat] // 4 < top[row_of[flat]]
+        flat = flat[ok]
+        live = live[row_of[flat]]
+        kind = key[flat] % 4
         cand, r = flat // R, flat % R
-        live, kind = live[ok], key[flat] % 4
         i, src = i[cand], src[cand]
         m = np.zeros(live.size, np.int64)
         for k, share in zip(kinds, shares):

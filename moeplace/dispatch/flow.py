@@ -24,7 +24,7 @@ HALL_MAX_RANKS = 12   # up to here the rank-set enumeration (4,096 sets) is exac
 def exact_dispatch(active: np.ndarray, masks: np.ndarray, ranks: int, start: np.ndarray | None = None) -> Dispatch:
     """The uncapped fast rule on the steps ``active [S, E]`` (bool or 0/1; tokens do not matter here):
     its ``distinct.max(axis=1)`` is each step's optimum, and no path is left from a busiest rank to a rank
-    two experts lighter. masks: [E] replica ranks (bit sets). start: [S, E] an earlier exact dispatch of
+    two experts lighter. masks: replica ranks (``ReplicaLayout.masks``). start: [S, E] an earlier exact dispatch of
     these steps under fewer replicas, to take the paths from (the new replicas open only a few)."""
     return fast_rule(np.asarray(active > 0, np.int64), masks, ranks, max_augment=None, start=start)
 
