@@ -22,6 +22,7 @@ from moeplace.dispatch.traffic import node_of_rank, rank_cross_sends, source_ran
 from moeplace.files.placement import Placement
 from moeplace.trace.steps import RoutingSteps, concat_steps
 from test_algorithms import tiny_model, tiny_steps
+from test_wide_ep import synth_trace
 
 
 def random_placement(rng: np.random.Generator, layers: int, experts: int, ranks: int, redundant: int) -> np.ndarray:
@@ -242,10 +243,7 @@ def test_source_ranks_spread_round_robin_only_when_the_steps_name_too_few():
 
 @pytest.fixture(scope="module")
 def trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("xnode") / "t.mptrace"
-    result = CliRunner().invoke(cli, ["trace", "synth", "--shape", "gpt-oss-20b", "--steps", "120", "-o", str(path)])
-    assert result.exit_code == 0, result.output
-    return path
+    return synth_trace(tmp_path_factory.mktemp("xnode"), "gpt-oss-20b", 120)
 
 
 def test_optimize_shows_cross_node_traffic_with_nodes(trace, tmp_path):

@@ -112,12 +112,17 @@ def test_stepaware_places_wide_layouts(ranks, nodes, redundant, dispatch):
     assert_valid_placement(solve("stepaware", problem), problem)
 
 
-@pytest.fixture(scope="module")
-def wide_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("wide") / "t.mptrace"
-    result = CliRunner().invoke(cli, ["trace", "synth", "--shape", "deepseek-v3", "--steps", "120", "-o", str(path)])
+def synth_trace(directory: Path, shape: str, steps: int) -> Path:
+    """A SYNTHETIC trace of ``shape`` made by ``moeplace trace synth`` in ``directory``."""
+    path = directory / "t.mptrace"
+    result = CliRunner().invoke(cli, ["trace", "synth", "--shape", shape, "--steps", str(steps), "-o", str(path)])
     assert result.exit_code == 0, result.output
     return path
+
+
+@pytest.fixture(scope="module")
+def wide_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth_trace(tmp_path_factory.mktemp("wide"), "deepseek-v3", 120)
 
 
 @pytest.mark.parametrize("args", [
