@@ -29,17 +29,17 @@ from moeplace.errors import MoeplaceError
 ROUNDS = 6                # replicas go in about this many rounds (each re-solves the sampled steps)
 
 
-def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
+def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, room: int | np.ndarray,
                  expert_weight: np.ndarray) -> np.ndarray:
-    """New replica sets after adding ``spare_per_rank`` replicas to every rank, as ``masks`` holds them
+    """New replica sets after adding ``room`` replicas to every rank (one count, or [R] per rank), as ``masks`` holds them
     (``ReplicaLayout.masks``: int64 bit sets [E], or [E, R] bool beyond 64 ranks).
 
     active: [S, E] bool, the steps to fit; masks: replica ranks before; expert_weight: [E] tokens, the
     tie-break toward the busiest expert per replica.
     """
     on = mask_bits(masks, ranks).copy()                                         # [E, R]
-    room = np.full(ranks, spare_per_rank, np.int64)
-    batch = max(-(-spare_per_rank * ranks // ROUNDS), 1)
+    room = np.broadcast_to(np.asarray(room, np.int64), (ranks,)).copy()
+    batch = max(-(-int(room.sum()) // ROUNDS), 1)
     copies = on.sum(axis=1)
     tie_unit = 1e-6 / max(float(expert_weight.max(initial=0)), 1e-12)
     active_f = np.asarray(active, np.float32)
@@ -52,18 +52,28 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         dispatch = exact_dispatch(active_f, on, ranks, None if dispatch is None else dispatch.pick)
         gain = replica_gains(active_f, on, ranks, dispatch)
         total = np.where(allowed, gain + (tie_unit * expert_weight / copies)[:, None], -np.inf)
-        chosen, taken = set(), np.zeros(ranks, np.int64)
-        for k in np.argsort(-total, axis=None, kind="stable"):
-            e, r = divmod(int(k), ranks)
-            if not np.isfinite(total[e, r]) or len(chosen) >= batch:
-                break
-            if taken[r] < room[r] and e not in chosen:
-                chosen.add(e)
-                taken[r] += 1
-                on[e, r] = True
-                copies[e] += 1
-        room -= taken
+        for e, r in best_pairs(total, room, batch):
+            on[e, r] = True
+            copies[e] += 1
+            room[r] -= 1
     return pack_bits(on) if np.asarray(masks).ndim == 1 else on
+
+
+def best_pairs(total: np.ndarray, room: np.ndarray, batch: int) -> list[tuple[int, int]]:
+    """Up to ``batch`` (expert, rank) pairs by ``total [E, R]``, best first: each expert once, each rank at most
+    ``room [R]`` times, none at -inf; the first of equals (lower expert, then rank). What a scan of all pairs in
+    sorted order keeps, one argmax a pair (a hot expert's R pairs are not walked one by one)."""
+    total, left, pairs = total.copy(), room.copy(), []
+    for _ in range(batch):
+        e, r = divmod(int(np.argmax(total)), total.shape[1])
+        if not np.isfinite(total[e, r]):
+            break
+        pairs.append((e, r))
+        left[r] -= 1
+        total[e] = -np.inf
+        if left[r] <= 0:
+            total[:, r] = -np.inf
+    return pairs
 
 
 def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, chosen: Dispatch | None = None) -> np.ndarray:
