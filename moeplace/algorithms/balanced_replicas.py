@@ -332,7 +332,8 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
         return masks_to_phy2log(masks, R, problem.num_physical // R)
     rng = np.random.default_rng([search.seed, layer])
     steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
-    masks = add_replicas(steps, masks, R, room, counts.sum(axis=0), weight, min_copies=spare_floor(E, problem.redundant))
+    masks = add_replicas(steps, masks, R, room, counts.sum(axis=0), weight,
+                         min_copies=spare_floor(E, problem.redundant))
     masks = exchange_masks(steps, weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
     return masks_to_phy2log(masks, R, problem.num_physical // R)
 

@@ -239,8 +239,8 @@ def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, f
     E, L = problem.model.num_experts, problem.model.num_moe_layers
     first = reference
     if E <= BALANCED_BASE_MAX_EXPERTS:   # the first copies' search reads every fitted step
-        base = replace(problem, steps=problem.steps.take(fit_rows), redundant=problem.first_slots - E, dispatch="dynamic",
-                       effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
+        base = replace(problem, steps=problem.steps.take(fit_rows), redundant=problem.first_slots - E,
+                       dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
         search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)
         first = place_layer(base, layer, reference, search, base.effort / L)
     spares = balanced_replicas.SpareSearch(problem.steps.take(fit_rows[rows]), 0.0, int(rng.integers(2**31)))

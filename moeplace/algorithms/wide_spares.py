@@ -31,8 +31,8 @@ ROUNDS = 6                # replicas go in about this many rounds (each re-solve
 
 def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, room: int | np.ndarray,
                  expert_weight: np.ndarray) -> np.ndarray:
-    """New replica sets after adding ``room`` replicas to every rank (one count, or [R] per rank), as ``masks`` holds them
-    (``ReplicaLayout.masks``: int64 bit sets [E], or [E, R] bool beyond 64 ranks).
+    """New replica sets after adding ``room`` replicas to every rank (one count, or [R] per rank), as ``masks``
+    holds them (``ReplicaLayout.masks``: int64 bit sets [E], or [E, R] bool beyond 64 ranks).
 
     active: [S, E] bool, the steps to fit; masks: replica ranks before; expert_weight: [E] tokens, the
     tie-break toward the busiest expert per replica.
