@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from moeplace.algorithms import ALGORITHMS, PlacementProblem, get_algorithm, solve
 from moeplace.algorithms.baselines import separate_replicas
 from moeplace.algorithms.robust import robust_spares
-from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, greedy_place, item_activity,
+from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, cold_replicas, greedy_place, item_activity,
                                            order_replicas, replica_counts, swap_deltas)
 from moeplace.analysis.optimize import split_steps
 from moeplace.dispatch.loads import balancedness, layer_rank_loads
@@ -565,3 +565,9 @@ def test_balanced_spares_on_many_ranks_where_experts_do_not_split(experts, ranks
     weight = problem.steps.expert_token_counts()[0]
     copies = np.bincount(placed[0], minlength=experts)
     assert weight[copies > 1].mean() >= weight[copies == 1].mean()
+
+
+def test_cold_replicas_go_to_the_coldest_experts():
+    weight = np.array([5.0, 1.0, 3.0, 1.0, 9.0])
+    np.testing.assert_array_equal(cold_replicas(weight, 3), [1, 2, 2, 2, 1])   # ties: the lower id first
+    np.testing.assert_array_equal(cold_replicas(weight, 0), np.ones(5))

@@ -54,8 +54,8 @@ from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replica
                                                    masks_to_phy2log, sample_size, spare_floor)
 from moeplace.algorithms.baselines import first_copies, hot_expert_spares, naive_spares
 from moeplace.algorithms.smoothed_steps import weighted_union
-from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, place_layer, search_moot,
-                                           search_rows, stepaware)
+from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, cold_replicas, place_layer,
+                                           search_moot, search_rows, stepaware)
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.flow import optimum
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
@@ -242,7 +242,8 @@ def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, f
         base = replace(problem, steps=problem.steps.take(fit_rows), redundant=problem.first_slots - E,
                        dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
         search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)
-        first = place_layer(base, layer, reference, search, base.effort / L)
+        first = place_layer(base, layer, reference, search, base.effort / L,
+                            cold_replicas(step_expert_counts(base.steps, layer).sum(axis=0), base.redundant))
     spares = balanced_replicas.SpareSearch(problem.steps.take(fit_rows[rows]), 0.0, int(rng.integers(2**31)))
     return balanced_replicas.place(problem, layer, first, spares)
 
