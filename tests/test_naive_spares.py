@@ -1,5 +1,6 @@
 """The naive spare-slot layout (the spare-slot baseline): DeepSeek EPLB on the first copies' slots (no spare slots
-where the experts split over the ranks), then one more replica of each of the R hottest experts, on the ranks with fewest extras, nearest first after the expert's own rank.
+where the experts split over the ranks), then one more replica of each of the R hottest experts, on the ranks with
+fewest extras, nearest first after the expert's own rank.
 
 Checked against a plain re-statement of that definition (``naive_reference``), against DeepSeek EPLB for
 the first copies, and by hypothesis for the invariants of any placement.
