@@ -118,10 +118,9 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     cost_model = cost_model or CostModel()
     model = trace.model
     limit = max_steps or DEFAULT_SAMPLE_STEPS
-    total = trace.count(mode)
+    steps, total = trace.load_counted(mode, limit)
     if total == 0:
         raise trace.no_steps_error(mode)
-    steps = trace.load(mode, limit, total=total)
     notes = []
     if steps.num_steps < total:
         notes.append(f"used {steps.num_steps:,} of the trace's {steps_phrase(total, mode)}, evenly spaced "
