@@ -97,7 +97,8 @@ def holdout_cut(num_steps: int, holdout: float) -> int:
 
 def routes_tokens(steps: RoutingSteps) -> bool:
     """Whether any step routes a token to an expert (an id other than -1, or a positive count)."""
-    return bool((steps.topk_ids >= 0).any() or (steps.counts > 0).any())
+    # a maximum, not a mask: the ids of 20,000 Kimi-K2-shaped steps are 60 million
+    return bool((steps.topk_ids.size and steps.topk_ids.max() >= 0) or (steps.counts.size and steps.counts.max() > 0))
 
 
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
