@@ -213,6 +213,33 @@ def test_load_max_steps_is_evenly_spaced(tmp_path, mode, max_steps):
     np.testing.assert_array_equal(got.count_steps, want.count_steps)
 
 
+@pytest.mark.parametrize("mode,max_steps", [("all", 7), ("all", 49), ("all", 50), ("all", 51), ("verify", 5),
+                                            ("verify", 500), ("decode", 1), ("prefill", 3), ("all", None)])
+@pytest.mark.parametrize("source", ["shards", "npz"])
+def test_load_counted_is_load_and_count(tmp_path, mode, max_steps, source):
+    """One pass where every step is kept, two reads otherwise: the steps of ``load`` and the total of ``count``."""
+    if source == "shards":
+        path, _ = _moded_trace(tmp_path, 50, chunk_steps=4)
+    else:
+        path = tmp_path / "ids.npz"
+        _row_coded_npz(path, [0, 40])
+    got, total = open_trace(path, window=2).load_counted(mode, max_steps)
+    want = open_trace(path, window=2).load(mode, max_steps=max_steps)
+    assert total == open_trace(path, window=2).count(mode)
+    for name in ("modes", "num_tokens", "token_offsets", "topk_ids", "count_steps", "counts"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+
+
+def test_load_counted_on_a_damaged_shard_counts_what_load_reads(tmp_path):
+    path, _ = _moded_trace(tmp_path, 20, chunk_steps=8)
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])   # the last chunk cut: the steps before it are read
+    for max_steps in (5, 100):
+        got, total = open_trace(path).load_counted("all", max_steps)
+        assert total == open_trace(path).count("all") == 16
+        assert got.num_steps == min(max_steps, 16)
+
+
 def test_load_in_memory_source_with_stride(tmp_path):
     path = tmp_path / "ids.npz"
     _row_coded_npz(path, [0, 40])

@@ -15,10 +15,13 @@ import zlib
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from moeplace.errors import FormatError, MoeplaceError
 from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
+from moeplace.trace import steps as steps_module
 from moeplace.trace.steps import RoutingSteps, concat_steps
 from moeplace.trace.store import UNFINISHED, CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_chunks, write_trace
 
@@ -575,3 +578,27 @@ def test_npz_views_equal_np_load(shape, dtype, fortran):
     squeezed = io.BytesIO()
     np.savez_compressed(squeezed, **arrays)
     assert _npz_arrays(squeezed.getvalue()) is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(1, 9), st.integers(0, 300), st.integers(0, 2**31 - 1),
+       st.sampled_from([1, 7, 1 << 18]))
+def test_expert_token_counts_is_the_tally_of_every_id(layers, top_k, experts, rows, seed, block):
+    """Against a tally of each (row, layer, k) id in turn, -1 padding skipped, count steps added; with
+    blocks of rows small enough to split the rows anywhere."""
+    rng = np.random.default_rng(seed)
+    model = ModelSpec("m", layers, tuple(range(layers)), experts, min(top_k, experts))
+    top_k = model.top_k
+    ids = rng.integers(-1, experts, (rows, layers, top_k))
+    parts = [RoutingSteps.from_topk(model, ids, [rows], M.DECODE)]
+    counts = rng.integers(0, 5, (2, layers, experts)).astype(float)
+    parts.append(RoutingSteps.from_counts(model, counts, M.EXTEND))
+    steps = concat_steps(parts)
+    want = counts.sum(axis=0)
+    for row, layer, k in np.ndindex(ids.shape):
+        if ids[row, layer, k] >= 0:
+            want[layer, ids[row, layer, k]] += 1
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(steps_module, "COUNT_BLOCK", block)
+        got = steps.expert_token_counts()
+    np.testing.assert_array_equal(got, want)

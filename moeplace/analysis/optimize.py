@@ -97,7 +97,8 @@ def holdout_cut(num_steps: int, holdout: float) -> int:
 
 def routes_tokens(steps: RoutingSteps) -> bool:
     """Whether any step routes a token to an expert (an id other than -1, or a positive count)."""
-    return bool((steps.topk_ids >= 0).any() or (steps.counts > 0).any())
+    # a maximum, not a mask: the ids of 20,000 Kimi-K2-shaped steps are 60 million
+    return bool((steps.topk_ids.size and steps.topk_ids.max() >= 0) or (steps.counts.size and steps.counts.max() > 0))
 
 
 def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes: int = 1, redundant: int = 0,
@@ -118,10 +119,9 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     cost_model = cost_model or CostModel()
     model = trace.model
     limit = max_steps or DEFAULT_SAMPLE_STEPS
-    total = trace.count(mode)
+    steps, total = trace.load_counted(mode, limit)
     if total == 0:
         raise trace.no_steps_error(mode)
-    steps = trace.load(mode, limit, total=total)
     notes = []
     if steps.num_steps < total:
         notes.append(f"used {steps.num_steps:,} of the trace's {steps_phrase(total, mode)}, evenly spaced "

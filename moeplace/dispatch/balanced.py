@@ -246,15 +246,23 @@ def fast_rule(counts: np.ndarray, masks: np.ndarray, ranks: int,
     lengths = pairs.expert_start[multi + 1] - pairs.expert_start[multi]
     by_expert = pairs.by_expert[_ranges(pairs.expert_start[multi], lengths)]
     bounds = np.concatenate([[0], np.cumsum(lengths)])
-    step_sorted, add = step_of[by_expert], (span + tok[by_expert]) * R
-    chosen = np.empty(by_expert.size, np.int64)
-    for e, lo, hi in zip(multi, bounds[:-1], bounds[1:]):
-        ranks_e = np.flatnonzero(bits[e])
-        rows = step_sorted[lo:hi]
-        r = ranks_e[key[rows[:, None], ranks_e].argmin(axis=1)]
-        chosen[lo:hi] = r
-        key[rows, r] += add[lo:hi]
-    pick[flat[by_expert]] = chosen
+    row_cell, add = step_of[by_expert] * R, (span + tok[by_expert]) * R   # flat key index of (step, rank 0)
+    cell = np.empty(by_expert.size, np.int64)                              # the chosen (step, rank) of each pair
+    flat_key = key.reshape(-1)                                             # a view: updates reach key
+    rep_expert, rep_rank = np.nonzero(bits[multi])
+    rank_lists = np.split(rep_rank, np.searchsorted(rep_expert, np.arange(1, multi.size)))
+    for ranks_e, lo, hi in zip(rank_lists, bounds[:-1].tolist(), bounds[1:].tolist()):
+        if lo == hi:
+            continue
+        base = row_cell[lo:hi]
+        if ranks_e.size == 2:   # the usual case, without a [rows, replicas] gather
+            at0, at1 = base + ranks_e[0], base + ranks_e[1]
+            at = np.where(flat_key[at1] < flat_key[at0], at1, at0)   # keys differ by rank: no ties
+        else:
+            at = base + ranks_e[flat_key[base[:, None] + ranks_e].argmin(axis=1)]
+        cell[lo:hi] = at
+        flat_key[at] += add[lo:hi]   # one pair per step of this expert: the cells are distinct
+    pick[flat[by_expert]] = cell - row_cell
     load = key // R
     distinct, tokens = load // span, load % span
     pick = pick.reshape(S, E)
@@ -281,16 +289,25 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         return keep & (top > floor[steps]) if floor is not None else keep
 
     live = np.flatnonzero(needs_path(distinct, np.arange(distinct.shape[0])))   # the steps a path may help
+    if not live.size or max_augment == 0:
+        return
+    M = multi.size
     pick_m = pick[live[:, None], multi].astype(np.int64)                  # [n, M] kept in step with pick
     rows = np.arange(live.size)                                           # live[i]'s row of pick_m
     # the candidate moves, one per (row, active multi-replica expert, replica rank): the expert on its
-    # picked rank a could go to rank b; kept for the rows still live, a move only while a != b
-    rep_expert, rep_rank = np.nonzero(bits[multi])                        # each expert's replica ranks
-    first = np.searchsorted(rep_expert, np.arange(multi.size + 1))
+    # picked rank a could go to rank b; kept for the rows still live, a move only while a != b.
+    # replicas [M, Q]: each expert's replica ranks, ascending, padded with -1
+    rep_expert, rep_rank = np.nonzero(bits[multi])
+    per_expert = np.bincount(rep_expert, minlength=M)
+    first = np.searchsorted(rep_expert, np.arange(M))
+    replicas = np.full((M, int(per_expert.max())), -1, np.int64)
+    replicas[rep_expert, np.arange(rep_expert.size) - first[rep_expert]] = rep_rank
     k, j = np.nonzero(pick_m >= 0)
-    per = first[j + 1] - first[j]
-    all_k, all_j, all_b = np.repeat(k, per), np.repeat(j, per), rep_rank[_ranges(first[j], per)]
-    M = multi.size
+    per = per_expert[j]
+    all_k, all_kj = np.repeat(k, per), np.repeat(k * M + j, per)          # all_kj: the flat index into pick_m
+    all_b = replicas[j].ravel()
+    if per_expert.min() < replicas.shape[1]:
+        all_b = all_b[all_b >= 0]
     position = np.full(live.size, -1)                                     # a pick_m row's place in live
     rounds = 0
     while live.size and (max_augment is None or rounds < max_augment):
@@ -306,10 +323,11 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         position[rows] = np.arange(n)
         if not keep.all():                                                # the rows that left stay gone
             on = np.flatnonzero(position[all_k] >= 0)
-            all_k, all_j, all_b = all_k.take(on), all_j.take(on), all_b.take(on)
-        all_a = pick_m.take(all_k * M + all_j)
+            all_k, all_kj, all_b = all_k.take(on), all_kj.take(on), all_b.take(on)
+        all_a = pick_m.reshape(-1).take(all_kj)
         move = np.flatnonzero(all_a != all_b)
-        ek, ej, ea, eb = position.take(all_k.take(move)), all_j.take(move), all_a.take(move), all_b.take(move)
+        mk = all_k.take(move)
+        ek, ej, ea, eb = position.take(mk), all_kj.take(move) - mk * M, all_a.take(move), all_b.take(move)
         # [5, edges]: row, expert, source rank, and the flat (row, rank) of each end; one take filters them
         edges = np.stack([ek, ej, ea, ek * R + ea, ek * R + eb])
         # breadth first from the ranks at the maximum; level[i * R + r]: moves from them to reach rank r
@@ -324,7 +342,9 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
         depth = np.zeros(n, np.int64)
         t = 0
         while edges.shape[1]:
-            new = np.flatnonzero((level[edges[3]] == t) & (level[edges[4]] < 0))
+            # from the level-t ranks; after the first level every edge left leads to a rank not reached yet
+            at_t = level[edges[3]] == t
+            new = np.flatnonzero(at_t & (level[edges[4]] < 0) if t == 0 else at_t)
             nk, nj, na, _, nb = edges.take(new, axis=1)
             level[nb] = t + 1
             np.minimum.at(parent, nb, na)
@@ -341,7 +361,8 @@ def _augment(counts: np.ndarray, bits: np.ndarray, multi: np.ndarray, pick: np.n
                 target[found] = key[found] % R
                 depth[found] = t
                 searching[found] = False
-            edges = edges.take(np.flatnonzero(searching[edges[0]]), axis=1)
+            # the rows still searching, and of their edges those to ranks not reached yet (no other can be new)
+            edges = edges.take(np.flatnonzero(searching[edges[0]] & (level[edges[4]] < 0)), axis=1)
         ok = target >= 0
         if not ok.any():
             return

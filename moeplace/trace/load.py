@@ -119,6 +119,30 @@ class Trace:
             return RoutingSteps.empty(self.model)
         return concat_steps(parts)
 
+    def load_counted(self, mode: str = "all", max_steps: int | None = None) -> tuple[RoutingSteps, int]:
+        """(``load(mode, max_steps)``, ``count(mode)``), in one pass where the trace holds at most
+        ``max_steps`` steps of ``mode`` (all of them are kept, so the count is theirs): a second read of the
+        file saved. Where it holds more, the pass stops as soon as it has seen more, and the count and the
+        evenly spaced load follow as ``load`` makes them. Memory holds at most ``max_steps`` steps and a chunk."""
+        if not max_steps:
+            steps = self.load(mode)
+            return steps, steps.num_steps
+        parts, seen = [], 0
+        for chunk in self.chunks():
+            idx = np.flatnonzero(M.mode_mask(chunk.modes, mode))
+            seen += idx.size
+            if seen > max_steps:
+                break
+            if idx.size == chunk.num_steps:
+                parts.append(chunk)         # all of it: no copy before the join
+            elif idx.size:
+                parts.append(chunk.take(idx))
+        else:
+            return (concat_steps(parts) if parts else RoutingSteps.empty(self.model)), seen
+        parts.clear()
+        total = self.count(mode)
+        return self.load(mode, max_steps, total=total), total
+
     def no_steps_error(self, mode: str) -> MoeplaceError:
         """The error for a read that found no step of ``mode``: a cut shard first, as the likely cause."""
         if self.damaged:

@@ -18,6 +18,9 @@ from moeplace.errors import MoeplaceError
 from moeplace.model.spec import ModelSpec
 
 
+COUNT_BLOCK = 1 << 18   # (row, layer, k) ids that expert_token_counts counts at once: a block stays in cache
+
+
 @dataclass
 class RoutingSteps:
     """A batch of steps of one trace, with logical expert ids.
@@ -157,9 +160,15 @@ class RoutingSteps:
             return self._expert_tokens[2].copy()
         L, E = self.model.num_moe_layers, self.model.num_experts
         out = self.counts.sum(axis=0) if len(self.counts) else np.zeros((L, E))
-        for layer in range(L):
-            ids = self.topk_ids[:, layer, :].ravel()
-            out[layer] += np.bincount(ids[ids >= 0], minlength=E)
+        # one count over every layer, a block of token rows at a time: layer l's expert e is bin l * (E + 1)
+        # + e + 1, and bin l * (E + 1) collects its -1 (no expert)
+        T, _, K = self.topk_ids.shape
+        bins = (np.arange(L, dtype=np.intp) * (E + 1) + 1)[None, :, None]
+        tally = np.zeros(L * (E + 1), np.int64)
+        rows = max(1, COUNT_BLOCK // max(L * K, 1))
+        for lo in range(0, T, rows):
+            tally += np.bincount((self.topk_ids[lo:lo + rows] + bins).ravel(), minlength=L * (E + 1))
+        out += tally.reshape(L, E + 1)[:, 1:]
         self._expert_tokens = (self.topk_ids, self.counts, out.copy())
         return out
 
