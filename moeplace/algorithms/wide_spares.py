@@ -37,7 +37,7 @@ from __future__ import annotations
 import numpy as np
 
 from moeplace.dispatch.balanced import Dispatch, mask_bits, pack_bits
-from moeplace.dispatch.flow import closure, exact_dispatch
+from moeplace.dispatch.flow import exact_dispatch
 from moeplace.errors import MoeplaceError
 
 ROUNDS = 6                # replicas go in about this many rounds (each re-solves the sampled steps)
@@ -72,19 +72,41 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         dispatch = exact_dispatch(active_f, on, ranks, None if dispatch is None else dispatch.pick)
         gain = replica_gains(active_f, on, ranks, dispatch)
         gain += (active_f.shape[0] * collision_gains(rate, on) + tie_unit * expert_weight / copies)[:, None]
-        total = np.where(allowed, gain, -np.inf)
-        chosen, taken = set(), np.zeros(ranks, np.int64)
-        for k in np.argsort(-total, axis=None, kind="stable"):
-            e, r = divmod(int(k), ranks)
-            if not np.isfinite(total[e, r]) or len(chosen) >= batch:
-                break
-            if taken[r] < room[r] and e not in chosen:
-                chosen.add(e)
-                taken[r] += 1
-                on[e, r] = True
-                copies[e] += 1
-        room -= taken
+        taken = pick_pairs(np.where(allowed, gain, -np.inf), room, batch)     # [E, R] bool
+        on |= taken
+        copies += taken.sum(axis=1)
+        room -= taken.sum(axis=0)
     return pack_bits(on) if np.asarray(masks).ndim == 1 else on
+
+
+def pick_pairs(total: np.ndarray, room: np.ndarray, batch: int) -> np.ndarray:
+    """[E, R] bool: up to ``batch`` pairs (e, r), best ``total [E, R]`` first (ties: lower e, then r), at
+    most one per expert and ``room [R]`` per rank, none at -inf. The best few of E * R are sorted first,
+    all of them only where those run out."""
+    E, R = total.shape
+    flat = total.ravel()
+    taken = np.zeros((E, R), bool)
+    head = min(flat.size, 8 * batch + R)
+    for whole in (False, True):
+        if whole or head == flat.size:
+            order = np.argsort(-flat, kind="stable")
+        else:
+            cut = -np.partition(-flat, head - 1)[head - 1]
+            cand = np.flatnonzero(flat >= cut)                             # the head and its ties, in id order
+            order = cand[np.argsort(-flat[cand], kind="stable")]
+        taken[:] = False
+        chosen, used = set(), np.zeros(R, np.int64)
+        for k in order:
+            e, r = divmod(int(k), R)
+            if not np.isfinite(flat[k]) or len(chosen) >= batch:
+                return taken
+            if used[r] < room[r] and e not in chosen:
+                chosen.add(e)
+                used[r] += 1
+                taken[e, r] = True
+        if whole or order.size == flat.size:
+            return taken
+    return taken
 
 
 def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, chosen: Dispatch | None = None,
@@ -95,36 +117,48 @@ def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, chosen: Dis
     (``flow.exact_dispatch``), where the caller has it."""
     chosen = exact_dispatch(active, masks, ranks) if chosen is None else chosen
     d = chosen.distinct                                                         # [S, R]
-    top = d.max(axis=1)
-    inside = closure(chosen.pick, d, masks)                                     # [S, R]
-    share = 1.0 / (d == top[:, None]).sum(axis=1)                               # [S]
-    light = (~inside & drains(chosen.pick, d, masks)).astype(np.float32)        # [S, R] where a replica helps
-    pick = chosen.pick.astype(np.int64)
-    in_closure = (pick >= 0) & np.take_along_axis(inside, np.maximum(pick, 0), axis=1)   # [S, E]
-    weighted = (in_closure * share[:, None]).astype(np.float32)
-    exact = weighted.T @ light                                                  # [E, R]
-    if not shrink or not d.shape[0]:
+    S, E = chosen.pick.shape
+    if not S:
+        return np.zeros((E, ranks))
+    top = d.max(axis=1, keepdims=True)
+    source, dest = moves(chosen.pick, masks, ranks)
+    inside = reach(d == top, source, dest)                                      # [S, R] the closure
+    light = ~inside & reach(d <= top - 2, dest, source)                         # [S, R] where a replica helps
+    share = 1.0 / (d == top).sum(axis=1)                                        # [S]
+    step, expert = np.nonzero(chosen.pick >= 0)
+    rank = chosen.pick[step, expert].astype(np.int64)
+    keep = inside[step, rank]                                                   # active experts in the closure
+    step, expert = step[keep], expert[keep]
+    row, rank = np.nonzero(light[step])
+    exact = np.bincount(expert[row] * ranks + rank, weights=share[step[row]], minlength=E * ranks).reshape(E, ranks)
+    if not shrink:
         return exact
-    return (1 - shrink) * exact + shrink * np.outer(weighted.sum(axis=0), light.mean(axis=0))
+    per_expert = np.bincount(expert, weights=share[step], minlength=E)
+    return (1 - shrink) * exact + shrink * np.outer(per_expert, light.mean(axis=0))
 
 
-def drains(pick: np.ndarray, distinct: np.ndarray, masks: np.ndarray) -> np.ndarray:
-    """[S, R] bool: the ranks from which moves "an expert on rank a to its replica on rank b" reach a rank
-    at load <= M - 2 (M: the step's maximum), given an exact dispatch (pick [S, E], distinct [S, R]):
-    a rank that takes one more expert and passes the one it holds on along such moves."""
-    S, R = distinct.shape
-    bits = mask_bits(masks, R)
+def moves(pick: np.ndarray, masks: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(source, dest) [N] flat step * R + rank: every move "an active expert on rank a to another of its
+    replicas, on rank b" of the exact dispatch ``pick [S, E]`` (``flow.exact_dispatch``)."""
+    bits = mask_bits(masks, ranks)
     step, expert = np.nonzero((pick >= 0) & (bits.sum(axis=1) > 1))     # the experts that can move
-    rep_expert, rep_rank = np.nonzero(bits[expert])                       # each active expert's replica ranks
+    rep_expert, rep_rank = np.nonzero(bits[expert])                       # each such expert's replica ranks
     s = step[rep_expert]
-    source = s * R + pick[s, expert[rep_expert]].astype(np.int64)        # the moves, as flat (step, rank)
-    dest = s * R + rep_rank
-    reached = (distinct <= distinct.max(axis=1, keepdims=True) - 2).ravel()
+    a = pick[s, expert[rep_expert]].astype(np.int64)
+    move = a != rep_rank
+    return (s * ranks + a)[move], (s * ranks + rep_rank)[move]
+
+
+def reach(start: np.ndarray, frm: np.ndarray, to: np.ndarray) -> np.ndarray:
+    """[S, R] bool: the cells reached from ``start [S, R]`` along the flat edges frm -> to, and ``start``.
+    Forward along the moves (frm = source) it is ``flow.closure`` from the busiest ranks; backward
+    (frm = dest) from the ranks at load <= M - 2 it gives the ranks that *drain* (module docstring)."""
+    reached = start.ravel().copy()
     while True:
-        grow = reached[dest] & ~reached[source]
+        grow = reached[frm] & ~reached[to]
         if not grow.any():
-            return reached.reshape(S, R)
-        reached[source[grow]] = True
+            return reached.reshape(start.shape)
+        reached[to[grow]] = True
 
 
 def collision_gains(rate: np.ndarray, on: np.ndarray, weights: dict[int, float] = COLLISION_WEIGHTS) -> np.ndarray:
