@@ -40,7 +40,7 @@ from moeplace.dispatch.balanced import Dispatch, mask_bits, pack_bits
 from moeplace.dispatch.flow import exact_dispatch
 from moeplace.errors import MoeplaceError
 
-ROUNDS = 6                # replicas go in about this many rounds (each re-solves the sampled steps)
+ROUNDS = 10               # replicas go in about this many rounds (each re-solves the sampled steps)
 SHRINK = 0.3              # share of a pair's gain taken from its expert's total x the rank's light share
 COLLISION_WEIGHTS = {2: 1.0, 3: 2.0}   # k: weight of P(k single-replica experts active on one rank)
 
