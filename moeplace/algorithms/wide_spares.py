@@ -17,7 +17,8 @@ is partly luck, and the spares it picks fix the sampled steps better than the ne
 ~0.15 below held-out on Kimi-K2-shaped routing at 64 ranks). Two terms that read steady statistics
 instead pull toward spares that help on unseen steps:
 
-- each pair's gain is shrunk (SHRINK) toward its expert's total times the rank's share of light steps;
+- each pair's gain is shrunk (SHRINK) toward its expert's total times the rank's share of steps where
+  it drains;
 - a *collision* term per expert: an expert with a single replica collides on its rank with the rank's
   other single-replica experts; with activations independent at their sampled rates, a second replica
   lowers P(k or more such experts active on the rank) by p_e * P(k - 1 of the others active). Summed
@@ -27,7 +28,8 @@ Per layer, in rounds:
 
 1. dispatch the sampled steps exactly; find each step's closure and the ranks that drain;
 2. gain of (e, r) = sum over the steps where e is active inside the closure and r drains outside it
-   (one matrix product, [E, S] x [S, R]), shrunk, plus e's collision term;
+   (one count over the active experts in closures and the ranks that drain), shrunk, plus e's
+   collision term;
 3. add the best pairs of distinct experts, each rank at most its free slots, ties toward the busiest
    expert per replica, then the lower expert id and rank.
 """
@@ -40,7 +42,7 @@ from moeplace.dispatch.balanced import Dispatch, mask_bits, pack_bits
 from moeplace.dispatch.flow import exact_dispatch
 from moeplace.errors import MoeplaceError
 
-ROUNDS = 10               # replicas go in about this many rounds (each re-solves the sampled steps)
+ROUNDS = 6                # replicas go in about this many rounds (each re-solves the sampled steps)
 SHRINK = 0.3              # share of a pair's gain taken from its expert's total x the rank's light share
 COLLISION_WEIGHTS = {2: 1.0, 3: 2.0}   # k: weight of P(k single-replica experts active on one rank)
 
@@ -63,6 +65,7 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     tie_unit = 1e-6 / max(float(expert_weight.max(initial=0)), 1e-12)
     active_f = np.asarray(active, np.float32)
     rate = active_f.mean(axis=0) if active_f.shape[0] else np.zeros(on.shape[0], np.float32)   # [E]
+    num_steps = active_f.shape[0]
     dispatch = None
     while room.sum():
         allowed = ~on & (room > 0)[None, :]
@@ -70,8 +73,14 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
             raise MoeplaceError("no expert can take another replica: spare slots exceed what ranks can hold")
         # each round's dispatch starts from the last one's: the replicas added since open a few paths
         dispatch = exact_dispatch(active_f, on, ranks, None if dispatch is None else dispatch.pick)
-        gain = replica_gains(active_f, on, ranks, dispatch)
-        gain += (active_f.shape[0] * collision_gains(rate, on) + tie_unit * expert_weight / copies)[:, None]
+        open_steps = dispatch.distinct.max(axis=1) > 1      # a step at max 1 stays there: no gain to read
+        if not open_steps.all():
+            active_f = active_f[open_steps]
+            dispatch = Dispatch(*(x[open_steps] for x in (dispatch.pick, dispatch.distinct, dispatch.tokens,
+                                                           dispatch.augments)))
+        step, expert = np.nonzero(active_f)                                     # [N] the active pairs
+        gain = pair_gains(step, expert, dispatch, on, SHRINK, num_steps)
+        gain += (num_steps * collision_gains(rate, on) + tie_unit * expert_weight / copies)[:, None]
         taken = pick_pairs(np.where(allowed, gain, -np.inf), room, batch)     # [E, R] bool
         on |= taken
         copies += taken.sum(axis=1)
@@ -81,30 +90,31 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
 
 def pick_pairs(total: np.ndarray, room: np.ndarray, batch: int) -> np.ndarray:
     """[E, R] bool: up to ``batch`` pairs (e, r), best ``total [E, R]`` first (ties: lower e, then r), at
-    most one per expert and ``room [R]`` per rank, none at -inf. The best few of E * R are sorted first,
-    all of them only where those run out."""
+    most one per expert and ``room [R]`` per rank, none at -inf. The pairs at least as good as the
+    4 * batch-th best expert's best pair are sorted first, all of them only where those run out."""
     E, R = total.shape
     flat = total.ravel()
+    best = total.max(axis=1)                                               # [E] each expert's best pair
+    k = min(E, 4 * batch)
+    cut = np.partition(best, E - k)[E - k] if k < E else -np.inf
     taken = np.zeros((E, R), bool)
-    head = min(flat.size, 8 * batch + R)
-    for whole in (False, True):
-        if whole or head == flat.size:
-            order = np.argsort(-flat, kind="stable")
-        else:
-            cut = -np.partition(-flat, head - 1)[head - 1]
-            cand = np.flatnonzero(flat >= cut)                             # the head and its ties, in id order
+    for order in (None, "whole"):
+        if order is None and cut > -np.inf:
+            cand = np.flatnonzero(flat >= cut)                             # a prefix of the order, in id order
             order = cand[np.argsort(-flat[cand], kind="stable")]
+        else:
+            order = np.argsort(-flat, kind="stable")
         taken[:] = False
-        chosen, used = set(), np.zeros(R, np.int64)
-        for k in order:
-            e, r = divmod(int(k), R)
-            if not np.isfinite(flat[k]) or len(chosen) >= batch:
+        chosen, used = set(), [int(x) for x in room]
+        for k, ok in zip(order.tolist(), np.isfinite(flat[order]).tolist()):
+            e, r = divmod(k, R)
+            if not ok or len(chosen) >= batch:
                 return taken
-            if used[r] < room[r] and e not in chosen:
+            if used[r] and e not in chosen:
                 chosen.add(e)
-                used[r] += 1
+                used[r] -= 1
                 taken[e, r] = True
-        if whole or order.size == flat.size:
+        if order.size == flat.size:
             return taken
     return taken
 
@@ -116,37 +126,54 @@ def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, chosen: Dis
     taken from e's total times r's share of steps where it drains; chosen: their exact dispatch
     (``flow.exact_dispatch``), where the caller has it."""
     chosen = exact_dispatch(active, masks, ranks) if chosen is None else chosen
+    step, expert = np.nonzero(chosen.pick >= 0)
+    return pair_gains(step, expert, chosen, mask_bits(masks, ranks), shrink)
+
+
+def pair_gains(step: np.ndarray, expert: np.ndarray, chosen: Dispatch, on: np.ndarray, shrink: float,
+               num_steps: int | None = None) -> np.ndarray:
+    """``replica_gains`` from the active (step, expert) pairs [N] of the dispatched steps and the replica
+    ranks ``on [E, R]`` (bool); num_steps: the steps the rank's share of draining steps is over (more than
+    those dispatched where the others, at max 1, have none)."""
     d = chosen.distinct                                                         # [S, R]
-    S, E = chosen.pick.shape
-    if not S:
-        return np.zeros((E, ranks))
+    E, R = on.shape
+    if not d.shape[0]:
+        return np.zeros((E, R))
+    num_steps = d.shape[0] if num_steps is None else num_steps
     top = d.max(axis=1, keepdims=True)
-    source, dest = moves(chosen.pick, masks, ranks)
+    rank = chosen.pick[step, expert].astype(np.int64)                           # [N] where each pair went
+    source, dest = moves(step, expert, rank, on)
     inside = reach(d == top, source, dest)                                      # [S, R] the closure
     light = ~inside & reach(d <= top - 2, dest, source)                         # [S, R] where a replica helps
     share = 1.0 / (d == top).sum(axis=1)                                        # [S]
-    step, expert = np.nonzero(chosen.pick >= 0)
-    rank = chosen.pick[step, expert].astype(np.int64)
     keep = inside[step, rank]                                                   # active experts in the closure
     step, expert = step[keep], expert[keep]
-    row, rank = np.nonzero(light[step])
-    exact = np.bincount(expert[row] * ranks + rank, weights=share[step[row]], minlength=E * ranks).reshape(E, ranks)
+    row, col = np.nonzero(light[step])
+    exact = np.bincount(expert[row] * R + col, weights=share[step[row]], minlength=E * R).reshape(E, R)
     if not shrink:
         return exact
     per_expert = np.bincount(expert, weights=share[step], minlength=E)
-    return (1 - shrink) * exact + shrink * np.outer(per_expert, light.mean(axis=0))
+    return (1 - shrink) * exact + shrink * np.outer(per_expert, light.sum(axis=0) / num_steps)
 
 
-def moves(pick: np.ndarray, masks: np.ndarray, ranks: int) -> tuple[np.ndarray, np.ndarray]:
-    """(source, dest) [N] flat step * R + rank: every move "an active expert on rank a to another of its
-    replicas, on rank b" of the exact dispatch ``pick [S, E]`` (``flow.exact_dispatch``)."""
-    bits = mask_bits(masks, ranks)
-    step, expert = np.nonzero((pick >= 0) & (bits.sum(axis=1) > 1))     # the experts that can move
-    rep_expert, rep_rank = np.nonzero(bits[expert])                       # each such expert's replica ranks
-    s = step[rep_expert]
-    a = pick[s, expert[rep_expert]].astype(np.int64)
-    move = a != rep_rank
-    return (s * ranks + a)[move], (s * ranks + rep_rank)[move]
+def moves(step: np.ndarray, expert: np.ndarray, rank: np.ndarray, on: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source, dest) [M] flat step * R + rank: every move "an active expert on rank a to another of its
+    replicas, on rank b" of an exact dispatch that sent the active pairs (step, expert) [N] to ``rank``
+    [N], under the replica ranks ``on [E, R]`` (bool)."""
+    R = on.shape[1]
+    copies = on.sum(axis=1)
+    held_by, held_on = np.nonzero(on)                                     # replicas, by expert
+    first = np.searchsorted(held_by, np.arange(on.shape[0]))             # [E] each expert's first replica
+    multi = copies[expert] > 1                                            # the pairs that can move
+    step, expert, rank = step[multi], expert[multi], rank[multi]
+    n = copies[expert]
+    pair = np.repeat(np.arange(expert.size), n)                           # one row per (pair, replica)
+    replica = first[expert][pair] + np.arange(pair.size) - np.repeat(np.cumsum(n) - n, n)
+    b = held_on[replica]
+    a = rank[pair]
+    move = a != b
+    s = step[pair][move] * R
+    return s + a[move], s + b[move]
 
 
 def reach(start: np.ndarray, frm: np.ndarray, to: np.ndarray) -> np.ndarray:
