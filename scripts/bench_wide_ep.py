@@ -7,7 +7,8 @@ Baseline: SGLang's `deepseek` and `deepseek_hierarchical` (sglang.srt.eplb.eplb_
 one expert group per node), fitted on the same steps with the same slots; the naive spare layout (DeepSeek EPLB
 plus a replica of the hottest experts, moeplace.algorithms.baselines.naive_spares); and the per-step bound
 (ceil(distinct experts / ranks)). Every row is scored on the same held-out steps (the last 30%) under the same
-dispatch rule: balanced where the experts split evenly over the ranks (its first copies), else SGLang's dynamic.
+dispatch rule, moeplace's balanced one (where the experts do not split over the ranks, the first copies replicate
+the hottest until they do: moeplace.algorithms.first_copy_slots).
 Over nodes, each row's cross-node token traffic on the same held-out steps (moeplace.dispatch.traffic): the share
 of (token, expert) sends received on another node than the step's source rank under that rule, and under SGLang's
 static rule (DeepEP: a source rank keeps its own node's replica where one is), the SYNTHETIC steps spread over the
@@ -119,8 +120,7 @@ def bench_width(trace: Path, shape_experts: int, ranks: int, work: Path) -> list
     from moeplace.trace.load import open_trace
 
     spares = spare_slots(shape_experts, ranks)
-    balanced = shape_experts % ranks == 0
-    dispatch = "balanced" if balanced else "dynamic"
+    dispatch = "balanced"
     rows = []
     for nodes in ([1] if ranks < 16 else [1, ranks // GPUS_PER_NODE]):
         out = work / f"{trace.stem}-{ranks}-{nodes}.json"
@@ -137,9 +137,8 @@ def bench_width(trace: Path, shape_experts: int, ranks: int, work: Path) -> list
         placements = {"moeplace": out, "sglang deepseek": flat}
         if nodes > 1 and shape_experts % nodes == 0:   # SGLang's hierarchy needs the groups (one a node) to split
             placements["sglang deepseek_hierarchical"] = sglang_placement(weight, slots, ranks, nodes, True)
-        if balanced:
-            problem = PlacementProblem(tr.model, fit, ranks, nodes=nodes, redundant=spares, dispatch="balanced")
-            placements["naive spares"] = solve("naive-spares", problem)
+        problem = PlacementProblem(tr.model, fit, ranks, nodes=nodes, redundant=spares, dispatch=dispatch)
+        placements["naive spares"] = solve("naive-spares", problem)
         scores = score(trace, placements, ranks, nodes, dispatch)
         rows.append({"trace": trace.stem, "ranks": ranks, "nodes": nodes, "spares": spares, "dispatch": dispatch,
                      "optimize_wall_s": wall, "optimize_cpu_s": cpu, "sglang_deepseek_s": sglang_s, **scores})

@@ -8,6 +8,7 @@ The DeepSeek EPLB port itself is checked against SGLang in ``test_deepseek_eplb.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,8 @@ from hypothesis import strategies as st
 
 from moeplace.algorithms import ALGORITHMS, PlacementProblem, get_algorithm, solve
 from moeplace.algorithms.baselines import separate_replicas
-from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, greedy_place, item_activity,
+from moeplace.algorithms.robust import robust_spares
+from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, cold_replicas, greedy_place, item_activity,
                                            order_replicas, replica_counts, swap_deltas)
 from moeplace.analysis.optimize import split_steps
 from moeplace.dispatch.loads import balancedness, layer_rank_loads
@@ -440,18 +442,25 @@ def test_property_every_algorithm_valid(problem, name):
         with pytest.raises(MoeplaceError, match="not divisible"):
             solve(name, problem)
         return
-    if name == "naive-spares" and problem.model.num_experts % problem.ranks:
-        with pytest.raises(MoeplaceError, match="split evenly"):   # one copy of each expert first
-            solve(name, problem)
-        return
     assert_valid_placement(solve(name, problem), problem)
+
+
+@PROPERTY
+@given(problems())
+def test_property_balanced_spares_valid_whether_or_not_experts_split(problem):
+    # under balanced dispatch the first copies fill ceil(E / R) slots a rank (replicas where E % R), the rest
+    # are spare slots the search places; the out-of-fold choice picks among layouts placed the same way
+    problem = replace(problem, dispatch="balanced")
+    assert problem.spares_left == problem.num_physical - problem.ranks * -(-problem.model.num_experts // problem.ranks)
+    assert_valid_placement(solve("stepaware", problem), problem)
+    if problem.spares_left:
+        assert_valid_placement(robust_spares(problem)[0], problem)
 
 
 @PROPERTY
 @given(problems(), st.sampled_from(sorted(ALGORITHMS)))
 def test_property_same_seed_same_placement(problem, name):
-    if name == "deepseek-hierarchical" and problem.model.num_experts % problem.nodes \
-            or name == "naive-spares" and problem.model.num_experts % problem.ranks:
+    if name == "deepseek-hierarchical" and problem.model.num_experts % problem.nodes:
         return
     first = solve(name, problem)
     again = PlacementProblem(problem.model, problem.steps, problem.ranks, nodes=problem.nodes,
@@ -536,3 +545,29 @@ def test_stepaware_dynamic_with_replicas_not_worse_than_contiguous_on_fitted_ste
     problem = PlacementProblem(model, steps, 3, redundant=5, dispatch="dynamic", seed=8)
     assert e_max_distinct(steps, solve("stepaware", problem), 3) \
         <= e_max_distinct(steps, solve("contiguous", problem), 3)
+
+
+@pytest.mark.parametrize("experts, ranks, redundant", [
+    (40, 24, 8),      # the spare slots only even out the first copies
+    (40, 24, 32),     # and one more a rank for the search
+    (256, 144, 32),   # DeepSeek-V3 on 144 GPUs, 256 routed experts and 32 redundant
+])
+def test_balanced_spares_on_many_ranks_where_experts_do_not_split(experts, ranks, redundant):
+    model = tiny_model(experts, top_k=8)
+    problem = PlacementProblem(model, tiny_steps(model, 120, ranks, seed=2), ranks, redundant=redundant,
+                               dispatch="balanced")
+    placed = solve("stepaware", problem)
+    assert_valid_placement(placed, problem)
+    assert_valid_placement(solve("naive-spares", problem), problem)
+    if problem.spares_left:
+        assert_valid_placement(robust_spares(problem)[0], problem)
+    # the replicas that even out the first copies go to busy experts, as DeepSeek EPLB's would
+    weight = problem.steps.expert_token_counts()[0]
+    copies = np.bincount(placed[0], minlength=experts)
+    assert weight[copies > 1].mean() >= weight[copies == 1].mean()
+
+
+def test_cold_replicas_go_to_the_coldest_experts():
+    weight = np.array([5.0, 1.0, 3.0, 1.0, 9.0])
+    np.testing.assert_array_equal(cold_replicas(weight, 3), [1, 2, 2, 2, 1])   # ties: the lower id first
+    np.testing.assert_array_equal(cold_replicas(weight, 0), np.ones(5))

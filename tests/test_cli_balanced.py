@@ -69,15 +69,19 @@ def test_bad_spare_slot_requests(tmp_path, capsys, args, fragments):
     assert_nothing_written(out_dir)
 
 
-def test_balanced_needs_experts_to_split_over_ranks(tmp_path, capsys):
-    trace = topk_npz(tmp_path / "t.npz", num_experts=12, steps=30, layers=2)
-    out_dir = tmp_path / "out"
-    out_dir.mkdir()
-    code, _, err = run_main(capsys, "optimize", trace, "--ranks", "8", "--dispatch", "balanced", "--redundant", "4",
-                            "-o", out_dir / "p.json")
-    assert code == 2
-    assert_one_line_error(err, "12 experts must split evenly over 8 ranks")
-    assert_nothing_written(out_dir)
+@pytest.mark.parametrize("redundant", [4, 12])
+def test_balanced_where_experts_do_not_split_over_ranks(tmp_path, capsys, redundant):
+    # 12 experts on 8 ranks: the first copies take 16 slots (4 replicas make them even), the rest are spare
+    # slots the search places (none with 4, one a rank with 12)
+    trace = topk_npz(tmp_path / "t.npz", num_experts=12, steps=60, layers=2)
+    out = tmp_path / "p.json"
+    code, stdout, err = run_main(capsys, "optimize", trace, "--ranks", "8", "--dispatch", "balanced", "--redundant",
+                                 str(redundant), "-o", out)
+    assert code == 0, err
+    placement = load_placement(out)
+    check_placement(placement)
+    assert placement.phy2log.shape == (2, 12 + redundant)
+    assert ("spare slots: '" in stdout + err) == (redundant > 4)   # the out-of-fold choice, where slots are left
 
 
 def test_report_and_compare_under_balanced_dispatch(tmp_path, capsys):

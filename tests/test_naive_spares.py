@@ -1,5 +1,6 @@
-"""The naive spare-slot layout (the spare-slot baseline): DeepSeek EPLB without spare slots, then one more replica
-of each of the R hottest experts, on the ranks with fewest extras, nearest first after the expert's own rank.
+"""The naive spare-slot layout (the spare-slot baseline): DeepSeek EPLB on the first copies' slots (no spare slots
+where the experts split over the ranks), then one more replica of each of the R hottest experts, on the ranks with
+fewest extras, nearest first after the expert's own rank.
 
 Checked against a plain re-statement of that definition (``naive_reference``), against DeepSeek EPLB for
 the first copies, and by hypothesis for the invariants of any placement.
@@ -14,7 +15,6 @@ from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
 from moeplace.algorithms.baselines import hot_expert_spares
-from moeplace.errors import MoeplaceError
 from moeplace.files.placement import Placement, check_placement
 from test_algorithms import tiny_model, tiny_steps
 
@@ -94,10 +94,18 @@ def test_first_copies_are_deepseek_eplb_and_spares_the_hottest():
             assert rank_sets(plain[layer], 4)[r] <= experts
 
 
-def test_needs_experts_to_split_over_ranks():
+@pytest.mark.parametrize("redundant", [2, 6])
+def test_where_experts_do_not_split_the_first_copies_replicate_the_hottest(redundant):
+    # 10 experts on 4 ranks: DeepSeek EPLB on 12 slots (the 2 hottest twice) evens out the ranks, then the
+    # spare slots left go to the hottest by the definition
     model = tiny_model(10, top_k=2, num_moe_layers=1)
-    with pytest.raises(MoeplaceError, match="split evenly"):
-        solve("naive-spares", PlacementProblem(model, tiny_steps(model, 20, 4, 0), 4, redundant=2))
+    steps = tiny_steps(model, 200, 4, 0)
+    phy2log = solve("naive-spares", PlacementProblem(model, steps, 4, redundant=redundant))
+    check_placement(Placement(model, 4, phy2log))
+    first = solve("deepseek", PlacementProblem(model, steps, 4, redundant=2))[0]
+    weight = steps.expert_token_counts()[0]
+    assert rank_sets(phy2log[0], 4) == rank_sets(hot_expert_spares(first, weight, 4, redundant - 2), 4)
+    assert set(np.flatnonzero(np.bincount(first, minlength=10) == 2)) == set(np.argsort(-weight, kind="stable")[:2])
 
 
 @PROPERTY

@@ -39,7 +39,8 @@ TINY_DSV3 = {
     "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
 }
 SHAPES = [(2, 0), (2, 2), (4, 0), (4, 4), (4, 12), (8, 0), (8, 8),   # (ranks, redundant)
-          (16, 16), (64, 48), (128, 112), (128, 240)]                   # wide EP: 1 or 2 slots per rank
+          (16, 16), (64, 48), (128, 112), (128, 240),                   # wide EP: 1 or 2 slots per rank
+          (12, 8), (144, 128)]                                          # the experts do not split over the ranks
 
 
 def random_placement(spec: ModelSpec, ranks: int, redundant: int, seed: int) -> Placement:

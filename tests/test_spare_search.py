@@ -13,11 +13,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.balanced_replicas import SMOOTHING_SHARES, choose_smoothing
+from moeplace.algorithms import wide_spares
+from moeplace.algorithms.balanced_replicas import SMOOTHING_SHARES, choose_smoothing, first_copies_and_room
 from moeplace.algorithms.replica_exchange import StepTables, _exchange_gains, exchange_masks
 from moeplace.algorithms.smoothed_steps import independent_steps, with_smoothed_steps
-from moeplace.dispatch.balanced import replica_layout, step_expert_counts
+from moeplace.dispatch.balanced import mask_bits, pack_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.exact import step_optimum, subset_counts, subset_sizes
+from moeplace.dispatch.flow import optimum
 from moeplace.model.spec import ModelSpec
 from moeplace.trace.synthetic import synthetic_steps
 
@@ -163,3 +165,64 @@ def test_never_worse_than_the_naive_layout_on_held_out_steps(fit_steps, spare):
     ours = solve("stepaware", PlacementProblem(model, fit, 8, redundant=spare, dispatch="balanced"))
     naive = solve("naive-spares", PlacementProblem(model, fit, 8, redundant=spare))
     assert held_out_optimum(ours, held, 8) <= held_out_optimum(naive, held, 8)
+
+
+@PROPERTY
+@given(st.integers(2, 24), st.integers(1, 40), st.integers(0, 3), st.integers(0, 2**31 - 1))
+def test_property_first_copies_and_room_against_a_loop(ranks, experts, per_rank, seed):
+    """One copy of each expert where its first slot is, and each rank's free slots, against a plain loop over a
+    layout whose ranks hold some experts twice over (the replicas that even out E % R, and spare ones)."""
+    rng = np.random.default_rng(seed)
+    spr = -(-experts // ranks) + per_rank
+    if spr > experts:
+        return
+    # every expert once, then replicas, no rank holding an expert twice
+    rank_experts = [[] for _ in range(ranks)]
+    for e in range(experts):
+        rank_experts[e % ranks].append(e)
+    for r in range(ranks):
+        others = [e for e in rng.permutation(experts) if e not in rank_experts[r]]
+        rank_experts[r] += others[:spr - len(rank_experts[r])]
+    base = np.concatenate([rng.permutation(x) for x in rank_experts])
+    masks, room = first_copies_and_room(base, experts, ranks, spr + 1)
+    on = mask_bits(masks, ranks)
+    for e in range(experts):
+        first_slot = int(np.flatnonzero(base == e)[0])
+        assert np.flatnonzero(on[e]).tolist() == [first_slot // spr]
+    assert room.tolist() == [spr + 1 - int(on[:, r].sum()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("ranks, experts, per_rank", [(16, 40, 1), (24, 40, 2), (70, 100, 1)])
+def test_wide_spares_fill_uneven_room_exactly(ranks, experts, per_rank):
+    """Where the experts do not split over the ranks, ranks start with unequal room; the wide search fills
+    each exactly, never puts an expert twice on a rank, and lowers the optimum on the fitted steps."""
+    rng = np.random.default_rng(ranks)
+    spr = -(-experts // ranks) + per_rank
+    on = np.zeros((experts, ranks), bool)
+    on[np.arange(experts), np.arange(experts) % ranks] = True
+    room = spr - on.sum(axis=0)
+    active = rng.random((200, experts)) < 12 / experts
+    masks = pack_bits(on)
+    more = mask_bits(wide_spares.add_replicas(active, masks, ranks, room, active.sum(axis=0)), ranks)
+    assert (more.sum(axis=0) == spr).all() and (more >= on).all()
+    assert optimum(active, pack_bits(more), ranks).mean() < optimum(active, masks, ranks).mean()
+
+
+@PROPERTY
+@given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 20), st.integers(0, 2**31 - 1))
+def test_property_best_pairs_is_the_sorted_scan(experts, ranks, batch, seed):
+    """The wide search's pairs of a round against a scan of every pair in sorted order, ties included."""
+    rng = np.random.default_rng(seed)
+    total = rng.integers(0, 4, (experts, ranks)).astype(float)
+    total[rng.random((experts, ranks)) < 0.3] = -np.inf
+    room = rng.integers(0, 3, ranks)
+    total[:, room == 0] = -np.inf
+    kept, taken = [], np.zeros(ranks, int)
+    for k in np.argsort(-total, axis=None, kind="stable"):
+        e, r = divmod(int(k), ranks)
+        if not np.isfinite(total[e, r]) or len(kept) >= batch:
+            break
+        if taken[r] < room[r] and all(e != c for c, _ in kept):
+            kept.append((e, r))
+            taken[r] += 1
+    assert wide_spares.best_pairs(total, room, batch) == kept

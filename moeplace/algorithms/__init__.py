@@ -43,6 +43,16 @@ class PlacementProblem:
     def num_physical(self) -> int:
         return self.model.num_experts + self.redundant
 
+    @property
+    def first_slots(self) -> int:
+        """Slots of the first copies under balanced dispatch with spare slots (``first_copy_slots``)."""
+        return first_copy_slots(self.model.num_experts, self.ranks)
+
+    @property
+    def spares_left(self) -> int:
+        """Spare slots beyond the first copies: what a spare-slot search places (a multiple of the ranks)."""
+        return self.num_physical - self.first_slots
+
     def check(self) -> None:
         """Raise MoeplaceError if no placement can satisfy the problem."""
         E, P, R = self.model.num_experts, self.num_physical, self.ranks
@@ -58,9 +68,13 @@ class PlacementProblem:
         if P // R > E:
             raise MoeplaceError(f"{P // R} slots per rank exceed the {E} experts: some rank would hold two "
                                 f"replicas of one expert")
-        if self.dispatch == "balanced" and self.redundant and E % R:
-            raise MoeplaceError(f"balanced dispatch with spare slots places one copy of each expert first: "
-                                f"the {E} experts must split evenly over {R} ranks")
+
+
+def first_copy_slots(experts: int, ranks: int) -> int:
+    """Slots a layout fills before its spare slots: one copy of each expert, and as many replicas more as it
+    takes for every rank to hold the same number (``experts + (-experts) % ranks``; 384 experts on 144 ranks:
+    432, three a rank). The spare slots beyond them then split evenly over the ranks too."""
+    return experts + (-experts) % ranks
 
 
 ALGORITHMS: dict[str, str] = {

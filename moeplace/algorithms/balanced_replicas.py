@@ -10,7 +10,8 @@ and was only one expert over M - 1 ("fragile"); that is, when e is active, e's r
 intersection of the tight sets, and r lies outside their union. So the gain of every (expert, rank)
 pair over all steps is one matrix product, exact. Per layer:
 
-1. start from a placement without spare slots (``stepaware``'s), each rank with R_spare / R free slots;
+1. start from the first copies (``stepaware``'s: one copy of each expert, replicas where the experts do not
+   split over the ranks), each rank with as many free slots;
 2. the steps to fit: a sample of the fitted steps, and, for a share of the objective chosen by
    cross-validation on the fitted steps (``choose_smoothing``), smoothed steps without co-activation
    (``smoothed_steps``), so that a short capture's one-off co-activations do not decide the last
@@ -38,11 +39,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.algorithms.baselines import first_copies
 from moeplace.algorithms.replica_exchange import exchange_masks
 from moeplace.algorithms import wide_spares
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
-from moeplace.dispatch.balanced import mask_bits, replica_layout, step_expert_counts
+from moeplace.dispatch.balanced import mask_bits, pack_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.exact import by_size, step_optimum, subset_counts, subset_sizes
 from moeplace.dispatch.flow import HALL_MAX_RANKS
 from moeplace.errors import MoeplaceError
@@ -139,10 +140,10 @@ def spare_rounds_batch(spare: int) -> int:
     return int(min(max(spare // MIN_ROUNDS, 1), BATCH_MAX))
 
 
-def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int,
+def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, room: int | np.ndarray,
                  expert_weight: np.ndarray, step_weight: np.ndarray | None = None,
                  max_copies: np.ndarray | None = None, min_copies: np.ndarray | None = None) -> np.ndarray:
-    """New replica masks [E] after adding ``spare_per_rank`` replicas to every rank.
+    """New replica masks [E] after adding ``room`` replicas to every rank (one count, or [R] per rank).
 
     active: [S, E] bool, the steps to fit; masks: [E] replica ranks before (bit sets);
     expert_weight: [E] breaks ties toward the busiest expert per replica; step_weight: [S] what each
@@ -175,8 +176,8 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
     # replicas spread over experts rather than pile onto the busiest one.
     tie_unit = 1e-6 * float(step_weight.min(initial=1.0)) / max(float(expert_weight.max(initial=0)), 1e-12)
     copies = mask_bits(masks, ranks).sum(axis=1)
-    room = np.full(ranks, spare_per_rank)
-    batch = spare_rounds_batch(spare_per_rank * ranks)
+    room = np.broadcast_to(np.asarray(room, np.int64), (ranks,)).copy()
+    batch = spare_rounds_batch(int(room.sum()))
     is_chosen = np.zeros(E, bool)
     while room.sum():
         allowed = ((masks[:, None] & rank_bits) == 0) & (room > 0)[None, :]
@@ -298,17 +299,18 @@ def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
         counts = [step_expert_counts(half, int(layer)) for half in halves]
         for fit, test in ((0, 1), (1, 0)):
             weight = counts[fit].sum(axis=0)
-            base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
+            base = first_copies(weight[None].astype(np.float64), problem.first_slots, R)[0]
             active = counts[fit] > 0
             if active.shape[0] > sample:
                 active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
             for i, share in enumerate(SMOOTHING_SHARES):
                 steps, step_weight = with_smoothed_steps(active, share, sample // 2, rng)
-                fits.append((i, steps, step_weight, replica_layout(base, E, R).masks, weight, counts[test] > 0))
+                fits.append((i, steps, step_weight, base, weight, counts[test] > 0))
 
     def held_out_optimum(job: int) -> float:
-        _, steps, step_weight, masks, weight, test = fits[job]
-        masks = add_replicas(steps, masks, R, problem.redundant // R, weight, step_weight)
+        _, steps, step_weight, base, weight, test = fits[job]
+        masks, room = first_copies_and_room(base, E, R, problem.num_physical // R)
+        masks = add_replicas(steps, masks, R, room, weight, step_weight)
         return float(step_optimum(subset_counts(test, masks, R), sizes).mean())
 
     loss = np.zeros(len(SMOOTHING_SHARES))
@@ -319,22 +321,38 @@ def choose_smoothing(problem: PlacementProblem, seed: int) -> float:
 
 
 def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: SpareSearch) -> np.ndarray:
-    """phy2log [P] of one layer: ``base [E]`` (one copy of each expert, E / R a rank) plus the problem's
+    """phy2log [P] of one layer: ``base [F]``'s first copies (``first_copies_and_room``) plus the problem's
     spare slots, placed for balanced dispatch on ``search`` (``search_steps``): replicas by exact gain,
     then exchanges of two experts' replica sets by exact gain, on the sampled and smoothed steps."""
     R, E = problem.ranks, problem.model.num_experts
     counts = step_expert_counts(search.steps, layer)
+    masks, room = first_copies_and_room(base, E, R, problem.num_physical // R)
     if R > MAX_SEARCH_RANKS:
-        masks = wide_spares.add_replicas(counts > 0, replica_layout(base, E, R).masks, R, problem.redundant // R,
-                                         counts.sum(axis=0))
+        masks = wide_spares.add_replicas(counts > 0, masks, R, room, counts.sum(axis=0))
         return masks_to_phy2log(masks, R, problem.num_physical // R)
     rng = np.random.default_rng([search.seed, layer])
     steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
-    masks = replica_layout(base, E, R).masks
-    masks = add_replicas(steps, masks, R, problem.redundant // R, counts.sum(axis=0), weight,
+    masks = add_replicas(steps, masks, R, room, counts.sum(axis=0), weight,
                          min_copies=spare_floor(E, problem.redundant))
     masks = exchange_masks(steps, weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
     return masks_to_phy2log(masks, R, problem.num_physical // R)
+
+
+def first_copies_and_room(base: np.ndarray, num_experts: int, ranks: int,
+                          slots_per_rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """(masks, room [R]): one copy of each expert of ``base [F]`` (where its first slot is), as
+    ``ReplicaLayout.masks`` holds them, and each rank's free slots up to ``slots_per_rank``.
+
+    Where the experts do not split over the ranks, the first copies replicate some to fill every rank
+    (``first_copy_slots``); those replicas are dropped here, so that the spare search places them with
+    the spare slots, for balanced dispatch (placed for SGLang's dynamic rule they go to cold experts).
+    """
+    rank_of = np.arange(base.size) // (base.size // ranks)
+    home = np.full(num_experts, ranks)
+    np.minimum.at(home, base, rank_of)
+    on = np.zeros((num_experts, ranks), bool)
+    on[np.arange(num_experts), home] = True
+    return pack_bits(on), slots_per_rank - on.sum(axis=0)
 
 
 def spare_floor(experts: int, redundant: int) -> np.ndarray:

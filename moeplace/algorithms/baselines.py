@@ -87,33 +87,40 @@ def deepseek_hierarchical(problem: PlacementProblem) -> np.ndarray:
 
 
 def naive_spares(problem: PlacementProblem) -> np.ndarray:
-    """The naive spare-slot layout: DeepSeek EPLB without spare slots, then one more replica of
-    each of the ``redundant`` hottest experts of each layer (``hot_expert_spares``). phy2log [L, P]."""
+    """The naive spare-slot layout: DeepSeek EPLB on the first copies' slots (``PlacementProblem.first_slots``:
+    one copy of each expert, and where the experts do not split over the ranks the hottest replicated until
+    they do), then one more replica of each of the hottest experts of each layer for the spare slots left
+    (``hot_expert_spares``). phy2log [L, P]."""
     weight = problem.steps.expert_token_counts()
-    E, R = problem.model.num_experts, problem.ranks
-    if E % R:
-        raise MoeplaceError(f"the naive spare-slot layout places one copy of each expert first: the {E} "
-                            f"experts must split evenly over {R} ranks")
-    base, _, _ = rebalance_experts(weight, E, 1, 1, R, False)
+    first, R = problem.first_slots, problem.ranks
+    base = first_copies(weight, first, R)
     problem.progress(problem.model.num_moe_layers)
-    return np.stack([hot_expert_spares(row, w, R, problem.redundant) for row, w in zip(base, weight)])
+    return np.stack([hot_expert_spares(row, w, R, problem.num_physical - first) for row, w in zip(base, weight)])
+
+
+def first_copies(weight: np.ndarray, slots: int, ranks: int) -> np.ndarray:
+    """phy2log [L, slots]: DeepSeek EPLB's layout of ``weight [L, E]`` tokens on ``slots`` slots (the first copies,
+    ``first_copy_slots``), no rank holding an expert twice (``separate_replicas``)."""
+    phy2log, _, _ = rebalance_experts(weight, slots, 1, 1, ranks, False)
+    return np.stack([separate_replicas(row, ranks, w) for row, w in zip(phy2log, weight)])
 
 
 def hot_expert_spares(phy2log: np.ndarray, weight: np.ndarray, ranks: int, redundant: int) -> np.ndarray:
-    """phy2log [E + redundant] of one layer: ``phy2log [E]`` (one copy of each expert, E / ranks a rank)
+    """phy2log [F + redundant] of one layer: ``phy2log [F]`` (every expert at least once, F / ranks a rank)
     plus one replica of each of the ``redundant`` hottest experts (``weight [E]`` tokens; ties: lower id).
 
     Hottest first, each extra replica goes to a rank that holds the fewest extras so far among those
-    with room and without a copy, the nearest after the expert's own rank (r + 1, r + 2, ... mod ranks).
+    with room and without a copy, the nearest after the expert's own rank (its first slot's: r + 1, r + 2,
+    ... mod ranks).
     An expert with no such rank is passed over for the next; past ``redundant = E`` the hottest take
     further replicas in the same order.
     """
     E = weight.shape[0]
-    spr = E // ranks
-    home = np.empty(E, np.int64)
-    home[phy2log] = np.arange(E) // spr
+    rank_of = np.arange(phy2log.size) // (phy2log.size // ranks)
+    home = np.full(E, ranks)
+    np.minimum.at(home, phy2log, rank_of)                           # the rank of each expert's first slot
     holds = np.zeros((E, ranks), bool)
-    holds[np.arange(E), home] = True
+    holds[phy2log, rank_of] = True
     extras = np.zeros(ranks, np.int64)
     room = redundant // ranks
     hot = np.lexsort((np.arange(E), -weight))

@@ -50,13 +50,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, balanced_replicas, wide_spares
-from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replicas, masks_to_phy2log, sample_size,
-                                                   spare_floor)
-from moeplace.algorithms.baselines import hot_expert_spares, naive_spares
-from moeplace.algorithms.deepseek import rebalance_experts
+from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replicas, first_copies_and_room,
+                                                   masks_to_phy2log, sample_size, spare_floor)
+from moeplace.algorithms.baselines import first_copies, hot_expert_spares, naive_spares
 from moeplace.algorithms.smoothed_steps import weighted_union
-from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, place_layer, search_moot,
-                                           search_rows, stepaware)
+from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, cold_replicas, place_layer,
+                                           search_moot, search_rows, stepaware)
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.flow import optimum
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
@@ -144,19 +143,19 @@ def even_copies(weight: np.ndarray, redundant: int) -> np.ndarray:
 
 def layer_masks(candidate: Candidate, active: np.ndarray, weight: np.ndarray, base: np.ndarray, ranks: int,
                 redundant: int, num_prior: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(masks [E], steps, step weight) of one layer: ``base [E]`` first copies plus ``redundant`` spare
-    slots filled as ``candidate`` does, fitted on ``active [S, E]`` (``weight [E]``: fitted tokens)."""
+    """(masks [E], steps, step weight) of one layer: ``base [F]`` first copies (``first_copy_slots``) plus the
+    rest of ``redundant`` spare slots filled as ``candidate`` does, fitted on ``active [S, E]`` (``weight [E]``:
+    fitted tokens)."""
     E = weight.shape[0]
     if candidate.naive:
-        return replica_layout(hot_expert_spares(base, weight, ranks, redundant), E, ranks).masks, active, \
-            np.ones(active.shape[0])
+        return replica_layout(hot_expert_spares(base, weight, ranks, E + redundant - base.size), E, ranks).masks, \
+            active, np.ones(active.shape[0])
+    first, room = first_copies_and_room(base, E, ranks, (E + redundant) // ranks)
     if ranks > MAX_SEARCH_RANKS:   # the wide search (``wide_spares``): fitted candidate only
-        return wide_spares.add_replicas(active, replica_layout(base, E, ranks).masks, ranks, redundant // ranks,
-                                        weight), active, np.ones(active.shape[0])
+        return wide_spares.add_replicas(active, first, ranks, room, weight), active, np.ones(active.shape[0])
     steps, step_weight = with_prior(active, candidate.prior, num_prior, rng)
     cap = even_copies(weight, redundant) if candidate.even else None
-    masks = add_replicas(steps, replica_layout(base, E, ranks).masks, ranks, redundant // ranks, weight,
-                         step_weight, cap, spare_floor(E, redundant))
+    masks = add_replicas(steps, first, ranks, room, weight, step_weight, cap, spare_floor(E, redundant))
     return masks, steps, step_weight
 
 
@@ -209,7 +208,7 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
             block = block[np.unique(np.linspace(0, block.size - 1, WIDE_TEST_STEPS).astype(np.int64))]
         test = (every[block] > 0).astype(np.float32)   # 0/1 once: each candidate's score reads it (``subset_counts``)
         weight = counts.sum(axis=0)
-        base = rebalance_experts(weight[None].astype(np.float64), E, 1, 1, R, False)[0][0]
+        base = first_copies(weight[None].astype(np.float64), problem.first_slots, R)[0]
         rows = np.arange(counts.shape[0])
         if rows.size > sample:
             rows = np.sort(rng.choice(rows.size, sample, replace=False))
@@ -240,10 +239,11 @@ def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, f
     E, L = problem.model.num_experts, problem.model.num_moe_layers
     first = reference
     if E <= BALANCED_BASE_MAX_EXPERTS:   # the first copies' search reads every fitted step
-        base = replace(problem, steps=problem.steps.take(fit_rows), redundant=0, dispatch="dynamic",
-                       effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
+        base = replace(problem, steps=problem.steps.take(fit_rows), redundant=problem.first_slots - E,
+                       dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
         search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)
-        first = place_layer(base, layer, reference, search, base.effort / L)
+        first = place_layer(base, layer, reference, search, base.effort / L,
+                            cold_replicas(step_expert_counts(base.steps, layer).sum(axis=0), base.redundant))
     spares = balanced_replicas.SpareSearch(problem.steps.take(fit_rows[rows]), 0.0, int(rng.integers(2**31)))
     return balanced_replicas.place(problem, layer, first, spares)
 
@@ -260,7 +260,7 @@ def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
         return naive_spares(problem), choice
     L, R, E = problem.model.num_moe_layers, problem.ranks, problem.model.num_experts
     weight = problem.steps.expert_token_counts()
-    base = rebalance_experts(weight, E, 1, 1, R, False)[0]     # as scored out of fold
+    base = first_copies(weight, problem.first_slots, R)     # as scored out of fold
     sample = sample_size(problem)
     rows = problem.steps.take(np.sort(rng.choice(problem.steps.num_steps, sample, replace=False))) \
         if problem.steps.num_steps > sample else problem.steps

@@ -28,6 +28,7 @@ from dataclasses import replace
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, balanced_replicas
+from moeplace.algorithms.baselines import separate_replicas
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.dispatch.loads import balancedness, static_dispatch_table
 from moeplace.parallel import layer_workers, map_layers
@@ -53,8 +54,9 @@ DEAR_ROUND_CELLS = 100_000_000   # a swap round dearer than this runs only withi
 def stepaware(problem: PlacementProblem) -> np.ndarray:
     """phy2log [L, P] minimising E_s[max_r distinct experts] layer by layer.
 
-    Under ``balanced`` dispatch with spare slots, each layer gets one copy of every expert first, then
-    ``balanced_replicas`` fills the spare slots. With replicas the first copies matter less, so they
+    Under ``balanced`` dispatch with spare slots, each layer gets its first copies first (one copy of every
+    expert, and where the experts do not split over the ranks the replicas that make them: ``first_slots``),
+    then ``balanced_replicas`` fills the spare slots. With replicas the first copies matter less, so they
     get a share ``BALANCED_BASE_EFFORT`` of the work budget, and above ``BALANCED_BASE_MAX_EXPERTS``
     (where a swap round costs O(E^2)) they are DeepSeek EPLB's (hierarchical over nodes): on Kimi-K2-shaped routing with E/4
     spare slots the two end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
@@ -64,7 +66,8 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     rng = np.random.default_rng(problem.seed)
     base = problem
     if problem.dispatch == "balanced" and problem.redundant:
-        base = replace(problem, redundant=0, dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT)
+        base = replace(problem, redundant=problem.first_slots - problem.model.num_experts, dispatch="dynamic",
+                       effort=problem.effort * BALANCED_BASE_EFFORT)
     weight = problem.steps.expert_token_counts()
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
     # on many ranks a layer is wide (``is_wide``): its greedy packing on sampled steps is cheap at any E
@@ -73,6 +76,8 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     if base_is_ref and problem.nodes > 1 and problem.model.num_experts % problem.nodes == 0:
         # over nodes the first copies are DeepSeek EPLB's hierarchical ones (experts to nodes, then to GPUs)
         ref, _, _ = rebalance_experts(weight, base.num_physical, problem.nodes, problem.nodes, problem.ranks, True)
+    if base_is_ref and base.redundant:   # the first copies replicate experts: never twice on a rank
+        ref = np.stack([separate_replicas(row, problem.ranks, w) for row, w in zip(ref, weight)])
     search = balanced_replicas.search_steps(problem, rng) if base is not problem else None
     # Each layer's sample of steps for the swap search, drawn in layer order: the same placement
     # whichever worker places which layer.
@@ -81,7 +86,9 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
             for _ in range(L)]
 
     def place(layer: int) -> np.ndarray:
-        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
+        replicas = None if base is problem else cold_replicas(weight[layer], base.redundant)
+        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L,
+                                                             replicas)
         return balanced_replicas.place(problem, layer, phy2log, search) if base is not problem else phy2log
 
     out = np.zeros((L, problem.num_physical), np.int64)
@@ -109,12 +116,14 @@ def is_wide(num_steps: int, P: int, ranks: int) -> bool:
 
 
 def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray | None,
-                effort: float) -> np.ndarray:
+                effort: float, replicas: np.ndarray | None = None) -> np.ndarray:
     """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor;
-    rows: the steps the swap search sees (``search_rows``; None where ``search_moot``)."""
+    rows: the steps the swap search sees (``search_rows``; None where ``search_moot``); replicas: [E] per
+    expert (default ``replica_counts``)."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
     spr = P // R
-    replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
+    if replicas is None:
+        replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
     if search_moot(problem):
         return item_expert   # slot p holds item p: replicas of an expert on increasing ranks
@@ -272,6 +281,16 @@ def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant:
     for _ in range(redundant):
         score = np.where(counts < ranks, extra_reads * counts - 1e-9 * single_reads, np.inf)
         counts[int(np.argmin(score))] += 1
+    return counts
+
+
+def cold_replicas(weight: np.ndarray, extra: int) -> np.ndarray:
+    """[E] replicas per expert: one each, and one more for the ``extra`` coldest (``weight [E]`` tokens; ties:
+    lower id). The first copies under balanced dispatch replicate experts only to even out the ranks, and
+    those replicas make room for the spare search (``balanced_replicas.first_copies_and_room``): where the
+    room lies is all that they decide, and the coldest experts move the packing least."""
+    counts = np.ones(weight.shape[0], np.int64)
+    counts[np.lexsort((np.arange(weight.shape[0]), weight))[:extra]] += 1
     return counts
 
 

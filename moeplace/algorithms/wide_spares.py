@@ -47,17 +47,17 @@ SHRINK = 0.3              # share of a pair's gain taken from its expert's total
 COLLISION_WEIGHTS = {2: 1.0, 3: 2.0}   # k: weight of P(k single-replica experts active on one rank)
 
 
-def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_rank: int | np.ndarray,
+def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, room: int | np.ndarray,
                  expert_weight: np.ndarray) -> np.ndarray:
     """New replica sets after filling every rank's free slots, as ``masks`` holds them
     (``ReplicaLayout.masks``: int64 bit sets [E], or [E, R] bool beyond 64 ranks).
 
-    active: [S, E] bool, the steps to fit; masks: replica ranks before; spare_per_rank: free slots of
-    every rank, one count or [R] counts (ranks may hold unequal numbers of first copies);
+    active: [S, E] bool, the steps to fit; masks: replica ranks before; room: free slots of every rank,
+    one count or [R] counts (ranks may hold unequal numbers of first copies);
     expert_weight: [E] tokens, the tie-break toward the busiest expert per replica.
     """
     on = mask_bits(masks, ranks).copy()                                         # [E, R]
-    room = np.broadcast_to(np.asarray(spare_per_rank, np.int64), (ranks,)).copy()
+    room = np.broadcast_to(np.asarray(room, np.int64), (ranks,)).copy()
     if np.any(room < 0):
         raise MoeplaceError("free slots per rank must be >= 0")
     batch = max(-(-int(room.sum()) // ROUNDS), 1)
@@ -81,42 +81,28 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, spare_per_ra
         step, expert = np.nonzero(active_f)                                     # [N] the active pairs
         gain = pair_gains(step, expert, dispatch, on, SHRINK, num_steps)
         gain += (num_steps * collision_gains(rate, on) + tie_unit * expert_weight / copies)[:, None]
-        taken = pick_pairs(np.where(allowed, gain, -np.inf), room, batch)     # [E, R] bool
-        on |= taken
-        copies += taken.sum(axis=1)
-        room -= taken.sum(axis=0)
+        for e, r in best_pairs(np.where(allowed, gain, -np.inf), room, batch):
+            on[e, r] = True
+            copies[e] += 1
+            room[r] -= 1
     return pack_bits(on) if np.asarray(masks).ndim == 1 else on
 
 
-def pick_pairs(total: np.ndarray, room: np.ndarray, batch: int) -> np.ndarray:
-    """[E, R] bool: up to ``batch`` pairs (e, r), best ``total [E, R]`` first (ties: lower e, then r), at
-    most one per expert and ``room [R]`` per rank, none at -inf. The pairs at least as good as the
-    4 * batch-th best expert's best pair are sorted first, all of them only where those run out."""
-    E, R = total.shape
-    flat = total.ravel()
-    best = total.max(axis=1)                                               # [E] each expert's best pair
-    k = min(E, 4 * batch)
-    cut = np.partition(best, E - k)[E - k] if k < E else -np.inf
-    taken = np.zeros((E, R), bool)
-    for order in (None, "whole"):
-        if order is None and cut > -np.inf:
-            cand = np.flatnonzero(flat >= cut)                             # a prefix of the order, in id order
-            order = cand[np.argsort(-flat[cand], kind="stable")]
-        else:
-            order = np.argsort(-flat, kind="stable")
-        taken[:] = False
-        chosen, used = set(), [int(x) for x in room]
-        for k, ok in zip(order.tolist(), np.isfinite(flat[order]).tolist()):
-            e, r = divmod(k, R)
-            if not ok or len(chosen) >= batch:
-                return taken
-            if used[r] and e not in chosen:
-                chosen.add(e)
-                used[r] -= 1
-                taken[e, r] = True
-        if order.size == flat.size:
-            return taken
-    return taken
+def best_pairs(total: np.ndarray, room: np.ndarray, batch: int) -> list[tuple[int, int]]:
+    """Up to ``batch`` (expert, rank) pairs by ``total [E, R]``, best first: each expert once, each rank at most
+    ``room [R]`` times, none at -inf; the first of equals (lower expert, then rank). What a scan of all pairs in
+    sorted order keeps, one argmax a pair (a hot expert's R pairs are not walked one by one)."""
+    total, left, pairs = total.copy(), room.copy(), []
+    for _ in range(batch):
+        e, r = divmod(int(np.argmax(total)), total.shape[1])
+        if not np.isfinite(total[e, r]):
+            break
+        pairs.append((e, r))
+        left[r] -= 1
+        total[e] = -np.inf
+        if left[r] <= 0:
+            total[:, r] = -np.inf
+    return pairs
 
 
 def replica_gains(active: np.ndarray, masks: np.ndarray, ranks: int, chosen: Dispatch | None = None,

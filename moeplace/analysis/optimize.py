@@ -166,15 +166,14 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     baselines = BASELINES + ((SPARE_BASELINE,) if placed_as == "balanced" and redundant else ())
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
     spares_chosen, capture_warnings = None, []
-    if algorithm == "stepaware" and placed_as == "balanced" and redundant:   # the candidate best out of fold
-        fitted_problem = problem(fit, progress)
-        fitted_problem.check()
+    fitted_problem = problem(fit, progress)
+    if algorithm == "stepaware" and placed_as == "balanced" and fitted_problem.spares_left:   # the best out of fold
         maps[algorithm], spares_chosen = robust_spares(fitted_problem)
         notes.append(spares_chosen.line)
         note = "; ".join(notes)
         capture_warnings = spare_warnings(fit, redundant, spares_chosen)
     else:
-        maps[algorithm] = solve(algorithm, problem(fit, progress))
+        maps[algorithm] = solve(algorithm, fitted_problem)
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
     baseline = "deepseek"
@@ -222,7 +221,7 @@ def spare_warnings(fit: RoutingSteps, redundant: int, choice: Choice) -> list[st
         lines.append(f"{unseen:.1f} of {counts.shape[1]} experts a layer, on average, are never active in the "
                      f"{fit.num_steps:,} fitted steps: the trace is too narrow to say where their "
                      f"{redundant} spare slots should go; capture more, or more varied, traffic")
-    if choice.name != "fitted":
+    if choice.losses["fitted"] > choice.losses[choice.name]:
         lines.append(f"the search fitted on part of the trace did worse than the '{choice.name}' layout on the "
                      f"part it did not see ({choice.losses['fitted']:.3f} against {choice.losses[choice.name]:.3f}): "
                      f"the trace ({fit.num_steps:,} fitted steps) is too short or too uneven for {redundant} "

@@ -66,12 +66,12 @@ def staleness(steps: RoutingSteps, placement: Placement, dispatch: str, cost_mod
     placed_as = PLACED_AS.get(dispatch, dispatch)
     problem = PlacementProblem(model, fit, R, nodes=placement.nodes, redundant=spares, dispatch=placed_as,
                                cost_model=cost_model)
-    if placed_as == "balanced" and spares and model.num_experts % R == 0:
+    if placed_as == "balanced" and problem.spares_left:
         problem.check()
         refit = robust_spares(problem)[0]
     else:
         refit = solve("stepaware", problem)
-    naive = solve("naive-spares" if spares and model.num_experts % R == 0 else "deepseek", problem)
+    naive = solve("naive-spares" if spares else "deepseek", problem)
     maps = [placement] + [Placement(model, R, phy2log, nodes=placement.nodes, algorithm=name)
                           for name, phy2log in (("refit", refit), ("naive", naive))]
     current, now, base = max_distinct_means(held, maps, [dispatch] * 3, [cost_model] * 3, workers)
