@@ -102,3 +102,15 @@ def test_report_and_compare_under_balanced_dispatch(tmp_path, capsys):
     assert e_max < dynamic["e_max_distinct"]
     assert dynamic["optimum"] == pytest.approx(balanced["metrics"]["optimum"])
     assert e_max == pytest.approx(balanced["metrics"]["optimum"])
+
+
+def test_balanced_table_is_on_a_sample_of_held_out_steps_and_says_so(tmp_path, capsys, monkeypatch):
+    from moeplace.analysis import optimize as optimize_module
+
+    monkeypatch.setattr(optimize_module, "BALANCED_EVAL_STEPS", 20)
+    out = tmp_path / "p.json"
+    code, stdout, err = run_main(capsys, "optimize", SAMPLE, "--ranks", "8", "--dispatch", "balanced", "--redundant",
+                                 "8", *FAST, "-o", out)
+    assert code == 0, err
+    assert "balanced dispatch on 8 ranks: the table is on 20 of the" in stdout + err
+    assert json.loads(out.read_text())["metrics"]["eval_steps"] == 20

@@ -35,9 +35,11 @@ AGGREGATE_SAMPLE_STEPS = 4000
 # routing, placements fitted on 5,000 to 200,000 steps are within 0.1% of each other on steps no fit saw,
 # and 200,000 take 6-7x the CPU time and 8x the memory of 20,000 (BENCHMARKS.md#how-many-steps-to-fit, bench_sampling.py).
 DEFAULT_SAMPLE_STEPS = 20_000
-# Balanced dispatch on more than HALL_MAX_RANKS ranks: every row of the table runs the rule step by step (its
-# augmenting paths grow with the square of the ranks), so the table is on this many held-out steps,
-# evenly spaced; on Kimi-K2-shaped steps E[max distinct] on 1,000 of them was within 0.5% of that on 6,000.
+# Balanced dispatch: every row of the table runs the rule step by step, so the table is on at most this many
+# held-out steps, evenly spaced. On Kimi-K2-shaped steps (BENCHMARKS.md#optimizer-and-cli-speed) E[max distinct]
+# at 8 ranks on 2,000 of 6,000 was within 0.05% of all of them for every row; beyond HALL_MAX_RANKS (the
+# rule's augmenting paths grow with the square of the ranks) on 1,000 within 0.5%.
+BALANCED_EVAL_STEPS = 2000
 WIDE_EVAL_STEPS = 1000
 # Under SGLang's rules a row's table costs held-out steps x ranks per layer; above this many cells it is on
 # WIDE_EVAL_CELLS / ranks of them (at least WIDE_EVAL_STEPS), evenly spaced: Kimi-K2-shaped on 20,000
@@ -137,10 +139,11 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
             raise MoeplaceError(f"the {which} steps route no token to any expert (every expert id is -1, none): "
                                 "nothing to place or measure")
     placed_as = PLACED_AS.get(dispatch, dispatch)
-    if placed_as == "balanced" and ranks > HALL_MAX_RANKS and held_out.num_steps > WIDE_EVAL_STEPS:
-        notes.append(f"balanced dispatch on {ranks} ranks: the table is on {WIDE_EVAL_STEPS:,} of the "
+    balanced_cap = WIDE_EVAL_STEPS if ranks > HALL_MAX_RANKS else BALANCED_EVAL_STEPS
+    if placed_as == "balanced" and held_out.num_steps > balanced_cap:
+        notes.append(f"balanced dispatch on {ranks} ranks: the table is on {balanced_cap:,} of the "
                      f"{held_out.num_steps:,} {'held-out' if holdout else ''} steps, evenly spaced")
-        held_out = evenly_spaced(held_out, WIDE_EVAL_STEPS)
+        held_out = evenly_spaced(held_out, balanced_cap)
     elif placed_as != "balanced" and held_out.num_steps * ranks > WIDE_EVAL_CELLS:
         count = max(WIDE_EVAL_CELLS // ranks, WIDE_EVAL_STEPS)
         if held_out.num_steps > count:
