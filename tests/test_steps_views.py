@@ -51,3 +51,19 @@ def test_layer_pairs_are_the_valid_entries_in_row_order(seed, n_steps, padded):
         step, row, expert = steps.layer_pairs(layer)
         assert expert.dtype == np.int64
         assert list(zip(step.tolist(), row.tolist(), expert.tolist())) == expect
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**32 - 1), n_steps=st.integers(1, 12), count_share=st.sampled_from([0.0, 0.4, 1.0]),
+       data=st.data())
+def test_one_layer_is_that_layer_of_the_steps(seed, n_steps, count_share, data):
+    steps = random_steps(np.random.default_rng(seed), ModelSpec.all_moe("m", 3, 6, 2), n_steps,
+                         count_share=count_share)
+    layer = data.draw(st.integers(0, steps.model.num_moe_layers - 1))
+    one = steps.one_layer(layer)
+    one.validate()
+    assert one.model.num_moe_layers == 1 and one.model.num_experts == steps.model.num_experts
+    np.testing.assert_array_equal(one.expert_token_counts()[0], steps.expert_token_counts()[layer])
+    idx = np.arange(0, n_steps, 2)
+    for a, b in zip(one.take(idx).layer(0), steps.take(idx).layer(layer)):
+        np.testing.assert_array_equal(a, b)

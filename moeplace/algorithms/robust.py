@@ -39,8 +39,9 @@ there a candidate's out-of-fold figure on few layers is mostly noise (its held-o
 dozen steps, and a blend's uniform steps are one random draw), and the noisiest candidate wins by luck
 (GPT-OSS fitted on 1k tokens of MMLU-Pro, R = 8: on 3 layers ``prior 1/3`` 2.425 out of fold against
 ``fitted`` 2.445, on SORRY-Bench 2.384 against 2.310). Above MAX_SEARCH_RANKS (wide EP) the blends'
-searches, which enumerate rank sets, are out of reach: ``fitted`` (``wide_spares``, on as many steps as its
-real fit) and ``naive`` compete on CV_LAYERS layers, each block scored on WIDE_TEST_STEPS of its steps.
+searches, which enumerate rank sets, are out of reach: ``fitted`` (stepaware's wide first copies and
+``wide_spares``, on as many steps as its real fit) and ``naive`` compete on CV_LAYERS layers, each block
+scored on WIDE_TEST_STEPS of its steps.
 """
 
 from __future__ import annotations
@@ -49,12 +50,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from moeplace.algorithms import PlacementProblem, balanced_replicas, wide_spares
+from moeplace.algorithms import PlacementProblem, balanced_replicas
 from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replicas, first_copies_and_room,
                                                    masks_to_phy2log, sample_size, spare_floor)
 from moeplace.algorithms.baselines import first_copies, hot_expert_spares, naive_spares
 from moeplace.algorithms.smoothed_steps import weighted_union
-from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, cold_replicas, place_layer,
+from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, place_layer,
                                            search_moot, search_rows, stepaware)
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.flow import optimum
@@ -151,8 +152,6 @@ def layer_masks(candidate: Candidate, active: np.ndarray, weight: np.ndarray, ba
         return replica_layout(hot_expert_spares(base, weight, ranks, E + redundant - base.size), E, ranks).masks, \
             active, np.ones(active.shape[0])
     first, room = first_copies_and_room(base, E, ranks, (E + redundant) // ranks)
-    if ranks > MAX_SEARCH_RANKS:   # the wide search (``wide_spares``): fitted candidate only
-        return wide_spares.add_replicas(active, first, ranks, room, weight), active, np.ones(active.shape[0])
     steps, step_weight = with_prior(active, candidate.prior, num_prior, rng)
     cap = even_copies(weight, redundant) if candidate.even else None
     masks = add_replicas(steps, first, ranks, room, weight, step_weight, cap, spare_floor(E, redundant))
@@ -215,7 +214,7 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
         active = counts[rows] > 0
         out = np.zeros(len(candidates))
         for i, candidate in enumerate(candidates):
-            if candidate.search and not wide:
+            if candidate.search:
                 masks = replica_layout(search_layer(problem, layer, base, fit_rows, rows, rng), E, R).masks
             else:
                 masks = layer_masks(candidate, active, weight, base, R, problem.redundant, sample // 2, rng)[0]
@@ -235,17 +234,18 @@ def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, f
                  rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """phy2log [P] of one layer as ``stepaware`` places it under balanced dispatch with spare slots, fitted
     on ``fit_rows`` of the problem's steps (its first copies, replicas by gain on ``fit_rows[rows]``,
-    exchanges), without smoothed steps. reference: [E] DeepSeek EPLB's first copies of the layer."""
+    exchanges), without smoothed steps. reference: [F] DeepSeek EPLB's first copies of the layer."""
     E, L = problem.model.num_experts, problem.model.num_moe_layers
+    steps = problem.steps.one_layer(layer)    # the fold's steps of this layer alone: no copy of every layer
+    one = replace(problem, model=steps.model, steps=steps.take(fit_rows), progress=lambda n: None)
     first = reference
-    if E <= BALANCED_BASE_MAX_EXPERTS:   # the first copies' search reads every fitted step
-        base = replace(problem, steps=problem.steps.take(fit_rows), redundant=problem.first_slots - E,
-                       dispatch="dynamic", effort=problem.effort * BALANCED_BASE_EFFORT, progress=lambda n: None)
+    if E <= BALANCED_BASE_MAX_EXPERTS or problem.ranks > MAX_SEARCH_RANKS:   # first copies searched, as stepaware's
+        base = replace(one, redundant=problem.first_slots - E, dispatch="dynamic",
+                       effort=problem.effort * BALANCED_BASE_EFFORT)
         search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)
-        first = place_layer(base, layer, reference, search, base.effort / L,
-                            cold_replicas(step_expert_counts(base.steps, layer).sum(axis=0), base.redundant))
-    spares = balanced_replicas.SpareSearch(problem.steps.take(fit_rows[rows]), 0.0, int(rng.integers(2**31)))
-    return balanced_replicas.place(problem, layer, first, spares)
+        first = place_layer(base, 0, reference, search, base.effort / L)
+    spares = balanced_replicas.SpareSearch(one.steps.take(rows), 0.0, int(rng.integers(2**31)))
+    return balanced_replicas.place(one, 0, first, spares)
 
 
 def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:

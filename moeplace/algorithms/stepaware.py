@@ -86,9 +86,7 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
             for _ in range(L)]
 
     def place(layer: int) -> np.ndarray:
-        replicas = None if base is problem else cold_replicas(weight[layer], base.redundant)
-        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L,
-                                                             replicas)
+        phy2log = ref[layer] if base_is_ref else place_layer(base, layer, ref[layer], rows[layer], base.effort / L)
         return balanced_replicas.place(problem, layer, phy2log, search) if base is not problem else phy2log
 
     out = np.zeros((L, problem.num_physical), np.int64)
@@ -116,14 +114,12 @@ def is_wide(num_steps: int, P: int, ranks: int) -> bool:
 
 
 def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, rows: np.ndarray | None,
-                effort: float, replicas: np.ndarray | None = None) -> np.ndarray:
+                effort: float) -> np.ndarray:
     """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor;
-    rows: the steps the swap search sees (``search_rows``; None where ``search_moot``); replicas: [E] per
-    expert (default ``replica_counts``)."""
+    rows: the steps the swap search sees (``search_rows``; None where ``search_moot``)."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
     spr = P // R
-    if replicas is None:
-        replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
+    replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
     if search_moot(problem):
         return item_expert   # slot p holds item p: replicas of an expert on increasing ranks
@@ -281,16 +277,6 @@ def replica_counts(steps: RoutingSteps, layer: int, num_experts: int, redundant:
     for _ in range(redundant):
         score = np.where(counts < ranks, extra_reads * counts - 1e-9 * single_reads, np.inf)
         counts[int(np.argmin(score))] += 1
-    return counts
-
-
-def cold_replicas(weight: np.ndarray, extra: int) -> np.ndarray:
-    """[E] replicas per expert: one each, and one more for the ``extra`` coldest (``weight [E]`` tokens; ties:
-    lower id). The first copies under balanced dispatch replicate experts only to even out the ranks, and
-    those replicas make room for the spare search (``balanced_replicas.first_copies_and_room``): where the
-    room lies is all that they decide, and the coldest experts move the packing least."""
-    counts = np.ones(weight.shape[0], np.int64)
-    counts[np.lexsort((np.arange(weight.shape[0]), weight))[:extra]] += 1
     return counts
 
 

@@ -10,7 +10,7 @@ A step is stored one of two ways:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -135,6 +135,13 @@ class RoutingSteps:
         return RoutingSteps(self.model, self.modes[start:stop], self.num_tokens[start:stop], self.ranks[start:stop],
                             self.token_offsets[start:stop + 1] - self.token_offsets[start], self.topk_ids[rows],
                             self.count_steps[counted] - start, self.counts[counted])
+
+    def one_layer(self, layer: int) -> "RoutingSteps":
+        """These steps with MoE layer ``layer`` alone (views, not copies; the model keeps that layer only): a
+        search of one layer can take steps from it without copying every layer's routing."""
+        model = replace(self.model, moe_layers=(self.model.moe_layers[layer],))
+        return RoutingSteps(model, self.modes, self.num_tokens, self.ranks, self.token_offsets,
+                            self.topk_ids[:, layer:layer + 1], self.count_steps, self.counts[:, layer:layer + 1])
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One MoE layer as (step of each token row [T], token row within its step [T], ids [T, K])."""
