@@ -211,7 +211,7 @@ def test_wide_spares_fill_uneven_room_exactly(ranks, experts, per_rank):
 @PROPERTY
 @given(st.integers(1, 12), st.integers(1, 9), st.integers(1, 20), st.integers(0, 2**31 - 1))
 def test_property_best_pairs_is_the_sorted_scan(experts, ranks, batch, seed):
-    """The wide search's pairs of a round against a scan of every pair in sorted order, ties included."""
+    """A round's pairs (both spare searches) against a scan of every pair in sorted order, ties included."""
     rng = np.random.default_rng(seed)
     total = rng.integers(0, 4, (experts, ranks)).astype(float)
     total[rng.random((experts, ranks)) < 0.3] = -np.inf

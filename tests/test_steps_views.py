@@ -12,11 +12,12 @@ from moeplace.analysis.optimize import split_steps
 from moeplace.model.spec import ModelSpec
 
 FIELDS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
+MIXED_STEPS = given(seed=st.integers(0, 2**32 - 1), n_steps=st.integers(1, 12),
+                    count_share=st.sampled_from([0.0, 0.4, 1.0]), data=st.data())   # token rows, counts or both
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), n_steps=st.integers(1, 12), count_share=st.sampled_from([0.0, 0.4, 1.0]),
-       data=st.data())
+@MIXED_STEPS
 def test_slice_is_take_of_a_range(seed, n_steps, count_share, data):
     steps = random_steps(np.random.default_rng(seed), ModelSpec.all_moe("m", 2, 6, 2), n_steps,
                          count_share=count_share)
@@ -54,8 +55,7 @@ def test_layer_pairs_are_the_valid_entries_in_row_order(seed, n_steps, padded):
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
-@given(seed=st.integers(0, 2**32 - 1), n_steps=st.integers(1, 12), count_share=st.sampled_from([0.0, 0.4, 1.0]),
-       data=st.data())
+@MIXED_STEPS
 def test_one_layer_is_that_layer_of_the_steps(seed, n_steps, count_share, data):
     steps = random_steps(np.random.default_rng(seed), ModelSpec.all_moe("m", 3, 6, 2), n_steps,
                          count_share=count_share)

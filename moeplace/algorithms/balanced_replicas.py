@@ -191,14 +191,7 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, room: int | 
         total = np.where(allowed, score + tie[:, None], -np.inf)
         # A round adds the best pairs of distinct experts at once (their gains were computed against
         # the same state), then updates the steps they touch.
-        chosen, taken = [], np.zeros(ranks, np.int64)
-        for k in np.argsort(-total, axis=None, kind="stable"):
-            e, r = divmod(int(k), ranks)
-            if not np.isfinite(total[e, r]) or len(chosen) >= batch:
-                break
-            if taken[r] < room[r] and all(e != c for c, _ in chosen):
-                chosen.append((e, r))
-                taken[r] += 1
+        chosen = wide_spares.best_pairs(total, room, batch)
         experts = np.array([e for e, _ in chosen])
         hit = np.flatnonzero(active[:, experts].any(axis=1))
         # f[X] drops by one for the sets holding all of e's replicas but not r
