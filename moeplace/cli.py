@@ -83,6 +83,16 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
+def _signal_behind(error: BaseException) -> type | None:
+    """KeyboardInterrupt or Terminated where one of them caused ``error`` (its chain of causes), else None."""
+    seen = error.__cause__ or error.__context__
+    while seen is not None:
+        if isinstance(seen, (KeyboardInterrupt, Terminated)):
+            return type(seen)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: user errors become one line on stderr and exit code 2, never a traceback.
 
@@ -126,5 +136,11 @@ def _run(argv: list[str] | None) -> None:
     except Terminated:
         click.echo("terminated", err=True)
         sys.exit(128 + signal.SIGTERM)
+    except ImportError as e:   # a signal during a C extension's import (matplotlib's) surfaces as this
+        signalled = _signal_behind(e)
+        if signalled is None:
+            raise
+        click.echo("interrupted" if signalled is KeyboardInterrupt else "terminated", err=True)
+        sys.exit(130 if signalled is KeyboardInterrupt else 128 + signal.SIGTERM)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from moeplace import cli as cli_module
+from moeplace.cli import Terminated
+
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "traces" / "gptoss20b-sample.mptrace"
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -124,3 +127,29 @@ def test_a_stuck_worker_does_not_hold_the_parent(tmp_path: Path, signum: signal.
     time.sleep(0.1)
     for pid in workers:   # killed and reaped, not left running
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+
+
+@pytest.mark.parametrize("signalled, code, says", [(KeyboardInterrupt, 130, "interrupted"),
+                                                   (Terminated, 128 + signal.SIGTERM, "terminated")])
+def test_a_signal_during_an_extensions_import_ends_as_that_signal(monkeypatch, capsys, signalled, code, says):
+    # a C extension whose init a signal interrupts (matplotlib's ft2font) raises ImportError from the signal's error
+    def interrupted_import(*args, **kwargs):
+        try:
+            raise signalled()
+        except signalled as e:
+            raise ImportError("initialization failed") from e
+
+    monkeypatch.setattr(cli_module.cli, "main", interrupted_import)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_module.main(["optimize"])
+    assert exit_info.value.code == code
+    assert capsys.readouterr().err.strip() == says
+
+
+def test_an_import_error_of_its_own_is_not_taken_for_a_signal(monkeypatch):
+    def broken_import(*args, **kwargs):
+        raise ImportError("no module named x")
+
+    monkeypatch.setattr(cli_module.cli, "main", broken_import)
+    with pytest.raises(ImportError, match="no module named x"):
+        cli_module.main(["optimize"])
