@@ -41,11 +41,11 @@ import numpy as np
 
 from moeplace.algorithms.baselines import first_copies
 from moeplace.algorithms.replica_exchange import exchange_masks
-from moeplace.algorithms import wide_spares
+from moeplace.algorithms import coactive_spread, wide_spares
 from moeplace.algorithms.smoothed_steps import with_smoothed_steps
-from moeplace.dispatch.balanced import mask_bits, pack_bits, replica_layout, step_expert_counts
+from moeplace.dispatch.balanced import mask_bits, pack_bits, replica_layout, step_expert_active, step_expert_counts
 from moeplace.dispatch.exact import by_size, step_optimum, subset_counts, subset_sizes
-from moeplace.dispatch.flow import HALL_MAX_RANKS
+from moeplace.dispatch.flow import HALL_MAX_RANKS, optimum
 from moeplace.errors import MoeplaceError
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps, _ranges
@@ -64,7 +64,8 @@ MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of a
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
 CV_LAYERS = 2             # layers the cross-validation of the smoothing fits
-WIDE_SEARCH_STEPS = 500   # steps a wide layout's spare search (``wide_spares``) fits, a layer
+WIDE_SEARCH_STEPS = 300   # steps a wide layout's spare search (``wide_spares``) fits, a layer (500: 0.2-0.4% better held out, 1 CPU s more)
+CHECK_STEPS = 500         # fitted steps that decide whether a wide layout keeps its spread slots (``spread_if_better``)
 EXCHANGE_CELLS = 1e8      # each layer's exchange search work at the default effort (replica_exchange), so a
                           # layer gets the same search whatever the model's depth
 
@@ -322,6 +323,7 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
     masks, room = first_copies_and_room(base, E, R, problem.num_physical // R)
     if R > MAX_SEARCH_RANKS:
         masks = wide_spares.add_replicas(counts > 0, masks, R, room, counts.sum(axis=0))
+        masks = spread_if_better(step_expert_active(problem.steps, layer), masks, R)
         return masks_to_phy2log(masks, R, problem.num_physical // R)
     rng = np.random.default_rng([search.seed, layer])
     steps, weight = with_smoothed_steps(counts > 0, search.smoothing, sample_size(problem) // 2, rng)
@@ -329,6 +331,17 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
                          min_copies=spare_floor(E, problem.redundant))
     masks = exchange_masks(steps, weight, masks, R, EXCHANGE_CELLS * problem.effort / DEFAULT_EFFORT)
     return masks_to_phy2log(masks, R, problem.num_physical // R)
+
+
+def spread_if_better(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
+    """``coactive_spread.spread_slots`` of a wide layout's replica sets ``masks`` on the fitted steps ``active [S, E]``
+    (bool), kept where its exact E[optimum] on CHECK_STEPS of them, evenly spaced, is no worse: where nearly every
+    step is at its bound already (Kimi-K2-shaped on 320 ranks) the pair count has little left to fix and can
+    cost a little (BENCHMARKS.md#wide-expert-parallelism)."""
+    spread = coactive_spread.spread_slots(active, masks, ranks)
+    check = active[np.unique(np.linspace(0, active.shape[0] - 1, min(CHECK_STEPS, active.shape[0])).astype(np.int64))]
+    before, after = (float(optimum(check, m, ranks).mean()) if check.size else 0.0 for m in (masks, spread))
+    return spread if after <= before else masks
 
 
 def first_copies_and_room(base: np.ndarray, num_experts: int, ranks: int,

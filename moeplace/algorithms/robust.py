@@ -55,8 +55,8 @@ from moeplace.algorithms.balanced_replicas import (MAX_SEARCH_RANKS, add_replica
                                                    masks_to_phy2log, sample_size, spare_floor)
 from moeplace.algorithms.baselines import first_copies, hot_expert_spares, naive_spares
 from moeplace.algorithms.smoothed_steps import weighted_union
-from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, BALANCED_BASE_MAX_EXPERTS, place_layer,
-                                           search_moot, search_rows, stepaware)
+from moeplace.algorithms.stepaware import (BALANCED_BASE_EFFORT, eplb_first_copies, place_layer, search_moot,
+                                           search_rows, stepaware)
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.flow import optimum
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
@@ -239,7 +239,7 @@ def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, f
     steps = problem.steps.one_layer(layer)    # the fold's steps of this layer alone: no copy of every layer
     one = replace(problem, model=steps.model, steps=steps.take(fit_rows), progress=lambda n: None)
     first = reference
-    if E <= BALANCED_BASE_MAX_EXPERTS or problem.ranks > MAX_SEARCH_RANKS:   # first copies searched, as stepaware's
+    if not eplb_first_copies(problem):   # first copies searched, as stepaware's
         base = replace(one, redundant=problem.first_slots - E, dispatch="dynamic",
                        effort=problem.effort * BALANCED_BASE_EFFORT)
         search = None if search_moot(base) else search_rows(base.steps.num_steps, base.num_physical, rng, base.ranks)

@@ -57,9 +57,9 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
     Under ``balanced`` dispatch with spare slots, each layer gets its first copies first (one copy of every
     expert, and where the experts do not split over the ranks the replicas that make them: ``first_slots``),
     then ``balanced_replicas`` fills the spare slots. With replicas the first copies matter less, so they
-    get a share ``BALANCED_BASE_EFFORT`` of the work budget, and above ``BALANCED_BASE_MAX_EXPERTS``
-    (where a swap round costs O(E^2)) they are DeepSeek EPLB's (hierarchical over nodes): on Kimi-K2-shaped routing with E/4
-    spare slots the two end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
+    get a share ``BALANCED_BASE_EFFORT`` of the work budget, and where ``eplb_first_copies`` says so they
+    are DeepSeek EPLB's (hierarchical over nodes): on Kimi-K2-shaped routing with E/4 spare slots the two
+    end within 0.1% of each other, on GPT-OSS with E/4 stepaware's are 2% better
     (BENCHMARKS.md#with-spare-slots-across-datasets).
     """
     L = problem.model.num_moe_layers
@@ -70,9 +70,7 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
                        effort=problem.effort * BALANCED_BASE_EFFORT)
     weight = problem.steps.expert_token_counts()
     ref, _, _ = rebalance_experts(weight, base.num_physical, 1, 1, problem.ranks, False)
-    # on many ranks a layer is wide (``is_wide``): its greedy packing on sampled steps is cheap at any E
-    base_is_ref = (base is not problem and problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
-                   and problem.ranks <= balanced_replicas.MAX_SEARCH_RANKS)
+    base_is_ref = base is not problem and eplb_first_copies(problem)
     if base_is_ref and problem.nodes > 1 and problem.model.num_experts % problem.nodes == 0:
         # over nodes the first copies are DeepSeek EPLB's hierarchical ones (experts to nodes, then to GPUs)
         ref, _, _ = rebalance_experts(weight, base.num_physical, problem.nodes, problem.nodes, problem.ranks, True)
@@ -94,6 +92,15 @@ def stepaware(problem: PlacementProblem) -> np.ndarray:
         out[layer] = phy2log
         problem.progress(1)
     return out
+
+
+def eplb_first_copies(problem: PlacementProblem) -> bool:
+    """Whether balanced dispatch's first copies (with spare slots) are DeepSeek EPLB's rather than searched: above
+    BALANCED_BASE_MAX_EXPERTS, where a swap round costs O(E^2), and above ``balanced_replicas.MAX_SEARCH_RANKS``,
+    where the spread of co-active slots after the spare search (``coactive_spread``) moves them anyway (searched
+    first copies end no better there: BENCHMARKS.md#wide-expert-parallelism)."""
+    return (problem.model.num_experts > BALANCED_BASE_MAX_EXPERTS
+            or problem.ranks > balanced_replicas.MAX_SEARCH_RANKS)
 
 
 def search_rows(num_steps: int, P: int, rng: np.random.Generator, ranks: int = 1) -> np.ndarray:
