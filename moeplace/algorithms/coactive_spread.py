@@ -27,7 +27,7 @@ from moeplace.dispatch.balanced import mask_bits, pack_bits
 SINGLE_MULTI = 0.2     # weight of a single-replica expert's co-activation with a replica of a multi-replica one
 MULTI_MULTI = 0.1      # and of two replicas of multi-replica experts (BENCHMARKS.md#wide-expert-parallelism)
 MIN_GAIN = 5e-5        # a swap must lower the objective by this share of the steps
-MAX_ROUNDS = 16        # rounds of disjoint swaps at most (Kimi-K2-shaped at 64 ranks: as good held out as 200, ~25 used)
+MAX_ROUNDS = 12        # rounds of disjoint swaps at most (Kimi-K2-shaped at 64 ranks: as good held out as 200, which end at ~25)
 
 
 def coactivation(active: np.ndarray) -> np.ndarray:
