@@ -30,6 +30,9 @@ def test_candidate_layouts():
     # an intermediate size SGLang cannot split over 8 drops TP8; 6 experts do not split over 4 groups
     assert [layout.name for layout in candidate_layouts(8, 384, 2052, 0)] == ["EP8", "EP4xTP2", "EP2xTP4"]
     assert "EP4" not in {layout.name for layout in candidate_layouts(4, 6, 64, 0)}
+    # 384 experts split over 320 EP groups only with 256 spare slots: those layouts still run
+    wide = {layout.name for layout in candidate_layouts(320, 384, 2048, 256)}
+    assert {"EP320+256", "EP160xTP2+256", "EP40xTP8+256"} <= wide and not {"EP320", "EP160xTP2"} & wide
 
 
 @pytest.mark.parametrize("gpus, ep, experts, inter, spares, fragment", [

@@ -83,13 +83,13 @@ def check_split(gpus: int, ep: int, num_experts: int, intermediate: int, spares:
 
 
 def candidate_layouts(gpus: int, num_experts: int, intermediate: int, spares: int) -> list[Layout]:
-    """Every EP size dividing ``gpus`` (EP N first, TP-MoE last) that SGLang can run, each also with
-    ``spares`` spare slots where they and the experts split over its groups (none for TP-MoE)."""
+    """Every EP size dividing ``gpus`` (EP N first, TP-MoE last) that SGLang can run: without spare slots
+    where the experts split over its groups, with ``spares`` where they and the experts do (none for TP-MoE;
+    384 experts on EP 320 run only with spares)."""
     out = []
     for ep in (g for g in range(gpus, 0, -1) if gpus % g == 0):
-        if split_refusal(gpus, ep, num_experts, intermediate):
-            continue
-        out.append(Layout(gpus, ep))
+        if split_refusal(gpus, ep, num_experts, intermediate) is None:
+            out.append(Layout(gpus, ep))
         if (ep > 1 and spares and split_refusal(gpus, ep, num_experts, intermediate, spares) is None
                 and (num_experts + spares) // ep <= num_experts):
             out.append(Layout(gpus, ep, spares))
