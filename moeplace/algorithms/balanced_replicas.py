@@ -28,7 +28,8 @@ pair over all steps is one matrix product, exact. Per layer:
 
 The fast rule reached the optimum on every step measured (BENCHMARKS.md#with-spare-slots-across-datasets), so this is what SGLang gets.
 Rank sets are enumerated, so this search is for R <= MAX_SEARCH_RANKS (one node of 8 GPUs is 256 sets);
-wider layouts place their spare slots by ``wide_spares`` on WIDE_SEARCH_STEPS sampled steps.
+wider layouts place their spare slots by ``wide_spares`` on WIDE_SEARCH_STEPS sampled steps, then spread
+co-active slots apart on every fitted step (``coactive_spread``, kept by ``spread_if_better``).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ dispatch with spare slots the layout is chosen, among a few candidates, by its e
 steps its fit did not see (``choose``):
 
 * ``fitted``: ``stepaware``'s search as it is: its own first copies (fitted to the steps under dynamic
-  dispatch, for E <= BALANCED_BASE_MAX_EXPERTS), replicas by exact gain, exchanges of two experts'
-  replica sets by exact gain;
+  dispatch, where ``stepaware.eplb_first_copies`` says not DeepSeek EPLB's), replicas by exact gain,
+  exchanges of two experts' replica sets by exact gain;
 * ``replicas``: DeepSeek EPLB's first copies, replicas by exact gain on the fitted steps, no exchanges;
 * ``prior 1/3``, ``prior 2/3``: as ``replicas``, the gains on the fitted steps blended with steps whose
   experts are drawn uniformly (a uniform prior over which experts a step activates; sizes as fitted);
@@ -39,9 +39,9 @@ there a candidate's out-of-fold figure on few layers is mostly noise (its held-o
 dozen steps, and a blend's uniform steps are one random draw), and the noisiest candidate wins by luck
 (GPT-OSS fitted on 1k tokens of MMLU-Pro, R = 8: on 3 layers ``prior 1/3`` 2.425 out of fold against
 ``fitted`` 2.445, on SORRY-Bench 2.384 against 2.310). Above MAX_SEARCH_RANKS (wide EP) the blends'
-searches, which enumerate rank sets, are out of reach: ``fitted`` (stepaware's wide first copies and
-``wide_spares``, on as many steps as its real fit) and ``naive`` compete on CV_LAYERS layers, each block
-scored on WIDE_TEST_STEPS of its steps.
+searches, which enumerate rank sets, are out of reach: ``fitted`` (DeepSeek EPLB's first copies,
+``wide_spares`` on as many steps as its real fit, then ``coactive_spread`` on the fold's fitted steps) and
+``naive`` compete on CV_LAYERS layers, each block scored on WIDE_TEST_STEPS of its steps.
 """
 
 from __future__ import annotations
