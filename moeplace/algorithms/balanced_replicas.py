@@ -336,13 +336,13 @@ def place(problem: PlacementProblem, layer: int, base: np.ndarray, search: Spare
 
 def spread_if_better(active: np.ndarray, masks: np.ndarray, ranks: int) -> np.ndarray:
     """``coactive_spread.spread_slots`` of a wide layout's replica sets ``masks`` on the fitted steps ``active [S, E]``
-    (bool), kept where its exact E[optimum] on CHECK_STEPS of them, evenly spaced, is no worse: where nearly every
-    step is at its bound already (Kimi-K2-shaped on 320 ranks) the pair count has little left to fix and can
-    cost a little (BENCHMARKS.md#wide-expert-parallelism)."""
+    (bool), kept where it lowers the exact E[optimum] on CHECK_STEPS of them, evenly spaced: where nearly every
+    step is at its bound already (Kimi-K2-shaped on 320 ranks) the pair count has nothing left to fix and can
+    cost a little held out (BENCHMARKS.md#wide-expert-parallelism)."""
     spread = coactive_spread.spread_slots(active, masks, ranks)
     check = active[np.unique(np.linspace(0, active.shape[0] - 1, min(CHECK_STEPS, active.shape[0])).astype(np.int64))]
     before, after = (float(optimum(check, m, ranks).mean()) if check.size else 0.0 for m in (masks, spread))
-    return spread if after <= before else masks
+    return spread if after < before else masks
 
 
 def first_copies_and_room(base: np.ndarray, num_experts: int, ranks: int,
