@@ -147,13 +147,11 @@ def test_advise_where_tp_moe_cannot_run_compares_the_ep_splits(tmp_path):
     assert [r["name"] for r in data["layouts"]][:2] == ["EP8", "EP8+8"]
 
 
-def test_advise_with_no_split_that_runs_is_one_line_before_the_work(tmp_path, capsys):
-    from moeplace.cli import main
-
-    # 32 experts + 4 spare slots on 12 GPUs: the experts split over no EP size with an MoE TP that divides 100
+def test_advise_runs_the_splits_that_only_the_spare_slots_make(tmp_path):
+    # 32 experts split over no EP size of 12 GPUs whose MoE TP divides the intermediate size 100 (EP 4 needs TP 3);
+    # 32 + 4 spare slots split over EP 12, 6 and 3 (MoE TP 1, 2, 4): those layouts are what SGLang can run
     config = _config(tmp_path, {**QWEN_LIKE, "moe_intermediate_size": 100})
-    with pytest.raises(SystemExit) as e:
-        main(["advise", str(tiny_npz(tmp_path / "t.npz")), "--ranks", "12", "--redundant", "4", "--model", str(config)])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
-    assert "no EP x TP split of 12 GPUs runs this model's 32 experts" in err
+    code, out, err = invoke("advise", tiny_npz(tmp_path / "t.npz"), "--ranks", 12, "--redundant", 4, "--effort", 1e6,
+                            "--model", config, "--json")
+    assert code == 0, err
+    assert [r["name"] for r in json.loads(out)["layouts"]] == ["EP12+4", "EP6xTP2+4", "EP3xTP4+4"]
