@@ -30,23 +30,25 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
     """
     P = phy2log.shape[0]
     slots_per_rank, ranks_per_node = P // ranks, ranks // nodes
-    rank_of = np.arange(P) // slots_per_rank
+    slot = np.arange(P)
+    rank_of = slot // slots_per_rank
+    node_of = rank_of // ranks_per_node
+    # the lowest slot of each expert on each rank and on each node (P where it has none), and its copies per node
+    local = np.full((ranks, num_experts), P, np.int64)
+    np.minimum.at(local, (rank_of, phy2log), slot)
+    near = np.full((nodes, num_experts), P, np.int64)
+    np.minimum.at(near, (node_of, phy2log), slot)
+    in_node = np.zeros((nodes, num_experts), np.int64)
+    np.add.at(in_node, (node_of, phy2log), 1)
+    rank_node = np.arange(ranks) // ranks_per_node
+    narrows = (in_node[rank_node] > 0) & (in_node[rank_node] < np.bincount(phy2log, minlength=num_experts))
+    table = np.where(local < P, local, np.where(narrows, near[rank_node], -1))         # [R, E], -1: a fair choice
     rng = np.random.default_rng(seed)
-    table = np.zeros((ranks, num_experts), np.int64)
-    for e in range(num_experts):
-        replicas = np.flatnonzero(phy2log == e)
-        remaining = []
-        for r in range(ranks):
-            local = replicas[rank_of[replicas] == r]
-            same_node = replicas[rank_of[replicas] // ranks_per_node == r // ranks_per_node]
-            if local.size:
-                table[r, e] = local[0]
-            elif 0 < same_node.size < replicas.size:
-                table[r, e] = same_node[0]
-            else:
-                remaining.append(r)
-        if remaining:
-            whole, rest = divmod(len(remaining), replicas.size)
+    for e in range(num_experts):      # the seeded fair choice, expert by expert as SGLang draws it
+        remaining = np.flatnonzero(table[:, e] < 0)
+        if remaining.size:
+            replicas = np.flatnonzero(phy2log == e)
+            whole, rest = divmod(remaining.size, replicas.size)
             choices = np.concatenate([np.tile(replicas, whole), rng.choice(replicas, rest, replace=False)])
             table[remaining, e] = rng.permutation(choices)
     return table
