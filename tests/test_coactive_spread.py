@@ -1,7 +1,7 @@
 """The spread of co-active slots (moeplace.algorithms.coactive_spread) against naive references: the
 co-activation counts against a loop over steps, the swap search's objective against a sum over every
 rank's slot pairs, the layout it writes (same replicas per expert and slots per rank) at bit-set and
-bool widths, and spread_if_better's guard."""
+bool widths, spread_if_better's guard, and the activity it reads against the step counts."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from moeplace.algorithms import coactive_spread
 from moeplace.algorithms.balanced_replicas import CHECK_STEPS, spread_if_better
 from moeplace.algorithms.coactive_spread import coactivation, spread_slots, swap_slots
-from moeplace.dispatch.balanced import mask_bits, pack_bits
+from moeplace.dispatch.balanced import mask_bits, pack_bits, step_expert_active, step_expert_counts
 from moeplace.dispatch.flow import optimum
+from moeplace.model.spec import ModelSpec
+from test_metrics import random_steps
 
 
 def random_layout(rng: np.random.Generator, experts: int, ranks: int, per_rank: int) -> np.ndarray:
@@ -55,6 +57,15 @@ def test_coactivation_counts_every_pair_of_each_step(steps, experts, seed):
         on = np.flatnonzero(row)
         naive[np.ix_(on, on)] += 1
     np.testing.assert_array_equal(coactivation(active), naive)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_step_expert_active_is_where_the_counts_are_positive(seed):
+    """Token-row steps (some ids -1) mixed with count steps, against step_expert_counts."""
+    model = ModelSpec("toy", 3, (0, 1, 2), 12, 3)
+    steps = random_steps(np.random.default_rng(seed), model, 40)
+    for layer in range(3):
+        np.testing.assert_array_equal(step_expert_active(steps, layer), step_expert_counts(steps, layer) > 0)
 
 
 @pytest.mark.parametrize("ranks, experts, per_rank", [(4, 8, 3), (16, 40, 3), (64, 200, 4), (80, 150, 2)])
