@@ -446,14 +446,19 @@ def rank_loads(pick: np.ndarray, counts: np.ndarray, ranks: int) -> tuple[np.nda
             np.bincount(pick[on], weights=counts[on], minlength=ranks))
 
 
+def _token_cells(steps, layer: int) -> np.ndarray:
+    """[N] flat step * E + expert of every routed (token row, top-k) pair of one layer (ids of -1 left out)."""
+    step_of_row, _, ids = steps.layer(layer)
+    valid = ids >= 0
+    return np.broadcast_to(step_of_row[:, None], ids.shape)[valid] * steps.model.num_experts + ids[valid]
+
+
 def step_expert_active(steps, layer: int) -> np.ndarray:
     """[S, E] bool: ``step_expert_counts(steps, layer) > 0`` without the counts (half the time at Kimi K2's
     14,000 x 384: one store a token row's expert instead of a bincount and a compare)."""
     S, E = steps.num_steps, steps.model.num_experts
-    step_of_row, _, ids = steps.layer(layer)
-    valid = ids >= 0
     out = np.zeros(S * E, bool)
-    out[np.broadcast_to(step_of_row[:, None], ids.shape)[valid] * E + ids[valid]] = True
+    out[_token_cells(steps, layer)] = True
     out = out.reshape(S, E)
     if steps.count_steps.size:
         out[steps.count_steps] |= steps.counts[:, layer, :] > 0
@@ -463,10 +468,7 @@ def step_expert_active(steps, layer: int) -> np.ndarray:
 def step_expert_counts(steps, layer: int) -> np.ndarray:
     """[S, E] tokens each logical expert gets in each step at one layer (token rows and count steps)."""
     S, E = steps.num_steps, steps.model.num_experts
-    step_of_row, _, ids = steps.layer(layer)
-    valid = ids >= 0
-    flat = np.broadcast_to(step_of_row[:, None], ids.shape)[valid] * E + ids[valid]
-    out = np.bincount(flat, minlength=S * E).reshape(S, E).astype(np.int64, copy=False)
+    out = np.bincount(_token_cells(steps, layer), minlength=S * E).reshape(S, E).astype(np.int64, copy=False)
     if steps.count_steps.size:
         out[steps.count_steps] += np.rint(steps.counts[:, layer, :]).astype(np.int64)
     return out
