@@ -69,12 +69,8 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     memory = memory_warning(model, ranks, spares, costing, fewer="fewer (--redundant)")
     if memory:
         click.echo(f"warning: the layouts with spare slots: {memory}", err=True)
+    # never empty once check_ranks passed: EP --ranks (MoE TP 1) holds the experts, and the spares where asked
     candidates = candidate_layouts(ranks, model.num_experts, costing.shape.intermediate, spares)
-    if not candidates:   # it depends on the flags and the model only
-        raise MoeplaceError(f"no EP x TP split of {ranks} GPUs runs this model's {model.num_experts} experts "
-                            f"(intermediate size {costing.shape.intermediate}) with {spares} spare slots or none: "
-                            f"SGLang needs the experts (and spares) to split over the EP groups and the intermediate "
-                            f"size over MoE TP; try another --ranks or --redundant")
     tp_refusal = split_refusal(ranks, 1, model.num_experts, costing.shape.intermediate)
     steps = src.load(mode, max_steps or DEFAULT_SAMPLE_STEPS)
     if steps.num_steps == 0:
