@@ -65,7 +65,8 @@ MIN_ROUNDS, BATCH_MAX = 12, 16  # replicas go in at least MIN_ROUNDS rounds of a
 PROGRESS_WEIGHT = 1e-3    # weight of "out of every tight set of a step that is not fragile" against a step gained
 SMOOTHING_SHARES = (0.0, 1 / 3, 2 / 3)   # shares of the objective given to smoothed steps, chosen by CV
 CV_LAYERS = 2             # layers the cross-validation of the smoothing fits
-WIDE_SEARCH_STEPS = 300   # steps a wide layout's spare search (``wide_spares``) fits, a layer (500: 0.2-0.4% better held out, 1 CPU s more)
+WIDE_SEARCH_STEPS = 300   # steps a wide layout's spare search (``wide_spares``) fits, a layer (on 250 instead of 500: 0.1-0.5%
+                          # worse held out, about 1.5 CPU s less on Kimi K2 at 64 ranks: BENCHMARKS.md#wide-expert-parallelism)
 CHECK_STEPS = 500         # fitted steps that decide whether a wide layout keeps its spread slots (``spread_if_better``)
 EXCHANGE_CELLS = 1e8      # each layer's exchange search work at the default effort (replica_exchange), so a
                           # layer gets the same search whatever the model's depth
