@@ -43,14 +43,18 @@ def static_dispatch_table(phy2log: np.ndarray, num_experts: int, ranks: int, nod
     rank_node = np.arange(ranks) // ranks_per_node
     narrows = (in_node[rank_node] > 0) & (in_node[rank_node] < np.bincount(phy2log, minlength=num_experts))
     table = np.where(local < P, local, np.where(narrows, near[rank_node], -1))         # [R, E], -1: a fair choice
+    # The seeded fair choice: an expert's remaining ranks, in random order, take its replicas in a random
+    # order round robin (each replica (remaining ranks) // replicas times, a random few once more), all
+    # experts at once where SGLang draws expert by expert.
     rng = np.random.default_rng(seed)
-    for e in range(num_experts):      # the seeded fair choice, expert by expert as SGLang draws it
-        remaining = np.flatnonzero(table[:, e] < 0)
-        if remaining.size:
-            replicas = np.flatnonzero(phy2log == e)
-            whole, rest = divmod(remaining.size, replicas.size)
-            choices = np.concatenate([np.tile(replicas, whole), rng.choice(replicas, rest, replace=False)])
-            table[remaining, e] = rng.permutation(choices)
+    expert, rank = np.nonzero(table.T < 0)                                   # by expert
+    order = np.lexsort((rng.random(expert.size), expert))
+    expert, rank = expert[order], rank[order]
+    turn = np.arange(expert.size) - np.searchsorted(expert, expert)          # place among its expert's ranks
+    shuffled = np.lexsort((rng.random(P), phy2log))                          # slots by expert, random within
+    copies = np.bincount(phy2log, minlength=num_experts)
+    first = np.cumsum(copies) - copies
+    table[rank, expert] = shuffled[first[expert] + turn % copies[expert]]
     return table
 
 
