@@ -21,7 +21,7 @@ from moeplace.algorithms.balanced_replicas import first_copies_and_room
 from moeplace.algorithms.baselines import separate_replicas
 from moeplace.algorithms.robust import robust_spares
 from moeplace.algorithms.stepaware import (TIE_BREAK, _loads, _objective, greedy_place, item_activity,
-                                           order_replicas, replica_counts, swap_deltas)
+                                           order_replicas, rank_deltas, replica_counts, swap_deltas)
 from moeplace.analysis.optimize import split_steps
 from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.flow import optimum
@@ -228,18 +228,21 @@ def test_swap_deltas_match_brute_force(seed):
     assert np.array_equal(delta, delta.T)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_swap_deltas_only_rank_keeps_that_ranks_swaps(seed):
+@pytest.mark.parametrize("seed", range(12))
+def test_rank_deltas_are_that_ranks_rows_of_the_brute_force(seed):
     rng = np.random.default_rng(100 + seed)
-    R, spr = 3, 3
-    X, rank, item_expert = random_swap_instance(rng, 6, R, spr, 7)
+    R = int(rng.choice([2, 3, 4, 5]))
+    spr = int(rng.integers(1, 4))
+    E = int(rng.integers(max(1, spr), R * spr + 1))
+    X, rank, item_expert = random_swap_instance(rng, int(rng.integers(1, 9)), R, spr, E)
     D = _loads(X, rank, R)
-    full = swap_deltas(X, D, rank, item_expert, R)
     heavy = int(seed % R)
-    only = swap_deltas(X, D, rank, item_expert, R, only_rank=heavy)
-    involves = (rank == heavy)[:, None] | (rank == heavy)[None, :]
-    np.testing.assert_allclose(only[involves], full[involves], rtol=1e-6)
-    assert np.isinf(only[~involves]).all()
+    items, delta = rank_deltas(X, D, rank, item_expert, R, heavy)
+    assert np.array_equal(items, np.flatnonzero(rank == heavy))
+    expect = brute_force_deltas(X, rank, item_expert, R)[items]
+    assert np.array_equal(np.isinf(delta), np.isinf(expect)), (delta, expect)
+    finite = np.isfinite(expect)
+    np.testing.assert_allclose(delta[finite], expect[finite], rtol=1e-5, atol=1e-4)
 
 
 def test_objective_definition():

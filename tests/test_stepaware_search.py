@@ -112,6 +112,17 @@ def test_move_changes_is_the_objective_change_of_moving_one_slot(R):
         assert h[s, a, b] == pytest.approx(expect, abs=1e-6), (s, a, b)
 
 
+@pytest.mark.parametrize("R", [1, 2, 3, 5, 8])
+def test_move_changes_of_given_pairs_are_the_full_grids(R):
+    """move_changes(D, a, b) picks the pairs (a, b) out of every pair's grid, for any broadcast shape."""
+    rng = np.random.default_rng(10 + R)
+    D = rng.integers(0, 4, (30, R)).astype(np.float32)
+    full = move_changes(D)
+    a, b = rng.integers(0, R, 7), rng.integers(0, R, 7)
+    np.testing.assert_array_equal(move_changes(D, a, b), full[:, a, b])
+    np.testing.assert_array_equal(move_changes(D, a[:, None], b[None, :]), full[:, a[:, None], b[None, :]])
+
+
 @pytest.mark.parametrize("E,R,redundant,dispatch", [(16, 4, 0, "dynamic"), (16, 4, 4, "static"),
                                                     (16, 4, 4, "balanced")])
 def test_layers_placed_on_forked_workers_are_the_ones_placed_in_order(E, R, redundant, dispatch, monkeypatch):
