@@ -37,6 +37,7 @@ from moeplace.trace.steps import RoutingSteps
 TIE_BREAK = 1e-3            # weight of sum_r D^2 against the max: only decides between equal maxima
 MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number plus TIE_BREAK times one
 MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
+STATIC_REPAIRS = 32         # and in the static rule's second search, from SGLang's table of the first
 PAIR_CELLS = 10_000         # one rank pair's numpy calls in swap_deltas (~10 us), in effort cells (~1 ns)
 SEARCH_CELLS = 500_000      # the swap search sees at most this many step x slot cells (all steps place)
 BALANCED_BASE_EFFORT = 0.05  # share of the work budget for the first copies under balanced dispatch
@@ -145,13 +146,14 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
         if refine:
             # Under the static rule the replica that serves a step is the one nearest its source
             # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
-            # placement found (SGLang's own table) and search again from there.
-            rounds = max(1, int(effort / 4 / round_cost(rows.size, P, R)))
-            for _ in range(2):
-                order = np.lexsort((item_expert, rank))
-                static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
-                search, item_tokens = item_activity(problem.steps, layer, replicas, "static", static_item, rows)
-                rank, _ = swap_search(search, item_tokens, item_expert, rank, R, floor, rounds)
+            # placement found (SGLang's own table) and search again from there, once and with at most
+            # STATIC_REPAIRS repairs (twice, with 64: within 0.2% held out at twice the time,
+            # BENCHMARKS.md#wide-expert-parallelism).
+            rounds = max(1, int(effort / 2 / round_cost(rows.size, P, R)))
+            order = np.lexsort((item_expert, rank))
+            static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
+            search, item_tokens = item_activity(problem.steps, layer, replicas, "static", static_item, rows)
+            rank, _ = swap_search(search, item_tokens, item_expert, rank, R, floor, rounds, STATIC_REPAIRS)
     else:
         # Hierarchical: slots to nodes first (a node may hold up to ranks-per-node replicas of an
         # expert, one per rank), then each node's slots to its ranks. Replicas sharing a key go to
