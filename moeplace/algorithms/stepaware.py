@@ -147,8 +147,8 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
             # Under the static rule the replica that serves a step is the one nearest its source
             # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
             # placement found (SGLang's own table) and search again from there, once and with at most
-            # STATIC_REPAIRS repairs (twice, with 64: within 0.2% held out at twice the time,
-            # BENCHMARKS.md#wide-expert-parallelism).
+            # STATIC_REPAIRS repairs (twice, with 64: within 0.2% held out at up to 2.6x the time,
+            # BENCHMARKS.md#optimizer-and-cli-speed).
             rounds = max(1, int(effort / 2 / round_cost(rows.size, P, R)))
             order = np.lexsort((item_expert, rank))
             static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
