@@ -245,6 +245,18 @@ def test_rank_deltas_are_that_ranks_rows_of_the_brute_force(seed):
     np.testing.assert_allclose(delta[finite], expect[finite], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_rank_deltas_equal_swap_deltas_bit_for_bit(seed):
+    """A repair step reads rank_deltas where a swap round reads swap_deltas: the two sum the same float32 terms
+    in different orders, so they pick the same swaps only if every term is exact (TIE_BREAK a power of two)."""
+    rng = np.random.default_rng(200 + seed)
+    X, rank, item_expert = random_swap_instance(rng, 400, 8, 6, 40)
+    D = _loads(X, rank, 8)
+    heavy = int(np.argmax(D.sum(axis=0)))
+    items, delta = rank_deltas(X, D, rank, item_expert, 8, heavy)
+    assert np.array_equal(delta, swap_deltas(X, D, rank, item_expert, 8)[items])
+
+
 def test_objective_definition():
     D = np.array([[1, 3], [2, 2]], np.float32)
     assert _objective(D) == pytest.approx(3 + 2 + TIE_BREAK * (1 + 9 + 4 + 4))
