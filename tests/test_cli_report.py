@@ -60,6 +60,21 @@ def test_report_table_and_plots(tmp_path):
     assert not [p for p in plots.iterdir() if p.suffix != ".png"]  # no temp files left
 
 
+@pytest.mark.parametrize("command", [["optimize", SAMPLE, "--ranks", "8", "--max-steps", "200", "-o", "p.json"],
+                                     ["report", SAMPLE, "--ranks", "8"],
+                                     ["compare", SAMPLE, REPO / "tests" / "data" / "golden" / "a.json", "--ranks", "8"]])
+def test_plot_dir_without_matplotlib_is_one_line_before_any_work(tmp_path, command):
+    """matplotlib missing (it is an install requirement, but environments drift): --plot-dir says so at once,
+    exit 2, one line, nothing written, rather than a traceback after the whole computation."""
+    code = ("import sys; sys.modules['matplotlib'] = None; from moeplace.cli import main; "
+            "main(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", code, *map(str, command), "--plot-dir", "plots"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: --plot-dir needs matplotlib") and done.stderr.count("\n") == 1
+    assert "Traceback" not in done.stderr and not list(tmp_path.iterdir())
+
+
 def test_report_json_and_placement(tmp_path):
     placement = tmp_path / "p.json"
     save_placement(placement, _shuffled_placement(GPTOSS, 8))

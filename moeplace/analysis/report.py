@@ -138,6 +138,18 @@ def plot_context(trace: str, mode: str, steps: int, which: str, ranks: int) -> s
     return f"{os.path.basename(os.path.normpath(trace))}: {steps_phrase(steps, mode, which)}, {ranks} ranks"
 
 
+def check_plotting(plot_dir: str | None) -> None:
+    """Raise MoeplaceError if ``--plot-dir`` is given and matplotlib is not installed: said before the work that
+    the plots end, not after it."""
+    if plot_dir is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise MoeplaceError(f"--plot-dir needs matplotlib, which is not installed here ({e}); "
+                            "pip install matplotlib, or leave --plot-dir out") from e
+
+
 def write_plots(evals: list[Evaluation], plot_dir: str, context: str) -> list[str]:
     """Two PNGs, placements side by side; every title carries ``context`` (``plot_context``).
 

@@ -16,7 +16,8 @@ from moeplace.commands.options import (MAX_GB, FiniteFloatRange, effort_option, 
 from moeplace.analysis.layouts import check_split
 from moeplace.analysis.optimize import holdout_cut
 from moeplace.analysis.optimize import optimize as run_optimize
-from moeplace.analysis.report import comparison_rows, evaluate, format_table, plot_context, steps_phrase, write_plots
+from moeplace.analysis.report import (check_plotting, comparison_rows, evaluate, format_table, plot_context, steps_phrase,
+                                      write_plots)
 from moeplace.errors import MoeplaceError
 from moeplace.files.outputs import check_outputs
 from moeplace.files.placement import Placement, load_placement, save_placement, save_sglang
@@ -113,6 +114,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     """
     check_outputs({"-o": out, "--sglang-out": sglang_out}, inputs=trace_inputs(trace, cost_model_path, model_ref),
                   folders={"--plot-dir": plot_dir})
+    check_plotting(plot_dir)
     src = open_source(trace, window, top_k)
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref,
@@ -223,6 +225,7 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | N
       moeplace compare traces/gptoss20b-sample.mptrace old.json new.json --ranks 8 --holdout 0.3
     """
     check_outputs({}, folders={"--plot-dir": plot_dir})
+    check_plotting(plot_dir)
     src = open_source(trace, window, top_k)
     loaded: dict[str, Placement] = {}
     for path in placements:

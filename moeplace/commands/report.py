@@ -13,8 +13,8 @@ from moeplace.files.outputs import check_outputs
 from moeplace.files.placement import Placement, load_placement
 from moeplace.analysis.optimize import DEFAULT_SAMPLE_STEPS
 from moeplace.analysis.staleness import staleness
-from moeplace.analysis.report import (comparison_rows, evaluate, format_table, hottest_experts, plot_context, steps_phrase,
-                             write_plots)
+from moeplace.analysis.report import (check_plotting, comparison_rows, evaluate, format_table, hottest_experts, plot_context,
+                                      steps_phrase, write_plots)
 from moeplace.trace.steps import RoutingSteps
 
 
@@ -46,6 +46,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
       moeplace report /var/moeplace/new-capture.mptrace --ranks 8 --placement placement.json --json
     """
     check_outputs({}, folders={"--plot-dir": plot_dir})
+    check_plotting(plot_dir)
     src = open_source(trace, window, top_k)
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref)
