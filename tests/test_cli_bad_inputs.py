@@ -128,7 +128,8 @@ CASES = [
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--holdout", "1"], "--holdout"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--balance-floor", "nan"], "not a finite number"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "0"], "--ranks"),
-    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "7"], "do not split evenly over 7 ranks"),
+    (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--ranks", "7"],
+     "do not split evenly over 7 ranks; --redundant 3 would"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--redundant", "8", "--replica-memory", "3"],
      "--redundant or --replica-memory"),
     (["optimize", "{in}/t.mptrace", "-o", "{out}/p.json", "--max-steps", "0"], "--max-steps"),
@@ -153,6 +154,7 @@ CASES = [
     (["advise", "{in}/t.mptrace", "--cost-model", "{in}/cost_huge.json"], "at most 1e+06"),
     # report
     (["report", "{in}/t.mptrace", "--plot-dir", "{in}/afile"], "is a file"),
+    (["report", "{in}/t.mptrace", "--ranks", "7"], "32 experts + 0 redundant slots do not split evenly over 7 ranks (see"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/p.json", "--ranks", "4"], "for 8 ranks, not 4"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/folder"], "--placement"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/strings.json"], "physical_to_logical_map[0][0] must be a whole number, got '0'"),

@@ -144,8 +144,8 @@ def test_optimize_at_wide_widths(wide_trace, tmp_path, args):
 
 
 @pytest.mark.parametrize("args, says", [
-    (["--ranks", "512"], "do not split evenly"),
-    (["--ranks", "100"], "do not split evenly"),
+    (["--ranks", "512"], "do not split evenly over 512 ranks; --redundant 256 would"),
+    (["--ranks", "100", "--redundant", "10"], "do not split evenly over 100 ranks; --redundant 44 would"),
     (["--ranks", "64", "--redundant", "64", "--nodes", "3"], "--nodes"),
 ])
 def test_widths_that_cannot_be_placed_say_so_in_one_line(wide_trace, tmp_path, args, says):

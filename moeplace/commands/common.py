@@ -102,16 +102,21 @@ class Progress:
             click.echo("", err=True)
 
 
-def check_ranks(trace: Trace, ranks: int, redundant: int = 0) -> None:
-    """Reject rank counts that cannot hold the trace's experts (one line, before any work)."""
+def check_ranks(trace: Trace, ranks: int, redundant: int | None = None) -> None:
+    """Reject rank counts that cannot hold the trace's experts (one line, before any work). redundant: the
+    command's --redundant (None where it has none); where the slots do not split, the line names the fewest
+    spare slots from there up that do."""
     E = trace.model.num_experts
-    if redundant > E * (ranks - 1):
-        raise click.BadParameter(f"{redundant} spare slots over {ranks} ranks: the slots per rank exceed the {E} "
+    spare = redundant or 0
+    if spare > E * (ranks - 1):
+        raise click.BadParameter(f"{spare} spare slots over {ranks} ranks: the slots per rank exceed the {E} "
                                  f"experts (a rank never holds an expert twice), so at most {E * (ranks - 1)} spare "
                                  f"slots", param_hint="--redundant")
-    if (E + redundant) % ranks:
-        raise click.BadParameter(f"{E} experts + {redundant} redundant slots do not split evenly over "
-                                 f"{ranks} ranks", param_hint="--ranks")
+    if (E + spare) % ranks:
+        fits = spare + (-(E + spare)) % ranks
+        hint = f"; --redundant {fits} would" if redundant is not None and fits <= E * (ranks - 1) else ""
+        raise click.BadParameter(f"{E} experts + {spare} redundant slots do not split evenly over "
+                                 f"{ranks} ranks{hint}", param_hint="--ranks")
 
 
 def echo_json(data: Any) -> None:
