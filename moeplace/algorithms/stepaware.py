@@ -35,7 +35,8 @@ from moeplace.parallel import layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 2**-10          # weight of sum_r D^2 against the max: only decides between equal maxima; a power of
-                            # two, so the float32 deltas are exact and rank_deltas picks what swap_deltas would
+                            # two keeps the float32 terms exact, so rank_deltas sums what swap_deltas does bit for
+                            # bit (with 1e-3 the two orders of summing differed: tests/test_algorithms.py)
 MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number plus TIE_BREAK times one
 MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
 STATIC_REPAIRS = 32         # and in the static rule's second search, from SGLang's table of the first
