@@ -198,6 +198,25 @@ def test_mixed_draft_counts_random_trees(backend, seed):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("growth", [1.0, 3.0, 30.0])
+def test_scores_that_jump_mid_prefix(backend, growth):
+    """Keys that grow along the prefix (and a few far larger ones late in it) move every row's running
+    maximum again and again, far past the first tiles' maximum: the online softmax must rescale what
+    it summed before, wherever in a split the jump falls."""
+    case = make_case(3, [9, 9, 5], 8, [9000, 700, 40000], seed=int(growth))
+    pool, ids, kvp = case["kv_pool"], case["kv_indices"], case["kv_indptr"].tolist()
+    for b in range(3):
+        slots = ids[kvp[b]:kvp[b + 1]]
+        ramp = torch.linspace(1.0, growth, slots.numel(), device=pool.device)
+        pool[slots] = (pool[slots].float() * ramp[:, None, None]).to(pool.dtype)
+        late = slots[int(0.8 * slots.numel()):][::997]
+        pool[late] = (pool[late].float() * 8).to(pool.dtype)
+    check(case, 9, backend=backend)
+
+
+@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("min_tiles", [1, 4])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_sm90_launch_settings(min_tiles, pdl):

@@ -43,6 +43,9 @@ constexpr int MAX_COMBINE_SPLITS = 1024;
 constexpr int MAX_COMBINE_DRAFTS = 64;
 constexpr int CONSUMER_REGS = 232;
 constexpr int PRODUCER_REGS = 40;
+// A column's reference maximum moves once its running maximum passes it by this much (log2 units):
+// exponentials up to 2^RESCALE_GAP stay far inside bf16's and fp32's range.
+constexpr float RESCALE_GAP = 8.f;
 // setmaxnreg only moves registers within the CTA (launched with 384 x 168): what the two
 // consumer warpgroups take must not exceed what the producer gives back, or they wait forever.
 static_assert(2 * (CONSUMER_REGS - 168) <= 168 - PRODUCER_REGS, "register budget");
@@ -412,6 +415,32 @@ __device__ void produce(const SplitParams& p, uint8_t* smem, int x, int y) {
   }
 }
 
+// exp2(min(s - m, 64)): a score's exponential against the reference maximum m (log2 units). The clamp
+// keeps a first pass against a stale reference finite; a tile whose scores pass the reference by more
+// than RESCALE_GAP is computed again anyway.
+__device__ __forceinline__ float clamped_exp(float s, float m) { return exp2f(fminf(s - m, 64.f)); }
+
+// A thread's two terms of a column's sum of exponentials (tokens r_lo and r_lo + 8).
+__device__ __forceinline__ float tile_exp(float s_lo, float s_hi, float m) { return clamped_exp(s_lo, m) + clamped_exp(s_hi, m); }
+
+// A tile's exponentials against the reference maxima m_use [NJ][2] for this thread's tokens r_lo and
+// r_lo + 8 of columns 8j + 2(lane % 4) + e: into P^T (K-major, 128-byte swizzle) and added to l_run.
+template <int NJ>
+__device__ __forceinline__ void exp_tile(const float* s_acc, const float (&m_use)[NJ][2], float (&l_run)[NJ][2],
+                                         __nv_bfloat16* pt, int lane, int r_lo) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * j + 2 * (lane & 3) + e;
+      const float p_lo = clamped_exp(s_acc[4 * j + e], m_use[j][e]);
+      const float p_hi = clamped_exp(s_acc[4 * j + 2 + e], m_use[j][e]);
+      l_run[j][e] += p_lo + p_hi;
+      pt[sw128_offset(c, r_lo) >> 1] = __float2bfloat16(p_lo);
+      pt[sw128_offset(c, r_lo + 8) >> 1] = __float2bfloat16(p_hi);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Consumer warpgroup: N query rows (columns of S^T and O^T) starting at row0 of the row block.
 // Accumulator layout of wgmma m64nN (per warp w, lane l): value 4j + 2h + e sits at row
@@ -432,10 +461,13 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
   const uint32_t p_base = base + L::P + row0 * 128;
   int* row_max = reinterpret_cast<int*>(smem + L::ROW_MAX) + row0;  // [2][NR], this WG's columns
   float* scratch = reinterpret_cast<float*>(smem + L::P + row0 * 128);  // [4][N] in P^T's space
+  __nv_bfloat16* pt = reinterpret_cast<__nv_bfloat16*>(smem + L::P + row0 * 128);  // P^T of this WG
 
   float s_acc[NV];
   float o_acc[8][NV];
-  float m_run[NJ][2], l_run[NJ][2];
+  // m_use: the reference maximum of the exponentials (log2 units), moved only when a tile's
+  // scores pass it by more than RESCALE_GAP; l_run: this thread's sum of exp2(s - m_use).
+  float m_use[NJ][2], l_run[NJ][2];
   RingPos<L::RING_BLOCKS> pos;  // first block of the tile whose S is computed next
   uint32_t q_phase = 0;
   int tile_count = 0;           // tiles done by this CTA: parity picks the row-max buffer
@@ -479,7 +511,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        m_run[j][e] = -1e30f;
+        m_use[j][e] = -1e30f;
         l_run[j][e] = 0.f;
       }
     fence_regs(s_acc);
@@ -492,8 +524,11 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
       const int valid = s.n - tile * TILE;  // tokens of this tile (>= 1)
       const int r_lo = 16 * warp + (lane >> 2);
       const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
+      // Each column's maximum: tile t's warps push max(their tile maximum, m_use) into buffer t & 1
+      // (reset only between segments: it may also hold tile t - 2's, which m_use passed then), read
+      // back after barrier C. Buffer t & 1 was last read after barrier C of tile t - 2, before any
+      // warp passed barrier C of tile t - 1, which comes before these atomics.
       int* mx = row_max + (tile_count & 1) * NR;
-      int* mx_next = row_max + ((tile_count + 1) & 1) * NR;
       // Scaled scores (log2 units), masked past the prefix, and this warp's column maxima.
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
@@ -507,33 +542,49 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
           mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 4));
           mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 8));
           mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 16));
-          if (lane < 4) atomicMax(mx + 8 * j + 2 * lane + e, float_order(mxv));
+          if (lane < 4) atomicMax(mx + 8 * j + 2 * lane + e, float_order(fmaxf(mxv, m_use[j][e])));
         }
-      named_barrier(bar_id, 128);  // A: maxima of all 4 warps in; PV of the last tile done
+      // P^T against the reference maxima m_use, without waiting for the other warps' maxima: the
+      // reference moves (the accumulators rescaled, P^T written again) only when a tile's scores
+      // pass it by more than RESCALE_GAP, which after a segment's first tile is rare, so most tiles
+      // take one barrier and no rescale of the 8 x NV accumulators.
+      if (tile == s.t0) {  // a segment's first tile: its maxima first, so that it never takes the slow path
+        named_barrier(bar_id, 128);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) m_use[j][e] = order_float(mx[8 * j + 2 * (lane & 3) + e]);
+      }
+      exp_tile<NJ>(s_acc, m_use, l_run, pt, lane, r_lo);
+      fence_async_shared();
+      named_barrier(bar_id, 128);  // C: P^T and every warp's maxima complete
+      bool moved = false;
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = 8 * j + 2 * (lane & 3) + e;
-          const float m_new = fmaxf(m_run[j][e], order_float(mx[c]));
-          const float alpha = exp2f(m_run[j][e] - m_new);
-          m_run[j][e] = m_new;
-          const float p_lo = exp2f(s_acc[4 * j + e] - m_new);
-          const float p_hi = exp2f(s_acc[4 * j + 2 + e] - m_new);
-          l_run[j][e] = l_run[j][e] * alpha + p_lo + p_hi;
+        for (int e = 0; e < 2; ++e) moved |= order_float(mx[8 * j + 2 * (lane & 3) + e]) > m_use[j][e] + RESCALE_GAP;
+      // A warp holds every column (for its 16 tokens) and reads the same maxima as the others, so
+      // the whole warpgroup takes this branch or none of it.
+      if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
-          for (int d = 0; d < 8; ++d) {
-            o_acc[d][4 * j + e] *= alpha;
-            o_acc[d][4 * j + 2 + e] *= alpha;
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float m_new = order_float(mx[8 * j + 2 * (lane & 3) + e]);
+            const float alpha = exp2f(m_use[j][e] - m_new);
+            // take back what the first pass added (the same two terms), then rescale
+            l_run[j][e] = (l_run[j][e] - tile_exp(s_acc[4 * j + e], s_acc[4 * j + 2 + e], m_use[j][e])) * alpha;
+            m_use[j][e] = m_new;
+#pragma unroll
+            for (int d = 0; d < 8; ++d) {
+              o_acc[d][4 * j + e] *= alpha;
+              o_acc[d][4 * j + 2 + e] *= alpha;
+            }
           }
-          // P^T row c (K-major, 128-byte swizzle): tokens r_lo and r_lo + 8.
-          __nv_bfloat16* pt = reinterpret_cast<__nv_bfloat16*>(smem + L::P + row0 * 128);
-          pt[sw128_offset(c, r_lo) >> 1] = __float2bfloat16(p_lo);
-          pt[sw128_offset(c, r_lo + 8) >> 1] = __float2bfloat16(p_hi);
-        }
-      if (tid < N) mx_next[tid] = INT_MIN;  // reset the other buffer for the next tile
-      fence_async_shared();
-      named_barrier(bar_id, 128);  // C: P^T complete
+        exp_tile<NJ>(s_acc, m_use, l_run, pt, lane, r_lo);
+        fence_async_shared();
+        named_barrier(bar_id, 128);  // P^T rewritten against the new maxima
+      }
 #pragma unroll
       for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
       wgmma_fence();
@@ -572,6 +623,10 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
     // Epilogue: row sums across the warpgroup, normalise, stage rows in this WG's part of the
     // query buffer (free: its QK are done), copy out 16 bytes per thread.
     named_barrier(bar_id, 128);  // every warp's PV done: P^T space is free for the row sums
+    if (tid < N) {  // the running maxima start again with the next segment (read before this barrier)
+      row_max[tid] = INT_MIN;
+      row_max[NR + tid] = INT_MIN;
+    }
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -593,7 +648,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
         const int c = 8 * j + 2 * (lane & 3) + e;
         const float l = scratch[c] + scratch[N + c] + scratch[2 * N + c] + scratch[3 * N + c];
         inv_l[j][e] = 1.f / l;
-        if (warp == 0 && lane < 4) p.l_part[part_row0 + c] = m_run[j][e] + log2f(l);
+        if (warp == 0 && lane < 4) p.l_part[part_row0 + c] = m_use[j][e] + log2f(l);
       }
 #pragma unroll
     for (int d = 0; d < 8; ++d)
