@@ -35,7 +35,8 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "
 ROWS_PER_BLOCK = (16, 32, 48, 64, 72)  # kernel variants: rows of one CTA (two warpgroups)
 MAX_DRAFT = 64  # draft tokens per request the combine kernel holds
 MAX_SPLITS = 1024  # CTAs along the KV tiles (per request at most that many partials)
-SERIALISED_WGMMA = "C7519"  # ptxas: wgmma issued one at a time (a dependence on a divergent path)
+# ptxas's note where it issues the wgmma one at a time (C7519 in nvcc 13.5, C7520 in 13.0: matched by its text)
+SERIALISED_WGMMA = "wgmma.mma_async instructions are serialized"
 
 _Ptr = ctypes.c_void_p
 _I64 = ctypes.c_longlong
@@ -164,8 +165,8 @@ def build(nvcc: str) -> Path:
                          res.stderr.strip()[-300:])
             raise RuntimeError(f"nvcc failed: {first}")
         if SERIALISED_WGMMA in res.stdout + res.stderr:
-            log.warning("moeplace: ptxas serialised the Hopper MLA verify kernel's wgmma (%s): it is correct "
-                        "but slow; this nvcc or source needs a look", SERIALISED_WGMMA)
+            log.warning("moeplace: ptxas issues the Hopper MLA verify kernel's wgmma one at a time (its note: "
+                        "'%s'): the kernel is correct but slow with this nvcc", SERIALISED_WGMMA)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
