@@ -86,7 +86,7 @@ def test_failing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch, c
     assert not list((fresh_loader / "cache").rglob("*.so")), "no half-written library is kept"
 
 
-def test_serialised_wgmma_warns_and_keeps_the_build(fresh_loader, monkeypatch, caplog):
+def test_serialised_wgmma_warns_and_keeps_the_build(fresh_loader, caplog):
     fake = fresh_loader / "nvcc"
     fake.write_text("#!/bin/sh\necho 'fake nvcc 0.0'\n[ \"$1\" = --version ] && exit 0\n"
                     "while [ \"$1\" != -o ]; do shift; done; echo lib > \"$2\"\n"
