@@ -153,3 +153,25 @@ def test_an_import_error_of_its_own_is_not_taken_for_a_signal(monkeypatch):
     monkeypatch.setattr(cli_module.cli, "main", broken_import)
     with pytest.raises(ImportError, match="no module named x"):
         cli_module.main(["optimize"])
+
+
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("signalled", [KeyboardInterrupt, Terminated])
+def test_a_signal_between_the_folders_and_the_temp_file_leaves_no_folder(tmp_path: Path, monkeypatch, nested: bool,
+                                                                         signalled: type) -> None:
+    """The output's folders are made before its temp file; a signal in between (here raised by mkstemp
+    itself) must still remove them."""
+    from moeplace.files import atomic
+
+    def interrupted(*args, **kwargs):
+        raise signalled()
+
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", interrupted)
+    target = tmp_path / "out" / "deeper" / "p.json"
+    with pytest.raises(signalled):
+        if nested:
+            with atomic.all_or_nothing():
+                atomic.atomic_write_text(target, "{}")
+        else:
+            atomic.atomic_write_text(target, "{}")
+    assert not list(tmp_path.iterdir())

@@ -35,15 +35,8 @@ def replace_regular(tmp: str | os.PathLike, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def _make_parents(target: Path) -> list[Path]:
-    """Create the missing folders above ``target``; return them."""
-    missing = [p for p in target.parents if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return missing
-
-
 def _remove_folders(folders: list[Path]) -> None:
-    """Remove the folders ``_make_parents`` made where they are still empty, deepest first."""
+    """Remove the folders ``atomic_open`` made where they are still empty, deepest first."""
     for folder in sorted(set(folders), key=lambda p: len(p.parts), reverse=True):
         with contextlib.suppress(OSError):
             folder.rmdir()
@@ -57,14 +50,16 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
     """
     target = Path(path)
     staged = _staged.get()
-    made: list[Path] = []
+    # The folders to make, noted before any is made: a signal that lands between the mkdir and the temp
+    # file (SIGTERM unwinds as an exception anywhere) still finds them to remove.
+    made = [p for p in target.parents if not p.exists()]
+    tmp = None
     try:
-        made = _make_parents(target)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    except OSError as e:   # a bad output path is the user's to fix: one line, not a traceback
-        _remove_folders(made)
-        raise MoeplaceError(f"{path}: cannot write here ({e.strerror or e})") from None
-    try:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        except OSError as e:   # a bad output path is the user's to fix: one line, not a traceback
+            raise MoeplaceError(f"{path}: cannot write here ({e.strerror or e})") from None
         with os.fdopen(fd, mode) as f:
             # mkstemp makes the file private (0600); give it the mode a plain open() would.
             umask = os.umask(0)
@@ -79,8 +74,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "w") -> Iterator[IO]:
             staged[0].append((tmp, target))
             staged[1].extend(made)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         _remove_folders(made)
         raise
 
