@@ -17,6 +17,7 @@ import pytest
 
 from moeplace import cli as cli_module
 from moeplace.cli import Terminated
+from moeplace.files import atomic
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "traces" / "gptoss20b-sample.mptrace"
@@ -161,8 +162,6 @@ def test_a_signal_between_the_folders_and_the_temp_file_leaves_no_folder(tmp_pat
                                                                          signalled: type) -> None:
     """The output's folders are made before its temp file; a signal in between (here raised by mkstemp
     itself) must still remove them."""
-    from moeplace.files import atomic
-
     def interrupted(*args, **kwargs):
         raise signalled()
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,14 @@ def fresh_loader(monkeypatch, tmp_path):
     return tmp_path
 
 
+def _fake_nvcc(folder: Path, build: str) -> Path:
+    """An executable ``nvcc`` in ``folder`` that answers --version and otherwise runs the shell lines ``build``."""
+    fake = folder / "nvcc"
+    fake.write_text("#!/bin/sh\necho 'fake nvcc 0.0'\n[ \"$1\" = --version ] && exit 0\n" + build)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    return fake
+
+
 def _warnings(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -73,10 +82,7 @@ def test_missing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch, c
 
 
 def test_failing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch, caplog):
-    fake = fresh_loader / "nvcc"
-    fake.write_text("#!/bin/sh\necho 'fake nvcc 0.0'\n"
-                    "[ \"$1\" = --version ] && exit 0\necho 'x.cu(1): error: broken' >&2\nexit 1\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    fake = _fake_nvcc(fresh_loader, "echo 'x.cu(1): error: broken' >&2\nexit 1\n")
     monkeypatch.setattr(mla_verify_sm90, "find_nvcc", lambda: str(fake))
     with caplog.at_level(logging.WARNING, logger=mla_verify_sm90.__name__):
         assert mla_verify_sm90.load() is None
@@ -87,12 +93,9 @@ def test_failing_compiler_warns_once_and_falls_back(fresh_loader, monkeypatch, c
 
 
 def test_serialised_wgmma_warns_and_keeps_the_build(fresh_loader, caplog):
-    fake = fresh_loader / "nvcc"
-    fake.write_text("#!/bin/sh\necho 'fake nvcc 0.0'\n[ \"$1\" = --version ] && exit 0\n"
-                    "while [ \"$1\" != -o ]; do shift; done; echo lib > \"$2\"\n"
-                    "echo \"ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async instructions are "
-                    "serialized due to ...\" >&2\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    fake = _fake_nvcc(fresh_loader, "while [ \"$1\" != -o ]; do shift; done; echo lib > \"$2\"\n"
+                                    "echo \"ptxas info    : (C7520) Potential Performance Loss: wgmma.mma_async "
+                                    "instructions are serialized due to ...\" >&2\n")
     with caplog.at_level(logging.WARNING, logger=mla_verify_sm90.__name__):
         path = mla_verify_sm90.build(str(fake))
     assert path.read_text() == "lib\n"
