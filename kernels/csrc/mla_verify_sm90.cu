@@ -9,11 +9,10 @@
 // tiles over the grid and may span requests (each piece is a "segment" with its own partial).
 // The CTA's 384 threads are three warpgroups:
 //   WG2, producer: gathers KV rows by slot id with cp.async into a ring of 8 KB blocks
-//        (64 tokens x 64 values, 128-byte swizzled), rope block first, then 8 latent blocks;
-//        loads each segment's query rows the same way. Completion reaches the consumers through
-//        mbarriers (cp.async.mbarrier.arrive.noinc).
-//   WG0, WG1, consumers: each owns a slice of the row block's query rows (N0 + N1 <= 72) and runs
-//        the whole flash-attention loop for them, transposed so no row is padded:
+//        (64 tokens x 64 values, 128-byte swizzled), rope block first, then 8 latent blocks.
+//        Completion reaches the consumers through mbarriers (cp.async.mbarrier.arrive.noinc).
+//   WG0, WG1, consumers: each owns a slice of the row block's query rows (N0 + N1 <= 72), loads
+//        them itself, and runs the whole flash-attention loop for them, transposed so no row is padded:
 //          S^T [64 tokens, N] = K [64, 576] Q^T        (wgmma m64nNk16, both from shared memory)
 //          O^T [512, N]      += V^T [512, 64] P^T [64, N]   (V^T read from the same K blocks)
 //        The softmax runs over the token (M) dimension: a shuffle within each warp and a shared
@@ -320,9 +319,8 @@ struct SmemPlan {
   static constexpr int BARS = RING + RING_BLOCKS * BLOCK_BYTES;
   static constexpr int FULL = BARS;                            // RING_BLOCKS x 8 B
   static constexpr int EMPTY = FULL + 8 * RING_BLOCKS;
-  static constexpr int Q_FULL = EMPTY + 8 * RING_BLOCKS;
-  static constexpr int Q_EMPTY = Q_FULL + 8;
-  static constexpr int ROW_MAX = Q_EMPTY + 8;                  // [2 tiles][NR] ordered ints
+  static constexpr int Q_FULL = EMPTY + 8 * RING_BLOCKS;      // one per consumer warpgroup
+  static constexpr int ROW_MAX = Q_FULL + 16;                  // [2 tiles][NR] ordered ints
   static constexpr int BYTES = ROW_MAX + 2 * NR * 4;
   // Tile t + 1 reuses the slots of tile t - 1's latent blocks and of tile t's rope block, which
   // are free before tile t + 1's QK is issued; with fewer blocks the loop would deadlock.
@@ -363,26 +361,10 @@ __device__ void produce(const SplitParams& p, uint8_t* smem, int x, int y) {
   const int row = t >> 3;      // this thread's token rows: row + 16 k, k < 4
   const uint32_t base = smem_addr(smem);
   const uint64_t policy = l2_policy(p.evict_first != 0);
-  const uint64_t keep_policy = l2_policy(false);
   RingPos<L::RING_BLOCKS> pos;
-  uint32_t q_phase = 0;
   SegmentWalk walk(p, x);
   Segment s;
   while (walk.next(y, NR, s)) {
-    // Query rows of this row block (zeros past the request's rows).
-    mbar_wait(base + L::Q_EMPTY, q_phase ^ 1);
-    for (int i = t; i < NR * (KV_DIM / 8); i += 128) {
-      int r = i / (KV_DIM / 8), c = i % (KV_DIM / 8);
-      int qrow = y * NR + r;
-      bool ok = qrow < s.rows;
-      const __nv_bfloat16* src = p.q;
-      if (ok) src += (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h + c * 8;
-      uint32_t dst = base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(r, (c & 7) * 8);
-      cp_async16(dst, src, ok ? 16 : 0, keep_policy);
-    }
-    cp_async_arrive(base + L::Q_FULL);
-    q_phase ^= 1;
-
     // Slot ids of this thread's 4 token rows (-1 past the prefix), one tile ahead.
     int ids[4];
     auto load_ids = [&](int tile, int (&out)[4]) {
@@ -469,6 +451,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
   // scores pass it by more than RESCALE_GAP; l_run: this thread's sum of exp2(s - m_use).
   float m_use[NJ][2], l_run[NJ][2];
   RingPos<L::RING_BLOCKS> pos;  // first block of the tile whose S is computed next
+  const uint64_t q_policy = l2_policy(false);
   uint32_t q_phase = 0;
   int tile_count = 0;           // tiles done by this CTA: parity picks the row-max buffer
 
@@ -500,8 +483,24 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
   SegmentWalk walk(p, x);
   Segment s;
   while (walk.next(y, NR, s)) {
-    mbar_wait(base + L::Q_FULL, q_phase);
-    q_phase ^= 1;
+    // This warpgroup's query rows (zeros past the request's rows), loaded by itself while the producer
+    // starts on the KV: a warp per row, a lane per 16 bytes. (Loaded by the producer, with its 40
+    // registers, they took a third of a one-tile call: docs/verify-kernel.md.)
+    for (int r = warp; r < N; r += 4) {
+      const int qrow = y * NR + row0 + r;
+      const bool ok = qrow < s.rows;
+      const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const int c = lane + 32 * k;
+        if (c < KV_DIM / 8)
+          cp_async16(base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(row0 + r, (c & 7) * 8), src + c * 8,
+                     ok ? 16 : 0, q_policy);
+      }
+    }
+    cp_async_arrive(base + L::Q_FULL + 8 * wg);
+    mbar_wait(base + L::Q_FULL + 8 * wg, q_phase);  // every warp's rows have landed (a named barrier
+    q_phase ^= 1;                                   // here makes ptxas serialise the wgmma)
     fence_async_shared();
 #pragma unroll
     for (int d = 0; d < 8; ++d)
@@ -670,8 +669,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
           smem + L::Q + (piece >> 3) * (NR * 128) + (row0 + c) * 128 + ((((piece & 7) ^ c) & 7) << 4));
       *reinterpret_cast<uint4*>(p.o_part + (part_row0 + c) * V_DIM + piece * 8) = v;
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(base + L::Q_EMPTY);  // this warp is done with the query buffer
+    named_barrier(bar_id, 128);  // the staged rows are read: the next segment's query rows may land there
   }
 }
 
@@ -687,8 +685,8 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
       mbar_init(base + L::FULL + 8 * i, 128);  // one cp.async arrival per producer thread
       mbar_init(base + L::EMPTY + 8 * i, 8);   // one arrival per consumer warp
     }
-    mbar_init(base + L::Q_FULL, 128);
-    mbar_init(base + L::Q_EMPTY, 8);
+    mbar_init(base + L::Q_FULL, 128);          // one cp.async arrival per consumer thread
+    mbar_init(base + L::Q_FULL + 8, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   if (threadIdx.x < 2 * L::NR) reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = INT_MIN;
