@@ -163,11 +163,35 @@ class Sm90Config:
     evict_first: stream the KV pool through L2 with the evict-first policy (the partials, read
     right after, stay); only with one row block, since several row blocks re-read the KV.
     4-9% faster at 64k-185k.
+    combine_slices: CTAs of the combine kernel per query row (1, 2 or 4), each for that share of
+    the 512 values; 0 picks by the batch (``combine_slices``).
     """
 
     min_tiles: int = 1
     pdl: bool = False
     evict_first: bool = True
+    combine_slices: int = 0
+
+    def __post_init__(self) -> None:
+        if self.combine_slices not in (0, 1, 2, 4):
+            raise ValueError(f"combine_slices must be 0 (by the batch), 1, 2 or 4, got {self.combine_slices}")
+
+
+# Combine-kernel CTAs (128 threads, 56 registers) resident per SM: one wave of the grid.
+COMBINE_CTAS_PER_SM = 9
+
+
+def combine_slices(rows: int, num_sms: int) -> int:
+    """CTAs per query row for the combine kernel: the most of 4, 2, 1 whose grid fits one wave.
+
+    A row's splits are merged by its CTAs' threads in parallel, so one request (few rows, a split
+    per SM) wants 4; a batch's rows already fill the GPU, and a second wave would double the
+    kernel's time (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+    """
+    for slices in (4, 2):
+        if rows * slices <= COMBINE_CTAS_PER_SM * num_sms:
+            return slices
+    return 1
 
 
 def composed_refusal(page_size: Optional[int], max_draft: int) -> Optional[str]:
@@ -498,6 +522,8 @@ class MlaVerify:
         cp.batch, cp.heads, cp.d_max, cp.rows_pad = bs, self.num_heads, self.max_draft, \
             self.rows_pad
         cp.grid_x, cp.min_tiles, cp.scale_log2 = self.grid_x, cfg.min_tiles, scale_log2
+        cp.slices = cfg.combine_slices or combine_slices(bs * self.max_draft * self.num_heads,
+                                                         self.num_sms)
         stream = torch.cuda.current_stream(self.device).cuda_stream
         self.sm90.forward(self.variant, sp, cp, stream, q.device.index, cfg.pdl)
 

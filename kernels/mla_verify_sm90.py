@@ -66,7 +66,7 @@ class CombineParams(ctypes.Structure):
                 ("lse_stride_t", _I64), ("lse_stride_h", _I64),
                 ("mip64", _I32), ("kvp64", _I32), ("qop64", _I32), ("mask_mode", _I32),
                 ("batch", _I32), ("heads", _I32), ("d_max", _I32), ("rows_pad", _I32),
-                ("grid_x", _I32), ("min_tiles", _I32), ("scale_log2", _F32)]
+                ("grid_x", _I32), ("min_tiles", _I32), ("scale_log2", _F32), ("slices", _I32)]
 
 
 class Sm90Library:

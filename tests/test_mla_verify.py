@@ -217,13 +217,14 @@ def test_scores_that_jump_mid_prefix(backend, growth):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("min_tiles", [1, 4])
+@pytest.mark.parametrize("min_tiles,slices", [(1, 0), (4, 0), (1, 1), (1, 2), (1, 4)])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_sm90_launch_settings(min_tiles, pdl):
-    """The split plan and the dependent launch: other tile counts per CTA give the same result."""
+def test_sm90_launch_settings(min_tiles, slices, pdl):
+    """The split plan, the combine kernel's slices per row and the dependent launch: other
+    settings give the same result."""
     from moeplace_kernels.mla_verify_api import Sm90Config
 
-    cfg = Sm90Config(min_tiles=min_tiles, pdl=pdl)
+    cfg = Sm90Config(min_tiles=min_tiles, pdl=pdl, combine_slices=slices)
     op = make_op(8, 9, 8, "sm90", sm90_config=cfg)
     check(make_case(8, [9, 9, 4, 1, 9, 9, 2, 9], 8, [1, 63, 64, 4097, 70001, 300, 31, 20000],
                     seed=min_tiles), 9, op=op)

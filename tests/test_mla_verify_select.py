@@ -14,7 +14,8 @@ pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from moeplace_kernels import mla_verify_sm90  # noqa: E402
-from moeplace_kernels.mla_verify_api import MlaVerify, select_backend, sm90_rows  # noqa: E402
+from moeplace_kernels.mla_verify_api import (  # noqa: E402
+    COMBINE_CTAS_PER_SM, MlaVerify, Sm90Config, combine_slices, select_backend, sm90_rows)
 
 
 class Loader:
@@ -128,6 +129,23 @@ def test_sm90_row_blocks(rows, expected):
     variant, per_block, blocks = sm90_rows(rows)
     assert (variant, per_block, blocks) == expected
     assert per_block * blocks >= rows and per_block <= 72
+
+
+@pytest.mark.parametrize("sms", [78, 114, 132])
+def test_combine_slices_take_the_most_that_fit_one_wave(sms):
+    wave = COMBINE_CTAS_PER_SM * sms
+    for rows in range(1, 4 * wave, 7):
+        slices = combine_slices(rows, sms)
+        assert slices in (1, 2, 4)
+        assert slices == 1 or rows * slices <= wave
+        assert slices == 4 or rows * 2 * slices > wave
+    assert (combine_slices(72, 132), combine_slices(8 * 72, 132), combine_slices(16 * 72, 132)) == (4, 2, 1)
+
+
+@pytest.mark.parametrize("slices", [-1, 3, 8])
+def test_sm90_config_refuses_other_slice_counts(slices):
+    with pytest.raises(ValueError, match="combine_slices"):
+        Sm90Config(combine_slices=slices)
 
 
 @pytest.mark.skipif(mla_verify_sm90.find_nvcc() is None, reason="no nvcc here")

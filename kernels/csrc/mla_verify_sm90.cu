@@ -20,7 +20,7 @@
 // The prefix needs no mask (every draft row sees every prefix token), so the loop has none; the
 // D x D tree part is computed by the combine kernel and merged by log-sum-exp.
 //
-// Combine kernel, one CTA per (query row, quarter of the 512 output values): the tree scores of
+// Combine kernel, one CTA per (query row, slice of the 512 output values): the tree scores of
 // the row (q . k_ext, masked), then out = sum_s w_s * O_s + sum_j w_j * v_ext_j over the row's
 // splits s and visible draft tokens j. Optionally launched as a programmatic dependent of the
 // split kernel (it then computes the tree scores while the last split CTAs still run).
@@ -40,14 +40,17 @@ constexpr int THREADS = 384;
 constexpr int SMEM_PER_BLOCK = 232448;   // sm_90: 227 KB of dynamic shared memory per CTA
 constexpr int MAX_COMBINE_SPLITS = 1024;
 constexpr int MAX_COMBINE_DRAFTS = 64;
-constexpr int CONSUMER_REGS = 232;
+// Registers after setmaxnreg: the first consumer warpgroup holds the most rows (N0 >= N1), so it gets
+// more; 232 each spilled 248 bytes in the 40-row warpgroup's loop, 240 + 224 spill 40.
+constexpr int CONSUMER0_REGS = 240;
+constexpr int CONSUMER1_REGS = 224;
 constexpr int PRODUCER_REGS = 40;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
 // exponentials up to 2^RESCALE_GAP stay far inside bf16's and fp32's range.
 constexpr float RESCALE_GAP = 8.f;
 // setmaxnreg only moves registers within the CTA (launched with 384 x 168): what the two
 // consumer warpgroups take must not exceed what the producer gives back, or they wait forever.
-static_assert(2 * (CONSUMER_REGS - 168) <= 168 - PRODUCER_REGS, "register budget");
+static_assert(CONSUMER0_REGS + CONSUMER1_REGS - 2 * 168 <= 168 - PRODUCER_REGS, "register budget");
 
 struct SplitParams {
   const __nv_bfloat16* q;     // [T, H, 576]
@@ -85,6 +88,7 @@ struct CombineParams {
   int mask_mode;               // 0 causal, 1 D x D per request (qlen_only), 2 SGLang FULL_MASK
   int batch, heads, d_max, rows_pad, grid_x, min_tiles;
   float scale_log2;
+  int slices;                  // CTAs per query row, each for 512 / slices values: 1, 2 or 4
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -696,10 +700,11 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
     produce<N0, N1>(p, smem, x, y);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER_REGS));
     if (wg == 0) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
       consume<N0, N1, N0>(p, smem, x, y, 0, 0);
     } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER1_REGS));
       consume<N0, N1, N1>(p, smem, x, y, 1, N0);
     }
   }
@@ -708,7 +713,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
 }
 
 // ---------------------------------------------------------------------------------------------
-// Combine kernel: 128 threads per (query row, quarter of the 512 values)
+// Combine kernel: 128 threads per (query row, slice of 512 / slices values)
 // ---------------------------------------------------------------------------------------------
 
 __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) {
@@ -746,7 +751,7 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
   __shared__ float red4[4];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.x;  // (request, draft, head)
-  const int quarter = blockIdx.y;
+  const int slice = blockIdx.y;
   const int h = row % p.heads;
   const int i = (row / p.heads) % p.d_max;
   const int b = row / (p.heads * p.d_max);
@@ -808,8 +813,14 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
   for (int j = tid; j < D; j += 128) sum += exp2f(tree[j] - mx);
   sum = block_reduce(sum, red4, false);
 
-  const int dg = tid & 15, sg = tid >> 4;
-  const int col = quarter * 128 + dg * 8;
+  // Thread (sg, dg): 8 values from col of every split_groups-th split. One slice per row takes
+  // every value in one CTA (batches: one wave of CTAs); four take a quarter each (one request,
+  // whose rows have the most splits).
+  const int width = V_DIM / p.slices;
+  const int chunks = width / 8;
+  const int split_groups = 128 / chunks;
+  const int dg = tid % chunks, sg = tid / chunks;
+  const int col = slice * width + dg * 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   auto add = [&](const __nv_bfloat16* src, float w) {
     uint4 v = *reinterpret_cast<const uint4*>(src);
@@ -822,15 +833,16 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
     }
   };
   int s = sg;
-  for (; s + 24 < n_splits; s += 32) {  // four loads in flight per thread
+  for (; s + 3 * split_groups < n_splits; s += 4 * split_groups) {  // four loads in flight per thread
     uint4 v[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      v[k] = *reinterpret_cast<const uint4*>(p.o_part + (static_cast<long long>(slot0 + s + 8 * k) * p.rows_pad + r) * V_DIM + col);
+      v[k] = *reinterpret_cast<const uint4*>(
+          p.o_part + (static_cast<long long>(slot0 + s + split_groups * k) * p.rows_pad + r) * V_DIM + col);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-      const float w = weights[s + 8 * k];
+      const float w = weights[s + split_groups * k];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float2 f = __bfloat1622float2(v2[c]);
@@ -839,21 +851,23 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
       }
     }
   }
-  for (; s < n_splits; s += 8)
+  for (; s < n_splits; s += split_groups)
     add(p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col, weights[s]);
-  for (int j = sg; j < D; j += 8) {
+  for (int j = sg; j < D; j += split_groups) {
     const float w = exp2f(tree[j] - mx);
     if (w > 0.f) add(p.v_ext + (q0 + j) * p.ve_stride + col, w);
   }
+  float* red_flat = &red[0][0];  // [split_groups][width]
 #pragma unroll
-  for (int k = 0; k < 8; ++k) red[sg][dg * 8 + k] = acc[k];
+  for (int k = 0; k < 8; ++k) red_flat[sg * width + dg * 8 + k] = acc[k];
   __syncthreads();
-  float o = 0.f;
-#pragma unroll
-  for (int g = 0; g < 8; ++g) o += red[g][tid];
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  p.out[(q0 + i) * p.out_stride_t + h * p.out_stride_h + quarter * 128 + tid] = __float2bfloat16(o * inv);
-  if (p.lse != nullptr && quarter == 0 && tid == 0) {
+  for (int v = tid; v < width; v += 128) {
+    float o = 0.f;
+    for (int g = 0; g < split_groups; ++g) o += red_flat[g * width + v];
+    p.out[(q0 + i) * p.out_stride_t + h * p.out_stride_h + slice * width + v] = __float2bfloat16(o * inv);
+  }
+  if (p.lse != nullptr && slice == 0 && tid == 0) {
     p.lse[(q0 + i) * p.lse_stride_t + h * p.lse_stride_h] =
         sum > 0.f ? (mx + log2f(sum)) * 0.6931471805599453f : -INFINITY;
   }
@@ -1011,7 +1025,8 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   }
   if (err != cudaSuccess) return static_cast<int>(err);
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(cp->batch * cp->d_max * cp->heads, 4, 1);
+  if (cp->slices != 1 && cp->slices != 2 && cp->slices != 4) return static_cast<int>(cudaErrorInvalidValue);
+  cfg.gridDim = dim3(cp->batch * cp->d_max * cp->heads, cp->slices, 1);
   cfg.blockDim = dim3(128, 1, 1);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
