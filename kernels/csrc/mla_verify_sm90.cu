@@ -406,25 +406,43 @@ __device__ void produce(const SplitParams& p, uint8_t* smem, int x, int y) {
 // than RESCALE_GAP is computed again anyway.
 __device__ __forceinline__ float clamped_exp(float s, float m) { return exp2f(fminf(s - m, 64.f)); }
 
-// A thread's two terms of a column's sum of exponentials (tokens r_lo and r_lo + 8).
+// A thread's two terms of a column's sum of exponentials (its tokens 16 warp + lane / 4 (+ 8)).
 __device__ __forceinline__ float tile_exp(float s_lo, float s_hi, float m) { return clamped_exp(s_lo, m) + clamped_exp(s_hi, m); }
 
-// A tile's exponentials against the reference maxima m_use [NJ][2] for this thread's tokens r_lo and
-// r_lo + 8 of columns 8j + 2(lane % 4) + e: into P^T (K-major, 128-byte swizzle) and added to l_run.
+// A warp's 16 x 8 piece of an accumulator (rows 8h + lane / 4, columns 2 (lane % 4) + e; a0 a1 for
+// h = 0, b0 b1 for h = 1) stored transposed as bf16 by stmatrix: column k becomes 16 bytes at the
+// address lane 8h + k gives (trans_row_addr), half h of them.
+__device__ __forceinline__ void store_piece_trans(uint32_t addr, float a0, float a1, float b0, float b1) {
+  __nv_bfloat162 lo = __floats2bfloat162_rn(a0, a1), hi = __floats2bfloat162_rn(b0, b1);
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr),
+               "r"(*reinterpret_cast<uint32_t*>(&lo)), "r"(*reinterpret_cast<uint32_t*>(&hi))
+               : "memory");
+}
+
+// This lane's stmatrix address in a stack of 128-byte rows with the 128-byte swizzle (rows_base 8-row
+// aligned): lane 8h + k names row k, values 16 warp + 8 h + [0, 8). Row 8 j + k: add 1024 j.
+__device__ __forceinline__ uint32_t trans_row_addr(uint32_t rows_base, int warp, int lane) {
+  const int k = lane & 7, h = (lane >> 3) & 1;
+  return rows_base + k * 128 + ((((2 * warp + h) ^ k) & 7) << 4);
+}
+
+// A tile's exponentials against the reference maxima m_use [NJ][2] for this thread's tokens (rows of
+// S^T) 16 warp + lane / 4 (+ 8) of columns 8j + 2(lane % 4) + e: into P^T (K-major, 128-byte swizzle;
+// pt_addr = trans_row_addr of its first row) and added to l_run.
 template <int NJ>
 __device__ __forceinline__ void exp_tile(const float* s_acc, const float (&m_use)[NJ][2], float (&l_run)[NJ][2],
-                                         __nv_bfloat16* pt, int lane, int r_lo) {
+                                         uint32_t pt_addr) {
 #pragma unroll
-  for (int j = 0; j < NJ; ++j)
+  for (int j = 0; j < NJ; ++j) {
+    float p[2][2];
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int c = 8 * j + 2 * (lane & 3) + e;
-      const float p_lo = clamped_exp(s_acc[4 * j + e], m_use[j][e]);
-      const float p_hi = clamped_exp(s_acc[4 * j + 2 + e], m_use[j][e]);
-      l_run[j][e] += p_lo + p_hi;
-      pt[sw128_offset(c, r_lo) >> 1] = __float2bfloat16(p_lo);
-      pt[sw128_offset(c, r_lo + 8) >> 1] = __float2bfloat16(p_hi);
+      p[0][e] = clamped_exp(s_acc[4 * j + e], m_use[j][e]);
+      p[1][e] = clamped_exp(s_acc[4 * j + 2 + e], m_use[j][e]);
+      l_run[j][e] += p[0][e] + p[1][e];
     }
+    store_piece_trans(pt_addr + j * 1024, p[0][0], p[0][1], p[1][0], p[1][1]);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -447,7 +465,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
   const uint32_t p_base = base + L::P + row0 * 128;
   int* row_max = reinterpret_cast<int*>(smem + L::ROW_MAX) + row0;  // [2][NR], this WG's columns
   float* scratch = reinterpret_cast<float*>(smem + L::P + row0 * 128);  // [4][N] in P^T's space
-  __nv_bfloat16* pt = reinterpret_cast<__nv_bfloat16*>(smem + L::P + row0 * 128);  // P^T of this WG
+  const uint32_t pt_addr = trans_row_addr(p_base, warp, lane);  // P^T of this WG, as exp_tile stores it
 
   float s_acc[NV];
   float o_acc[8][NV];
@@ -532,7 +550,10 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
       // back after barrier C. Buffer t & 1 was last read after barrier C of tile t - 2, before any
       // warp passed barrier C of tile t - 1, which comes before these atomics.
       int* mx = row_max + (tile_count & 1) * NR;
-      // Scaled scores (log2 units), masked past the prefix, and this warp's column maxima.
+      // Scaled scores (log2 units), masked past the prefix, and this warp's column maxima: every
+      // column's shuffles side by side, then one branch for the atomics (a branch per column kept
+      // each column's shuffles waiting for the previous column's atomic).
+      float wmax[NJ][2];
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -541,12 +562,20 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
           float hi = ok_hi ? s_acc[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
           s_acc[4 * j + e] = lo;
           s_acc[4 * j + 2 + e] = hi;
-          float mxv = fmaxf(lo, hi);
-          mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 4));
-          mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 8));
-          mxv = fmaxf(mxv, __shfl_xor_sync(0xffffffffu, mxv, 16));
-          if (lane < 4) atomicMax(mx + 8 * j + 2 * lane + e, float_order(fmaxf(mxv, m_use[j][e])));
+          wmax[j][e] = fmaxf(lo, hi);
         }
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) wmax[j][e] = fmaxf(wmax[j][e], __shfl_xor_sync(0xffffffffu, wmax[j][e], o));
+      if (lane < 4) {
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) atomicMax(mx + 8 * j + 2 * lane + e, float_order(fmaxf(wmax[j][e], m_use[j][e])));
+      }
       // P^T against the reference maxima m_use, without waiting for the other warps' maxima: the
       // reference moves (the accumulators rescaled, P^T written again) only when a tile's scores
       // pass it by more than RESCALE_GAP, which after a segment's first tile is rare, so most tiles
@@ -558,7 +587,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
 #pragma unroll
           for (int e = 0; e < 2; ++e) m_use[j][e] = order_float(mx[8 * j + 2 * (lane & 3) + e]);
       }
-      exp_tile<NJ>(s_acc, m_use, l_run, pt, lane, r_lo);
+      exp_tile<NJ>(s_acc, m_use, l_run, pt_addr);
       fence_async_shared();
       named_barrier(bar_id, 128);  // C: P^T and every warp's maxima complete
       bool moved = false;
@@ -584,7 +613,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
               o_acc[d][4 * j + 2 + e] *= alpha;
             }
           }
-        exp_tile<NJ>(s_acc, m_use, l_run, pt, lane, r_lo);
+        exp_tile<NJ>(s_acc, m_use, l_run, pt_addr);
         fence_async_shared();
         named_barrier(bar_id, 128);  // P^T rewritten against the new maxima
       }
@@ -653,19 +682,15 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
         inv_l[j][e] = 1.f / l;
         if (warp == 0 && lane < 4) p.l_part[part_row0 + c] = m_use[j][e] + log2f(l);
       }
+    // Stage the normalised rows (512 values each, in 128-byte swizzled blocks of 64) in this WG's rows
+    // of the query buffer: value 64 d + r of row c is O^T's row r of block d, column c.
+    const uint32_t stage = trans_row_addr(base + L::Q + row0 * 128, warp, lane);
 #pragma unroll
     for (int d = 0; d < 8; ++d)
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = 8 * j + 2 * (lane & 3) + e;
-            const int r = 16 * warp + (lane >> 2) + 8 * h;  // value 64 d + r of row c
-            __nv_bfloat16* stage = reinterpret_cast<__nv_bfloat16*>(smem + L::Q + d * (NR * 128) + row0 * 128);
-            stage[sw128_offset(c, r) >> 1] = __float2bfloat16(o_acc[d][4 * j + 2 * h + e] * inv_l[j][e]);
-          }
+        store_piece_trans(stage + d * (NR * 128) + j * 1024, o_acc[d][4 * j] * inv_l[j][0], o_acc[d][4 * j + 1] * inv_l[j][1],
+                          o_acc[d][4 * j + 2] * inv_l[j][0], o_acc[d][4 * j + 3] * inv_l[j][1]);
     named_barrier(bar_id, 128);
     for (int i = tid; i < N * 64; i += 128) {
       const int c = i >> 6, piece = i & 63;  // row c, values 8 piece ..
