@@ -152,14 +152,14 @@ def hopper_candidates(num_heads: int = 8, max_draft: int = 9) -> list[TileConfig
 class Sm90Config:
     """Launch settings of the Hopper kernel (the tile shapes are fixed in its source).
 
-    The defaults are the sweep's choice (BENCHMARKS.md#verify-attention-against-flashmla; 8 heads x
-    9 drafts on the H200): the fastest setting that beats the Triton kernel at every context.
+    The defaults are the sweep's choice (BENCHMARKS.md#the-own-sm90-kernel-page-size-1; 8 heads x
+    9 drafts): the setting whose worst ratio to FlashMLA's time over the benchmark's rows is lowest.
     min_tiles: fewest 64-token KV tiles per CTA; the batch's tiles are spread evenly over one
     CTA per SM (per row block), so this only matters for short contexts. 1 and 2 tie from 16k
-    on; 4 is slower at 4k-16k.
-    pdl: launch the combine kernel as a programmatic dependent of the split kernel, so its tree
-    part runs while the last split CTAs finish. Faster at 4k (28 vs 33 µs), slower at 16k-64k
-    (44 vs 41 µs at 16k, where the Triton kernel takes 42).
+    on; 4 is slower at 1k-4k.
+    pdl: launch the combine kernel as a programmatic dependent of the split kernel, so its launch
+    and tree part overlap the split kernel's end. 1-4 µs faster on batches and below 16k (one
+    request of 1k: 20.5 against 24.2 µs), 2-3 µs slower for one request of 16k-185k.
     evict_first: stream the KV pool through L2 with the evict-first policy (the partials, read
     right after, stay); only with one row block, since several row blocks re-read the KV.
     4-9% faster at 64k-185k.
@@ -168,7 +168,7 @@ class Sm90Config:
     """
 
     min_tiles: int = 1
-    pdl: bool = False
+    pdl: bool = True
     evict_first: bool = True
     combine_slices: int = 0
 

@@ -430,8 +430,7 @@ def main() -> None:
     print("\n".join(lines))
 
 
-SM90_SWEEP = [Sm90Config(min_tiles=2, pdl=True), Sm90Config(min_tiles=1, pdl=True),
-              Sm90Config(min_tiles=2, pdl=False), Sm90Config(min_tiles=4),
+SM90_SWEEP = [Sm90Config(pdl=False), Sm90Config(min_tiles=2), Sm90Config(min_tiles=4),
               Sm90Config(evict_first=False), Sm90Config(combine_slices=1),
               Sm90Config(combine_slices=2), Sm90Config(combine_slices=4)]
 
