@@ -156,7 +156,7 @@ class Sm90Config:
     9 drafts): the setting whose worst ratio to FlashMLA's time over the benchmark's rows is lowest.
     min_tiles: fewest 64-token KV tiles per CTA; the batch's tiles are spread evenly over one
     CTA per SM (per row block), so this only matters for short contexts. 1 and 2 tie from 16k
-    on; 4 is slower at 1k-4k.
+    on; 4 is slower below 64k.
     pdl: launch the combine kernel as a programmatic dependent of the split kernel, so its launch
     and tree part overlap the split kernel's end. 1-4 µs faster on batches and below 16k (one
     request of 1k: 20.5 against 24.2 µs), 2-3 µs slower for one request of 16k-185k.
@@ -174,7 +174,8 @@ class Sm90Config:
 
     def __post_init__(self) -> None:
         if self.combine_slices not in (0, 1, 2, 4):
-            raise ValueError(f"combine_slices must be 0 (by the batch), 1, 2 or 4, got {self.combine_slices}")
+            raise ValueError("combine_slices must be 0 (by the batch), 1, 2 or 4, "
+                             f"got {self.combine_slices}")
 
 
 # Combine-kernel CTAs (128 threads, 56 registers) resident per SM: one wave of the grid.

@@ -22,8 +22,8 @@
 //
 // Combine kernel, one CTA per (query row, slice of the 512 output values): the tree scores of
 // the row (q . k_ext, masked), then out = sum_s w_s * O_s + sum_j w_j * v_ext_j over the row's
-// splits s and visible draft tokens j. Optionally launched as a programmatic dependent of the
-// split kernel (it then computes the tree scores while the last split CTAs still run).
+// splits s and visible draft tokens j. Launched as a programmatic dependent of the split kernel
+// unless Sm90Config says otherwise (it then computes the tree scores while the last split CTAs run).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -41,7 +41,8 @@ constexpr int SMEM_PER_BLOCK = 232448;   // sm_90: 227 KB of dynamic shared memo
 constexpr int MAX_COMBINE_SPLITS = 1024;
 constexpr int MAX_COMBINE_DRAFTS = 64;
 // Registers after setmaxnreg: the first consumer warpgroup holds the most rows (N0 >= N1), so it gets
-// more; 232 each spilled 248 bytes in the 40-row warpgroup's loop, 240 + 224 spill 40.
+// more: 232 each spilled 248 bytes in the 40-row warpgroup's loop, 240 + 224 spill 40 (4 since P^T is
+// written by stmatrix).
 constexpr int CONSUMER0_REGS = 240;
 constexpr int CONSUMER1_REGS = 224;
 constexpr int PRODUCER_REGS = 40;
