@@ -180,18 +180,22 @@ class Sm90Config:
 
 # Combine-kernel CTAs (128 threads, 56 registers) resident per SM: one wave of the grid.
 COMBINE_CTAS_PER_SM = 9
+# Four slices only while the grid is at most this many CTAs per SM (one request of 8 heads).
+COMBINE_QUARTERS_PER_SM = 3
 
 
 def combine_slices(rows: int, num_sms: int) -> int:
-    """CTAs per query row for the combine kernel: the most of 4, 2, 1 whose grid fits one wave.
+    """CTAs per query row for the combine kernel: 4 for a grid of at most 3 CTAs per SM, else 2
+    while the grid fits one wave, else 1.
 
-    A row's splits are merged by its CTAs' threads in parallel, so one request (few rows, a split
-    per SM) wants 4; a batch's rows already fill the GPU, and a second wave would double the
-    kernel's time (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+    A row's splits are merged by its CTAs' threads in parallel: one request (few rows, a split per
+    SM) wants 4, but from two requests on four slices cost more than they save, and a second wave
+    would double the kernel's time (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
     """
-    for slices in (4, 2):
-        if rows * slices <= COMBINE_CTAS_PER_SM * num_sms:
-            return slices
+    if rows * 4 <= COMBINE_QUARTERS_PER_SM * num_sms:
+        return 4
+    if rows * 2 <= COMBINE_CTAS_PER_SM * num_sms:
+        return 2
     return 1
 
 

@@ -256,19 +256,6 @@ __device__ void warp_find_request(const void* kv_indptr, int kvp64, int batch, i
   count_out = 0;
 }
 
-// Tiles of request b before it: (first global tile, tile count).
-__device__ void warp_request_tiles(const void* kv_indptr, int kvp64, int b, int& first_out,
-                                   int& count_out) {
-  const int lane = threadIdx.x & 31;
-  int before = 0;
-  for (int base = 0; base < b; base += 32) {
-    int i = base + lane;
-    before += __reduce_add_sync(0xffffffffu, i < b ? request_tiles(kv_indptr, kvp64, i) : 0);
-  }
-  first_out = before;
-  count_out = request_tiles(kv_indptr, kvp64, b);
-}
-
 struct Segment {
   int b;            // request
   int t0, t1;       // its local tiles [t0, t1)
@@ -757,24 +744,68 @@ __device__ __forceinline__ float block_reduce(float v, float* red, bool is_max) 
   return v;
 }
 
-__device__ __forceinline__ bool tree_visible(const CombineParams& p, int b, int i, int j, int D, long long n) {
-  if (p.mask_mode == 0) return j <= i;
-  long long idx;
-  if (p.mask_mode == 1) {
-    long long base = p.mask_indptr ? load_index(p.mask_indptr, p.mip64, b)
-                                   : static_cast<long long>(b) * p.d_max * p.d_max;
-    idx = base + static_cast<long long>(i) * D + j;
-  } else {
-    idx = load_index(p.mask_indptr, p.mip64, b) + static_cast<long long>(i) * (n + D) + n + j;
-  }
-  return p.mask[idx] != 0;
+// Where the mask keeps whether draft i of request b sees draft j (mask modes 1 and 2; `base` is
+// the request's offset, read before the drafts' rows so both loads are in flight together).
+__device__ __forceinline__ long long mask_base(const CombineParams& p, int b) {
+  if (p.mask_mode == 0) return 0;
+  if (p.mask_mode == 1 && p.mask_indptr == nullptr) return static_cast<long long>(b) * p.d_max * p.d_max;
+  return load_index(p.mask_indptr, p.mip64, b);
 }
 
+__device__ __forceinline__ long long mask_index(const CombineParams& p, long long base, int i, int j, int D,
+                                                long long n) {
+  return p.mask_mode == 1 ? base + static_cast<long long>(i) * D + j
+                          : base + static_cast<long long>(i) * (n + D) + n + j;
+}
+
+// Request b's place in the plan in one pass over kv_indptr: the batch's total tiles, the tiles
+// before b and b's own (every lane gets all three).
+__device__ void warp_plan(const void* kv_indptr, int kvp64, int batch, int b, int& total, int& first,
+                          int& count) {
+  const int lane = threadIdx.x & 31;
+  total = first = 0;
+  for (int base = 0; base < batch; base += 32) {
+    const int r = base + lane;
+    const int t = r < batch ? request_tiles(kv_indptr, kvp64, r) : 0;
+    total += __reduce_add_sync(0xffffffffu, t);
+    first += __reduce_add_sync(0xffffffffu, r < b ? t : 0);
+  }
+  count = request_tiles(kv_indptr, kvp64, b);
+}
+
+__device__ __forceinline__ void add_scaled(float (&acc)[8], const uint4& v, float w) {
+  const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float2 f = __bfloat1622float2(v2[k]);
+    acc[2 * k] += w * f.x;
+    acc[2 * k + 1] += w * f.y;
+  }
+}
+
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
+  const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&b);
+  float d = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    float2 x = __bfloat1622float2(a2[k]), y = __bfloat1622float2(b2[k]);
+    d += x.x * y.x + x.y * y.y;
+  }
+  return d;
+}
+
+// Its CTAs start only as the split kernel's leave their SMs, so what runs before the dependency
+// wait is on the call's critical path too: no load there waits on another that need not. The
+// split plan (warp 3) and the mask offset are read with the request's indices, and the mask by
+// thread j while the warps compute the tree scores (read one after the other, by lane 0 per
+// draft, they cost 1.4-2.4 µs a call at batch 8: BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ CombineParams p) {
   __shared__ float weights[MAX_COMBINE_SPLITS];
   __shared__ float tree[MAX_COMBINE_DRAFTS];
   __shared__ float red[8][128];
   __shared__ float red4[4];
+  __shared__ int plan[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int row = blockIdx.x;  // (request, draft, head)
   const int slice = blockIdx.y;
@@ -783,49 +814,62 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
   const int b = row / (p.heads * p.d_max);
   const int q0 = static_cast<int>(load_index(p.qo_indptr, p.qop64, b));
   const int D = static_cast<int>(load_index(p.qo_indptr, p.qop64, b + 1)) - q0;
-  if (i >= D) return;
   const long long n = load_index(p.kv_indptr, p.kvp64, b + 1) - load_index(p.kv_indptr, p.kvp64, b);
+  const long long mbase = mask_base(p, b);
+  if (warp == 3) {  // the split plan: its loads go out with the ones above
+    int total, first, count;
+    warp_plan(p.kv_indptr, p.kvp64, p.batch, b, total, first, count);
+    if (lane == 0) {
+      const int chunk = plan_chunk(total, p.grid_x, p.min_tiles);
+      plan[0] = count > 0 ? (first + count - 1) / chunk - first / chunk + 1 : 0;
+      plan[1] = first / chunk + b;
+    }
+  }
+  if (i >= D) return;
   const int r = i * p.heads + h;  // row of the request = row of its partials
 
-  // Tree scores (independent of the split kernel): warp w takes drafts w, w + 4, ...
+  // Thread (sg, dg): 8 values at col of every split_groups-th split and draft. One slice per row
+  // takes every value in one CTA (batches: one wave of CTAs); four take a quarter each (one
+  // request, whose rows have the most splits).
+  const int width = V_DIM / p.slices;
+  const int chunks = width / 8;
+  const int split_groups = 128 / chunks;
+  const int dg = tid % chunks, sg = tid / chunks;
+  const int col = slice * width + dg * 8;
+
+  // Tree scores (independent of the split kernel): warp w takes drafts w, w + 4, ..., each lane 8
+  // of the 576 values at 3 places; draft j's visibility read by thread j meanwhile.
   const __nv_bfloat16* qrow = p.q + (q0 + i) * p.q_stride_t + h * p.q_stride_h;
+  uint4 qv[3];
+#pragma unroll
+  for (int m = 0; m < 3; ++m)
+    if (lane + 32 * m < KV_DIM / 8) qv[m] = *reinterpret_cast<const uint4*>(qrow + (lane + 32 * m) * 8);
+  bool visible = tid <= i;
+  if (p.mask_mode != 0 && tid < D) visible = p.mask[mask_index(p, mbase, i, tid, D, n)] != 0;
   for (int j = warp; j < D; j += 4) {
     const __nv_bfloat16* krow = p.k_ext + (q0 + j) * p.ke_stride;
     float dot = 0.f;
-    for (int c = lane; c < KV_DIM / 8; c += 32) {
-      uint4 qa = *reinterpret_cast<const uint4*>(qrow + c * 8);
-      uint4 ka = *reinterpret_cast<const uint4*>(krow + c * 8);
-      const __nv_bfloat162* q2 = reinterpret_cast<const __nv_bfloat162*>(&qa);
-      const __nv_bfloat162* k2 = reinterpret_cast<const __nv_bfloat162*>(&ka);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        float2 qf = __bfloat1622float2(q2[k]), kf = __bfloat1622float2(k2[k]);
-        dot += qf.x * kf.x + qf.y * kf.y;
-      }
-    }
+    for (int m = 0; m < 3; ++m)
+      if (lane + 32 * m < KV_DIM / 8)
+        dot += dot8(qv[m], *reinterpret_cast<const uint4*>(krow + (lane + 32 * m) * 8));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (lane == 0) tree[j] = tree_visible(p, b, i, j, D, n) ? dot * p.scale_log2 : -INFINITY;
+    if (lane == 0) tree[j] = dot * p.scale_log2;
   }
-  int first = 0, count = 0;
-  if (warp == 0) warp_request_tiles(p.kv_indptr, p.kvp64, b, first, count);
-  int total = warp == 0 ? warp_total_tiles(p.kv_indptr, p.kvp64, p.batch) : 0;
-  if (warp == 0 && lane == 0) {
-    int chunk = plan_chunk(total, p.grid_x, p.min_tiles);
-    int ns = count > 0 ? (first + count - 1) / chunk - first / chunk + 1 : 0;
-    red[0][0] = __int_as_float(ns);
-    red[0][1] = __int_as_float(first / chunk + b);
-  }
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are written
   __syncthreads();
-  const int n_splits = __float_as_int(red[0][0]);
-  const int slot0 = __float_as_int(red[0][1]);
+  if (tid < D && !visible) tree[tid] = -INFINITY;
+  const int n_splits = plan[0];
+  const int slot0 = plan[1];
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are written
+
   float mx = -INFINITY;
   for (int s = tid; s < n_splits; s += 128) {
     float v = p.l_part[static_cast<long long>(slot0 + s) * p.rows_pad + r];
     weights[s] = v;
     mx = fmaxf(mx, v);
   }
+  __syncthreads();  // tree[] masked
   for (int j = tid; j < D; j += 128) mx = fmaxf(mx, tree[j]);
   mx = block_reduce(mx, red4, true);
   if (mx == -INFINITY) mx = 0.f;  // nothing visible: the sums below are 0
@@ -835,29 +879,10 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
     weights[s] = w;
     sum += w;
   }
-  __syncthreads();  // tree[] is read-only from here; weights[] written above by the same thread
   for (int j = tid; j < D; j += 128) sum += exp2f(tree[j] - mx);
-  sum = block_reduce(sum, red4, false);
+  sum = block_reduce(sum, red4, false);  // its barriers also publish weights[]
 
-  // Thread (sg, dg): 8 values from col of every split_groups-th split. One slice per row takes
-  // every value in one CTA (batches: one wave of CTAs); four take a quarter each (one request,
-  // whose rows have the most splits).
-  const int width = V_DIM / p.slices;
-  const int chunks = width / 8;
-  const int split_groups = 128 / chunks;
-  const int dg = tid % chunks, sg = tid / chunks;
-  const int col = slice * width + dg * 8;
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  auto add = [&](const __nv_bfloat16* src, float w) {
-    uint4 v = *reinterpret_cast<const uint4*>(src);
-    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      float2 f = __bfloat1622float2(v2[k]);
-      acc[2 * k] += w * f.x;
-      acc[2 * k + 1] += w * f.y;
-    }
-  };
   int s = sg;
   for (; s + 3 * split_groups < n_splits; s += 4 * split_groups) {  // four loads in flight per thread
     uint4 v[4];
@@ -866,22 +891,14 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
       v[k] = *reinterpret_cast<const uint4*>(
           p.o_part + (static_cast<long long>(slot0 + s + split_groups * k) * p.rows_pad + r) * V_DIM + col);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v[k]);
-      const float w = weights[s + split_groups * k];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float2 f = __bfloat1622float2(v2[c]);
-        acc[2 * c] += w * f.x;
-        acc[2 * c + 1] += w * f.y;
-      }
-    }
+    for (int k = 0; k < 4; ++k) add_scaled(acc, v[k], weights[s + split_groups * k]);
   }
   for (; s < n_splits; s += split_groups)
-    add(p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col, weights[s]);
+    add_scaled(acc, *reinterpret_cast<const uint4*>(p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col),
+               weights[s]);
   for (int j = sg; j < D; j += split_groups) {
     const float w = exp2f(tree[j] - mx);
-    if (w > 0.f) add(p.v_ext + (q0 + j) * p.ve_stride + col, w);
+    if (w > 0.f) add_scaled(acc, *reinterpret_cast<const uint4*>(p.v_ext + (q0 + j) * p.ve_stride + col), w);
   }
   float* red_flat = &red[0][0];  // [split_groups][width]
 #pragma unroll
