@@ -798,8 +798,14 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 // Its CTAs start only as the split kernel's leave their SMs, so what runs before the dependency
 // wait is on the call's critical path too: no load there waits on another that need not. The
 // split plan (warp 3) and the mask offset are read with the request's indices, and the mask by
-// thread j while the warps compute the tree scores (read one after the other, by lane 0 per
-// draft, they cost 1.4-2.4 µs a call at batch 8: BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+// thread j while the warps compute the tree scores (read after each draft's score by lane 0, they
+// cost about 1 µs a call at batches of 8-16: BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+//
+// EARLY > 0 (the wide instance, for grids of at most 3 CTAs per SM: one request's rows with a split
+// per SM): each thread also holds its first EARLY partial rows and draft values in registers from
+// before their weights are known, and takes PASS drafts' tree scores at a time; 111 registers
+// (4 CTAs per SM), where the lean instance <0, 1> takes 56 (9 per SM: a batch's grid in one wave).
+template <int EARLY, int PASS>
 __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ CombineParams p) {
   __shared__ float weights[MAX_COMBINE_SPLITS];
   __shared__ float tree[MAX_COMBINE_DRAFTS];
@@ -846,16 +852,30 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
     if (lane + 32 * m < KV_DIM / 8) qv[m] = *reinterpret_cast<const uint4*>(qrow + (lane + 32 * m) * 8);
   bool visible = tid <= i;
   if (p.mask_mode != 0 && tid < D) visible = p.mask[mask_index(p, mbase, i, tid, D, n)] != 0;
-  for (int j = warp; j < D; j += 4) {
-    const __nv_bfloat16* krow = p.k_ext + (q0 + j) * p.ke_stride;
-    float dot = 0.f;
+  for (int j0 = warp; j0 < D; j0 += 4 * PASS) {
+    uint4 kv[PASS][3];
 #pragma unroll
-    for (int m = 0; m < 3; ++m)
-      if (lane + 32 * m < KV_DIM / 8)
-        dot += dot8(qv[m], *reinterpret_cast<const uint4*>(krow + (lane + 32 * m) * 8));
+    for (int t = 0; t < PASS; ++t)
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-    if (lane == 0) tree[j] = dot * p.scale_log2;
+      for (int m = 0; m < 3; ++m)
+        if (j0 + 4 * t < D && lane + 32 * m < KV_DIM / 8)
+          kv[t][m] = *reinterpret_cast<const uint4*>(p.k_ext + (q0 + j0 + 4 * t) * p.ke_stride + (lane + 32 * m) * 8);
+#pragma unroll
+    for (int t = 0; t < PASS; ++t) {
+      float dot = 0.f;
+#pragma unroll
+      for (int m = 0; m < 3; ++m)
+        if (lane + 32 * m < KV_DIM / 8) dot += dot8(qv[m], kv[t][m]);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (lane == 0 && j0 + 4 * t < D) tree[j0 + 4 * t] = dot * p.scale_log2;
+    }
+  }
+  uint4 v_early[EARLY > 0 ? EARLY : 1];
+#pragma unroll
+  for (int k = 0; k < EARLY; ++k) {
+    const int j = sg + split_groups * k;
+    if (j < D) v_early[k] = *reinterpret_cast<const uint4*>(p.v_ext + (q0 + j) * p.ve_stride + col);
   }
   __syncthreads();
   if (tid < D && !visible) tree[tid] = -INFINITY;
@@ -863,6 +883,14 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
   const int slot0 = plan[1];
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are written
 
+  uint4 o_early[EARLY > 0 ? EARLY : 1];
+#pragma unroll
+  for (int k = 0; k < EARLY; ++k) {
+    const int s = sg + split_groups * k;
+    if (s < n_splits)
+      o_early[k] = *reinterpret_cast<const uint4*>(
+          p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col);
+  }
   float mx = -INFINITY;
   for (int s = tid; s < n_splits; s += 128) {
     float v = p.l_part[static_cast<long long>(slot0 + s) * p.rows_pad + r];
@@ -883,7 +911,12 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
   sum = block_reduce(sum, red4, false);  // its barriers also publish weights[]
 
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int s = sg;
+#pragma unroll
+  for (int k = 0; k < EARLY; ++k) {
+    const int s = sg + split_groups * k;
+    if (s < n_splits) add_scaled(acc, o_early[k], weights[s]);
+  }
+  int s = sg + split_groups * EARLY;
   for (; s + 3 * split_groups < n_splits; s += 4 * split_groups) {  // four loads in flight per thread
     uint4 v[4];
 #pragma unroll
@@ -896,7 +929,12 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
   for (; s < n_splits; s += split_groups)
     add_scaled(acc, *reinterpret_cast<const uint4*>(p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col),
                weights[s]);
-  for (int j = sg; j < D; j += split_groups) {
+#pragma unroll
+  for (int k = 0; k < EARLY; ++k) {
+    const int j = sg + split_groups * k;
+    if (j < D) add_scaled(acc, v_early[k], exp2f(tree[j] - mx));
+  }
+  for (int j = sg + split_groups * EARLY; j < D; j += split_groups) {
     const float w = exp2f(tree[j] - mx);
     if (w > 0.f) add_scaled(acc, *reinterpret_cast<const uint4*>(p.v_ext + (q0 + j) * p.ve_stride + col), w);
   }
@@ -1077,7 +1115,9 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel, *cp);
+  // Four slices come only with small grids (combine_slices in mla_verify_api.py): the wide instance.
+  err = cp->slices == 4 ? cudaLaunchKernelEx(&cfg, mlav::combine_kernel<4, 3>, *cp)
+                        : cudaLaunchKernelEx(&cfg, mlav::combine_kernel<0, 1>, *cp);
   return static_cast<int>(err);
 }
 
