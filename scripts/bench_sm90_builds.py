@@ -1,0 +1,186 @@
+"""Time builds of the own sm90 MLA verify kernel side by side, FlashMLA as the reference.
+
+Question: How much faster (or slower) is one build of the Hopper verify kernel than another?
+Baseline: FlashMLA's SM90 dense decode on the same KV, and every build, timed in one process.
+Output: a markdown table on stdout, a row per case as it is timed.
+
+Each BUILD is a git revision or a path to a .cu file (its wgmma_ops.inc beside it, else this
+tree's), optionally followed by :SLICES, the combine kernel's CTAs per query row: 'rule' (this
+tree's combine_slices, the default), 'one-wave' (the most of 4, 2, 1 whose grid fits one wave,
+as combine_slices chose before four slices were kept for one request), or 1, 2 or 4. Every build
+is compiled with nvcc (cached like the kernel's own build), loaded beside the others, checked
+against the first build's output and timed with them on the same problems in interleaved rounds
+(CUDA-graph replay of one call, median), so drift between runs does not enter the comparison.
+Builds must share this tree's parameter structs (the loader refuses others in one line).
+
+    python3 scripts/bench_sm90_builds.py 46cd08d:one-wave 916773f HEAD
+    python3 scripts/bench_sm90_builds.py HEAD /tmp/experiment.cu --cases "b1 16k,b8 1k"
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench_verify import load_flash_mla, make_problem, run_flash_mla, run_ours
+from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
+from moeplace_kernels import mla_verify_sm90
+from moeplace_kernels.mla_verify_api import COMBINE_CTAS_PER_SM, MlaVerify, Sm90Config
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCE, INCLUDE = "mla_verify_sm90.cu", "wgmma_ops.inc"
+CASES = {"b1 1k": [1024], "b1 16k": [16384], "b1 185k": [185000], "b2 1k": [1024] * 2,
+         "b4 1k": [1024] * 4, "b8 1k": [1024] * 8, "b16 1k": [1024] * 16, "b2 4k": [4096] * 2,
+         "b4 4k": [4096] * 4, "b8 4k": [4096] * 8, "b16 4k": [4096] * 16, "b4 16k": [16384] * 4,
+         "b8 16k": [16384] * 8, "b4 64k": [65536] * 4}
+
+
+class Refusal(Exception):
+    """A bad argument or an unusable build: one line, exit 2."""
+
+
+def sources(build: str) -> tuple[str, str]:
+    """(kernel source, its wgmma_ops.inc) of a .cu path or a git revision."""
+    path = Path(build)
+    if build.endswith(".cu"):
+        if not path.is_file():
+            raise Refusal(f"{build}: no such file")
+        inc = path.parent / INCLUDE
+        return path.read_text(), (inc if inc.is_file() else ROOT / "kernels" / "csrc" / INCLUDE).read_text()
+    texts = []
+    for name in (SOURCE, INCLUDE):
+        res = subprocess.run(["git", "-C", str(ROOT), "show", f"{build}:kernels/csrc/{name}"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise Refusal(f"{build}: not a revision with kernels/csrc/{name} "
+                          f"({res.stderr.strip().splitlines()[0] if res.stderr.strip() else 'git failed'})")
+        texts.append(res.stdout)
+    return texts[0], texts[1]
+
+
+def build_library(build: str, nvcc: str) -> Path:
+    """Compile one build into the cache (named by its sources and flags); its path."""
+    source, include = sources(build)
+    digest = hashlib.sha256((source + include + " ".join(mla_verify_sm90.NVCC_FLAGS)).encode())
+    target = mla_verify_sm90.cache_dir() / "compare" / f"mla_verify_sm90-{digest.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / SOURCE).write_text(source)
+        (Path(tmp) / INCLUDE).write_text(include)
+        out = Path(tmp) / "lib.so"
+        res = subprocess.run([nvcc, *mla_verify_sm90.NVCC_FLAGS, "-o", str(out), str(Path(tmp) / SOURCE)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            first = next((line for line in res.stderr.splitlines() if "error" in line), "nvcc failed")
+            raise Refusal(f"{build}: build failed: {first.strip()}")
+        shutil.move(str(out), target)  # the cache only ever holds whole builds
+    return target
+
+
+def slices_for(setting: str, batch: int, rows_per_request: int, num_sms: int) -> int:
+    """The combine_slices value a column runs with for a batch (0: this tree's rule)."""
+    if setting == "rule":
+        return 0
+    if setting == "one-wave":
+        rows = batch * rows_per_request
+        return next((s for s in (4, 2) if rows * s <= COMBINE_CTAS_PER_SM * num_sms), 1)
+    return int(setting)
+
+
+def parse_build(arg: str) -> tuple[str, str]:
+    """'REV[:SLICES]' -> (build, slice setting)."""
+    build, _, setting = arg.partition(":")
+    setting = setting or "rule"
+    if setting not in ("rule", "one-wave", "1", "2", "4"):
+        raise Refusal(f"{arg}: SLICES must be rule, one-wave, 1, 2 or 4")
+    return build, setting
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("builds", nargs="+", metavar="BUILD[:SLICES]")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help=f"comma-separated, of: {', '.join(CASES)} (default: all)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is shown")
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--drafts", type=int, default=9)
+    args = ap.parse_args()
+    try:
+        columns = [parse_build(b) for b in args.builds]
+        if len(set(columns)) < len(columns):
+            raise Refusal("give each BUILD:SLICES once")
+        cases = [c.strip() for c in args.cases.split(",")]
+        unknown = [c for c in cases if c not in CASES]
+        if unknown:
+            raise Refusal(f"unknown case {unknown[0]!r}; known: {', '.join(CASES)}")
+        if args.rounds < 1:
+            raise Refusal("--rounds must be at least 1")
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            raise Refusal("needs an sm_90 GPU (H100 / H200)")
+        nvcc = mla_verify_sm90.find_nvcc()
+        if nvcc is None:
+            raise Refusal("no nvcc found (set CUDA_HOME)")
+        libs = {}
+        for build, _ in columns:
+            if build not in libs:
+                print(f"building {build} ...", file=sys.stderr, flush=True)
+                try:
+                    libs[build] = mla_verify_sm90.Sm90Library(build_library(build, nvcc))
+                except OSError as exc:
+                    raise Refusal(f"{build}: {str(exc).splitlines()[0]}") from None
+    except Refusal as exc:
+        print(f"bench_sm90_builds: {exc}", file=sys.stderr)
+        return 2
+    device = torch.cuda.current_device()
+    for lib in libs.values():
+        lib.setup(device)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    flash = load_flash_mla()
+    names = [f"{b}:{s}" for b, s in columns]
+    print(f"{torch.cuda.get_device_name()}; {args.heads} heads x {args.drafts}-token binary tree, "
+          f"KV one token per shuffled 64-token page; µs (ratio to FlashMLA), median of {args.rounds} rounds\n")
+    print("| case | FlashMLA | " + " | ".join(names) + " | max diff to the first |")
+    print("| --- | ---: |" + " ---: |" * (len(names) + 1))
+    for case in cases:
+        ctx = CASES[case]
+        p = make_problem(ctx, args.heads, args.drafts, shuffle=True)
+        fns, outs = {}, []
+        for name, (build, setting) in zip(names, columns):
+            cfg = Sm90Config(combine_slices=slices_for(setting, len(ctx), args.heads * args.drafts, num_sms))
+            op = MlaVerify(args.heads, args.drafts, len(ctx), backend="sm90", sm90_config=cfg)
+            op.sm90 = libs[build]  # the same op, this build's library
+            out = torch.empty(p["q"].shape[0], args.heads, 512, dtype=torch.bfloat16, device="cuda")
+            fns[name] = run_ours(p, op, out)
+            outs.append(out)
+        if flash is not None:
+            fns["FlashMLA"] = run_flash_mla(flash, p)
+        for fn in fns.values():
+            fn()
+        torch.cuda.synchronize()
+        diff = max((o.float() - outs[0].float()).abs().max().item() for o in outs)
+        times = {k: [] for k in fns}
+        for _ in range(args.rounds):
+            for k, fn in fns.items():
+                times[k].append(graph_time_us(fn, 30))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        ref = med.get("FlashMLA")
+        cell = lambda k: f"{med[k]:.1f}" + (f" ({med[k] / ref:.2f})" if ref else "")  # noqa: E731
+        print(f"| {case} | {f'{ref:.1f}' if ref else '-'} | " + " | ".join(cell(n) for n in names)
+              + f" | {diff:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The sm90 build comparison's arguments: slice settings, refusals in one line (no GPU needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_sm90_builds as bench  # noqa: E402
+
+
+def test_one_wave_is_the_most_slices_that_fit_one_wave():
+    # 8 heads x 9 drafts on 132 SMs: what combine_slices chose before four were kept for one request
+    assert [bench.slices_for("one-wave", b, 72, 132) for b in (1, 2, 4, 8, 16)] == [4, 4, 4, 2, 1]
+    assert bench.slices_for("rule", 8, 72, 132) == 0
+    assert bench.slices_for("2", 1, 72, 132) == 2
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["HEAD", "--cases", "b3 1k"], "unknown case 'b3 1k'"),
+    (["HEAD:3"], "SLICES must be rule, one-wave, 1, 2 or 4"),
+    (["HEAD", "HEAD:rule"], "give each BUILD:SLICES once"),
+    (["HEAD", "--rounds", "0"], "--rounds must be at least 1"),
+])
+def test_bad_arguments_exit_2_with_one_line(argv, says, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["bench_sm90_builds.py", *argv])
+    assert bench.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+def test_unknown_revision_and_missing_file_are_refused(tmp_path):
+    with pytest.raises(bench.Refusal, match="not a revision"):
+        bench.sources("no-such-revision")
+    with pytest.raises(bench.Refusal, match="no such file"):
+        bench.sources(str(tmp_path / "kernel.cu"))
+
+
+def test_a_cu_path_takes_its_own_include_else_the_tree_s(tmp_path):
+    (tmp_path / "k.cu").write_text("// kernel")
+    assert bench.sources(str(tmp_path / "k.cu"))[1] == (bench.ROOT / "kernels" / "csrc" / bench.INCLUDE).read_text()
+    (tmp_path / bench.INCLUDE).write_text("// ops")
+    assert bench.sources(str(tmp_path / "k.cu")) == ("// kernel", "// ops")
