@@ -859,7 +859,8 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
 #pragma unroll
       for (int m = 0; m < 3; ++m)
         if (j0 + 4 * t < D && lane + 32 * m < KV_DIM / 8)
-          kv[t][m] = *reinterpret_cast<const uint4*>(p.k_ext + (q0 + j0 + 4 * t) * p.ke_stride + (lane + 32 * m) * 8);
+          kv[t][m] = *reinterpret_cast<const uint4*>(p.k_ext + (q0 + j0 + 4 * t) * p.ke_stride +
+                                                     (lane + 32 * m) * 8);
 #pragma unroll
     for (int t = 0; t < PASS; ++t) {
       float dot = 0.f;
@@ -927,7 +928,8 @@ __global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ Co
     for (int k = 0; k < 4; ++k) add_scaled(acc, v[k], weights[s + split_groups * k]);
   }
   for (; s < n_splits; s += split_groups)
-    add_scaled(acc, *reinterpret_cast<const uint4*>(p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col),
+    add_scaled(acc, *reinterpret_cast<const uint4*>(
+                        p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col),
                weights[s]);
 #pragma unroll
   for (int k = 0; k < EARLY; ++k) {
@@ -1115,7 +1117,7 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  // Four slices come only with small grids (combine_slices in mla_verify_api.py): the wide instance.
+  // Four slices (by combine_slices, only grids of at most 3 CTAs per SM): the wide instance.
   err = cp->slices == 4 ? cudaLaunchKernelEx(&cfg, mlav::combine_kernel<4, 3>, *cp)
                         : cudaLaunchKernelEx(&cfg, mlav::combine_kernel<0, 1>, *cp);
   return static_cast<int>(err);
