@@ -137,28 +137,28 @@ def find_nvcc() -> Optional[str]:
     return default if os.access(default, os.X_OK) else None
 
 
-def library_path(nvcc: str) -> Path:
-    """Cache path of the library for these sources, this nvcc and these flags."""
+def library_path(nvcc: str, csrc: Path = CSRC) -> Path:
+    """Cache path of the library for the sources in ``csrc``, this nvcc and these flags."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True,
                              timeout=60).stdout
     digest = hashlib.sha256()
     for name in SOURCES:
-        digest.update((CSRC / name).read_bytes())
+        digest.update((csrc / name).read_bytes())
     digest.update(version.encode())
     digest.update(" ".join(NVCC_FLAGS).encode())
     return cache_dir() / "kernels" / f"mla_verify_sm90-{digest.hexdigest()[:16]}.so"
 
 
-def build(nvcc: str) -> Path:
-    """Compile the library unless cached; returns its path. Raises on a failed build."""
-    target = library_path(nvcc)
+def build(nvcc: str, csrc: Path = CSRC) -> Path:
+    """Compile the library from ``csrc`` unless cached; returns its path. Raises on a failed build."""
+    target = library_path(nvcc, csrc)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        res = subprocess.run([nvcc, *NVCC_FLAGS, "-o", tmp, str(CSRC / SOURCES[0])],
+        res = subprocess.run([nvcc, *NVCC_FLAGS, "-o", tmp, str(csrc / SOURCES[0])],
                              capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             first = next((ln for ln in res.stderr.splitlines() if "error" in ln),

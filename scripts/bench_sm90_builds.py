@@ -8,7 +8,7 @@ Each BUILD is a git revision or a path to a .cu file (its wgmma_ops.inc beside i
 tree's), optionally followed by :SLICES, the combine kernel's CTAs per query row: 'rule' (this
 tree's combine_slices, the default), 'one-wave' (the most of 4, 2, 1 whose grid fits one wave,
 as combine_slices chose before four slices were kept for one request), or 1, 2 or 4. Every build
-is compiled with nvcc (cached like the kernel's own build), loaded beside the others, checked
+is compiled with nvcc into the kernel's own build cache, loaded beside the others, checked
 against the first build's output and timed with them on the same problems in interleaved rounds
 (CUDA-graph replay of one call, median), so drift between runs does not enter the comparison.
 Builds must share this tree's parameter structs (the loader refuses others in one line).
@@ -20,8 +20,6 @@ Builds must share this tree's parameter structs (the loader refuses others in on
 from __future__ import annotations
 
 import argparse
-import hashlib
-import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +34,7 @@ from moeplace_kernels import mla_verify_sm90
 from moeplace_kernels.mla_verify_api import COMBINE_CTAS_PER_SM, MlaVerify, Sm90Config
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCE, INCLUDE = "mla_verify_sm90.cu", "wgmma_ops.inc"
+SOURCE, INCLUDE = mla_verify_sm90.SOURCES
 CASES = {"b1 1k": [1024], "b1 16k": [16384], "b1 185k": [185000], "b2 1k": [1024] * 2,
          "b4 1k": [1024] * 4, "b8 1k": [1024] * 8, "b16 1k": [1024] * 16, "b2 4k": [4096] * 2,
          "b4 4k": [4096] * 4, "b8 4k": [4096] * 8, "b16 4k": [4096] * 16, "b4 16k": [16384] * 4,
@@ -67,24 +65,15 @@ def sources(build: str) -> tuple[str, str]:
 
 
 def build_library(build: str, nvcc: str) -> Path:
-    """Compile one build into the cache (named by its sources and flags); its path."""
+    """Compile one build into the kernel's cache (``mla_verify_sm90.build``); its path."""
     source, include = sources(build)
-    digest = hashlib.sha256((source + include + " ".join(mla_verify_sm90.NVCC_FLAGS)).encode())
-    target = mla_verify_sm90.cache_dir() / "compare" / f"mla_verify_sm90-{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / SOURCE).write_text(source)
         (Path(tmp) / INCLUDE).write_text(include)
-        out = Path(tmp) / "lib.so"
-        res = subprocess.run([nvcc, *mla_verify_sm90.NVCC_FLAGS, "-o", str(out), str(Path(tmp) / SOURCE)],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            first = next((line for line in res.stderr.splitlines() if "error" in line), "nvcc failed")
-            raise Refusal(f"{build}: build failed: {first.strip()}")
-        shutil.move(str(out), target)  # the cache only ever holds whole builds
-    return target
+        try:
+            return mla_verify_sm90.build(nvcc, Path(tmp))
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            raise Refusal(f"{build}: build failed: {str(exc).splitlines()[0]}") from None
 
 
 def slices_for(setting: str, batch: int, rows_per_request: int, num_sms: int) -> int:
