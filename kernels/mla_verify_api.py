@@ -178,25 +178,20 @@ class Sm90Config:
                              f"got {self.combine_slices}")
 
 
-# Combine-kernel CTAs (128 threads, 56 registers) resident per SM: one wave of the grid.
-COMBINE_CTAS_PER_SM = 9
-# Four slices only while the grid is at most this many CTAs per SM (one request of 8 heads).
-COMBINE_QUARTERS_PER_SM = 3
+# Slices per row only while the combine grid is at most this many CTAs per SM.
+COMBINE_SLICE_CTAS_PER_SM = 3
 
 
 def combine_slices(rows: int, num_sms: int) -> int:
-    """CTAs per query row for the combine kernel: 4 for a grid of at most 3 CTAs per SM, else 2
-    while the grid fits one wave, else 1.
+    """CTAs per query row for the combine kernel: the most of 4, 2 and 1 whose grid is at most 3
+    CTAs per SM, else 1.
 
     A row's splits are merged by its CTAs' threads in parallel: one request (few rows, a split per
-    SM) wants 4, but from two requests on four slices cost more than they save, and a second wave
-    would double the kernel's time (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+    SM) wants 4 and two requests 2, but from four requests on a slice per row is as fast or faster,
+    since each CTA computes the row's tree scores again, and the kernel then loads three draft keys
+    at a time while the grid fits 5 CTAs per SM (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
     """
-    if rows * 4 <= COMBINE_QUARTERS_PER_SM * num_sms:
-        return 4
-    if rows * 2 <= COMBINE_CTAS_PER_SM * num_sms:
-        return 2
-    return 1
+    return next((s for s in (4, 2) if rows * s <= COMBINE_SLICE_CTAS_PER_SM * num_sms), 1)
 
 
 def composed_refusal(page_size: Optional[int], max_draft: int) -> Optional[str]:

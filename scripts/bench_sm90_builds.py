@@ -6,8 +6,10 @@ Output: a markdown table on stdout, a row per case as it is timed.
 
 Each BUILD is a git revision or a path to a .cu file (its wgmma_ops.inc beside it, else this
 tree's), optionally followed by :SLICES, the combine kernel's CTAs per query row: 'rule' (this
-tree's combine_slices, the default), 'one-wave' (the most of 4, 2, 1 whose grid fits one wave,
-as combine_slices chose before four slices were kept for one request), or 1, 2 or 4. Every build
+tree's combine_slices, the default), 'one-wave' (the most of 4, 2, 1 whose grid fits one wave
+of 9 CTAs per SM, as combine_slices chose before four slices were kept for one request),
+'lean-wave' (4 for a grid of at most 3 CTAs per SM, else 2 while it fits 9 per SM, else 1: the
+rule of 2ff9045), or 1, 2 or 4. Every build
 is compiled with nvcc into the kernel's own build cache, loaded beside the others, checked
 against the first build's output and timed with them on the same problems in interleaved rounds
 (CUDA-graph replay of one call, median), so drift between runs does not enter the comparison.
@@ -31,14 +33,21 @@ import torch
 from bench_verify import load_flash_mla, make_problem, run_flash_mla, run_ours
 from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
 from moeplace_kernels import mla_verify_sm90
-from moeplace_kernels.mla_verify_api import COMBINE_CTAS_PER_SM, MlaVerify, Sm90Config
+from moeplace_kernels.mla_verify_api import MlaVerify, Sm90Config
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE, INCLUDE = mla_verify_sm90.SOURCES
 CASES = {"b1 1k": [1024], "b1 16k": [16384], "b1 185k": [185000], "b2 1k": [1024] * 2,
          "b4 1k": [1024] * 4, "b8 1k": [1024] * 8, "b16 1k": [1024] * 16, "b2 4k": [4096] * 2,
          "b4 4k": [4096] * 4, "b8 4k": [4096] * 8, "b16 4k": [4096] * 16, "b4 16k": [16384] * 4,
-         "b8 16k": [16384] * 8, "b4 64k": [65536] * 4}
+         "b8 16k": [16384] * 8, "b4 64k": [65536] * 4,
+         # between half and all of the grid's tiles on 132 SMs, from 96 tiles a request to 16
+         "b1 6k": [6144], "b2 3k": [3072] * 2, "b3 2k": [2048] * 3, "b4 2k": [2048] * 4,
+         "b6 1k": [1024] * 6}
+
+
+# The lean combine instance's CTAs per SM (56 registers), which the earlier slice rules fitted a wave to.
+LEAN_CTAS_PER_SM = 9
 
 
 class Refusal(Exception):
@@ -80,9 +89,11 @@ def slices_for(setting: str, batch: int, rows_per_request: int, num_sms: int) ->
     """The combine_slices value a column runs with for a batch (0: this tree's rule)."""
     if setting == "rule":
         return 0
+    rows = batch * rows_per_request
     if setting == "one-wave":
-        rows = batch * rows_per_request
-        return next((s for s in (4, 2) if rows * s <= COMBINE_CTAS_PER_SM * num_sms), 1)
+        return next((s for s in (4, 2) if rows * s <= LEAN_CTAS_PER_SM * num_sms), 1)
+    if setting == "lean-wave":
+        return 4 if rows * 4 <= 3 * num_sms else 2 if rows * 2 <= LEAN_CTAS_PER_SM * num_sms else 1
     return int(setting)
 
 
@@ -90,8 +101,8 @@ def parse_build(arg: str) -> tuple[str, str]:
     """'REV[:SLICES]' -> (build, slice setting)."""
     build, _, setting = arg.partition(":")
     setting = setting or "rule"
-    if setting not in ("rule", "one-wave", "1", "2", "4"):
-        raise Refusal(f"{arg}: SLICES must be rule, one-wave, 1, 2 or 4")
+    if setting not in ("rule", "one-wave", "lean-wave", "1", "2", "4"):
+        raise Refusal(f"{arg}: SLICES must be rule, one-wave, lean-wave, 1, 2 or 4")
     return build, setting
 
 

@@ -13,16 +13,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_sm90_builds as bench  # noqa: E402
 
 
-def test_one_wave_is_the_most_slices_that_fit_one_wave():
+def test_slice_settings_of_earlier_rules():
     # 8 heads x 9 drafts on 132 SMs: what combine_slices chose before four were kept for one request
     assert [bench.slices_for("one-wave", b, 72, 132) for b in (1, 2, 4, 8, 16)] == [4, 4, 4, 2, 1]
+    # the rule of 2ff9045: four for one request, two up to eight, one at sixteen
+    assert [bench.slices_for("lean-wave", b, 72, 132) for b in (1, 2, 4, 8, 16)] == [4, 2, 2, 2, 1]
     assert bench.slices_for("rule", 8, 72, 132) == 0
     assert bench.slices_for("2", 1, 72, 132) == 2
 
 
 @pytest.mark.parametrize("argv,says", [
     (["HEAD", "--cases", "b3 1k"], "unknown case 'b3 1k'"),
-    (["HEAD:3"], "SLICES must be rule, one-wave, 1, 2 or 4"),
+    (["HEAD:3"], "SLICES must be rule, one-wave, lean-wave, 1, 2 or 4"),
     (["HEAD", "HEAD:rule"], "give each BUILD:SLICES once"),
     (["HEAD", "--rounds", "0"], "--rounds must be at least 1"),
 ])

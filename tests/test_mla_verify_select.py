@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from moeplace_kernels import mla_verify_sm90  # noqa: E402
 from moeplace_kernels.mla_verify_api import (  # noqa: E402
-    COMBINE_CTAS_PER_SM, COMBINE_QUARTERS_PER_SM, MlaVerify, Sm90Config, combine_slices, select_backend,
+    COMBINE_SLICE_CTAS_PER_SM, MlaVerify, Sm90Config, combine_slices, select_backend,
     sm90_rows)
 
 
@@ -133,16 +133,15 @@ def test_sm90_row_blocks(rows, expected):
 
 
 @pytest.mark.parametrize("sms", [78, 114, 132])
-def test_combine_slices_four_for_small_grids_then_the_most_that_fit_one_wave(sms):
-    wave = COMBINE_CTAS_PER_SM * sms
-    for rows in range(1, 4 * wave, 7):
+def test_combine_slices_are_the_most_whose_grid_is_at_most_3_ctas_per_sm(sms):
+    limit = COMBINE_SLICE_CTAS_PER_SM * sms
+    for rows in range(1, 30 * sms, 7):
         slices = combine_slices(rows, sms)
         assert slices in (1, 2, 4)
-        assert (slices == 4) == (rows * 4 <= COMBINE_QUARTERS_PER_SM * sms)
-        assert slices != 2 or rows * 2 <= wave
-        assert slices != 1 or rows * 2 > wave
-    # 8 heads x 9 drafts: one request 4, two to eight 2, sixteen 1 (the benchmark's best)
-    assert [combine_slices(b * 72, 132) for b in (1, 2, 4, 8, 16)] == [4, 2, 2, 2, 1]
+        assert slices == 1 or rows * slices <= limit
+        assert slices == 4 or rows * 2 * slices > limit
+    # 8 heads x 9 drafts: one request 4, two 2, four to sixteen 1 (the benchmark's best)
+    assert [combine_slices(b * 72, 132) for b in (1, 2, 4, 8, 16)] == [4, 2, 1, 1, 1]
 
 
 @pytest.mark.parametrize("slices", [-1, 3, 8])

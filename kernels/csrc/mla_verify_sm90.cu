@@ -801,12 +801,14 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 // thread j while the warps compute the tree scores (read after each draft's score by lane 0, they
 // cost about 1 µs a call at batches of 8-16: BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
 //
-// EARLY > 0 (the wide instance, for grids of at most 3 CTAs per SM: one request's rows with a split
-// per SM): each thread also holds its first EARLY partial rows and draft values in registers from
-// before their weights are known, and takes PASS drafts' tree scores at a time; 111 registers
-// (4 CTAs per SM), where the lean instance <0, 1> takes 56 (9 per SM: a batch's grid in one wave).
+// Three instances, picked at launch by the grid's CTAs per SM (mlav_forward): PASS drafts' keys are
+// loaded at a time (one round trip for a warp's drafts at 9 drafts where PASS = 3), and with
+// EARLY > 0 each thread also holds its first EARLY partial rows and draft values in registers from
+// before their weights are known. <4, 3> (four slices: one request's rows, a split per SM) takes
+// 111 registers, 4 CTAs per SM; <0, 3> 96, 5 per SM; <0, 1> 56, 9 per SM, for larger grids.
 template <int EARLY, int PASS>
-__global__ void __launch_bounds__(128) combine_kernel(const __grid_constant__ CombineParams p) {
+__global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
+    combine_kernel(const __grid_constant__ CombineParams p) {
   __shared__ float weights[MAX_COMBINE_SPLITS];
   __shared__ float tree[MAX_COMBINE_DRAFTS];
   __shared__ float red[8][128];
@@ -1031,6 +1033,11 @@ namespace {
 // a row block: 16, 32, 48, 64 or 72 rows.
 #define MLAV_VARIANTS(X) X(0, 8, 8) X(1, 16, 16) X(2, 24, 24) X(3, 32, 32) X(4, 40, 32)
 
+// Per device, from mlav_setup: SMs, and CTAs of the combine kernel's <0, 3> instance resident per SM.
+constexpr int MAX_DEVICES = 64;
+int g_num_sms[MAX_DEVICES];
+int g_keys3_per_sm[MAX_DEVICES];
+
 template <int N0, int N1>
 cudaError_t set_split_attributes() {
   return cudaFuncSetAttribute(mlav::split_kernel<N0, N1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1079,6 +1086,7 @@ void mlav_struct_sizes(int* split, int* combine) {
 // Once per process and device, outside graph capture: shared-memory limits of every variant.
 // This library links its own CUDA runtime, so every entry point selects the caller's device.
 int mlav_setup(int device) {
+  if (device < 0 || device >= MAX_DEVICES) return static_cast<int>(cudaErrorInvalidDevice);
   cudaError_t err = cudaSetDevice(device);
 #define X(v, a, b) \
   if (err == cudaSuccess) err = set_split_attributes<a, b>();
@@ -1086,6 +1094,9 @@ int mlav_setup(int device) {
 #undef X
   if (err == cudaSuccess)
     err = cudaFuncSetAttribute(mlav::probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&g_num_sms[device], cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess)
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_keys3_per_sm[device], mlav::combine_kernel<0, 3>, 128, 0);
   return static_cast<int>(err);
 }
 
@@ -1094,6 +1105,7 @@ const char* mlav_error_string(int err) { return cudaGetErrorString(static_cast<c
 // Split kernel then combine kernel on `stream`; no allocation, no synchronisation.
 int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombineParams* cp,
                  void* stream_ptr, int pdl, int device) {
+  if (device < 0 || device >= MAX_DEVICES) return static_cast<int>(cudaErrorInvalidDevice);
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return static_cast<int>(err);
@@ -1117,9 +1129,15 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  // Four slices (by combine_slices, only grids of at most 3 CTAs per SM): the wide instance.
-  err = cp->slices == 4 ? cudaLaunchKernelEx(&cfg, mlav::combine_kernel<4, 3>, *cp)
-                        : cudaLaunchKernelEx(&cfg, mlav::combine_kernel<0, 1>, *cp);
+  // Four slices (by combine_slices, only grids of at most 3 CTAs per SM): the wide instance; else
+  // <0, 3> while its CTAs fit one wave, else the lean one (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+  const long long ctas = static_cast<long long>(cfg.gridDim.x) * cfg.gridDim.y;
+  if (cp->slices == 4)
+    err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel<4, 3>, *cp);
+  else if (ctas <= static_cast<long long>(g_keys3_per_sm[device]) * g_num_sms[device])
+    err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel<0, 3>, *cp);
+  else
+    err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel<0, 1>, *cp);
   return static_cast<int>(err);
 }
 
