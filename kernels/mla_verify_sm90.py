@@ -35,6 +35,7 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "
 ROWS_PER_BLOCK = (16, 32, 48, 64, 72)  # kernel variants: rows of one CTA (two warpgroups)
 MAX_DRAFT = 64  # draft tokens per request the combine kernel holds
 MAX_SPLITS = 1024  # CTAs along the KV tiles (per request at most that many partials)
+SHORT_ROWS = 48  # rows of a row block in the split kernel's layout for short batches
 # ptxas's note where it issues the wgmma one at a time (C7519 in nvcc 13.5, C7520 in 13.0: matched by its text)
 SERIALISED_WGMMA = "wgmma.mma_async instructions are serialized"
 
@@ -52,7 +53,8 @@ class SplitParams(ctypes.Structure):
                 ("q_stride_t", _I64), ("q_stride_h", _I64), ("kv_stride", _I64),
                 ("idx64", _I32), ("kvp64", _I32), ("qop64", _I32), ("batch", _I32),
                 ("heads", _I32), ("row_blocks", _I32), ("rows_pad", _I32), ("grid_x", _I32),
-                ("min_tiles", _I32), ("evict_first", _I32), ("scale_log2", _F32)]
+                ("min_tiles", _I32), ("evict_first", _I32), ("scale_log2", _F32),
+                ("short_blocks", _I32)]
 
 
 class CombineParams(ctypes.Structure):
@@ -66,7 +68,8 @@ class CombineParams(ctypes.Structure):
                 ("lse_stride_t", _I64), ("lse_stride_h", _I64),
                 ("mip64", _I32), ("kvp64", _I32), ("qop64", _I32), ("mask_mode", _I32),
                 ("batch", _I32), ("heads", _I32), ("d_max", _I32), ("rows_pad", _I32),
-                ("grid_x", _I32), ("min_tiles", _I32), ("scale_log2", _F32), ("slices", _I32)]
+                ("grid_x", _I32), ("min_tiles", _I32), ("scale_log2", _F32), ("slices", _I32),
+                ("short_blocks", _I32), ("grid_size", _I32)]
 
 
 class Sm90Library:

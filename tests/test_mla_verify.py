@@ -232,6 +232,21 @@ def test_sm90_launch_settings(min_tiles, slices, pdl):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("heads", [8, 16])
+@pytest.mark.parametrize("short", [False, True])
+@pytest.mark.parametrize("ctx", [[1000, 63, 2500, 0], [4000, 1, 3500, 90]])
+def test_sm90_short_batch_layout(heads, short, ctx):
+    """Batches with at most a tile per CTA run in row blocks of 48 (the kernel decides from the
+    lengths; the second batch has 121 tiles: short for 8 heads on 132 SMs, not for 16), ragged
+    drafts included; the same result with the layout turned off."""
+    from moeplace_kernels.mla_verify_api import Sm90Config
+
+    op = make_op(heads, 9, 4, "sm90", sm90_config=Sm90Config(short_batches=short))
+    check(make_case(4, [9, 4, 9, 1], heads, ctx, tree="random", seed=heads), 9, op=op)
+
+
+@pytest.mark.gpu
+@gpu
 def test_sm90_layout_probe():
     """One tile through the kernel's own descriptors and swizzle: S^T = K Q^T, O^T = V^T P^T."""
     from moeplace_kernels import mla_verify_sm90
@@ -268,9 +283,11 @@ def test_cuda_graph_replay_with_new_lengths(backend):
                    mask=static["mask"], mask_layout="qlen_only",
                    mask_indptr=static["mask_indptr"], out=out)
 
-    # Masks of other trees have the same size under QLEN_ONLY; copied in place.
+    # Masks of other trees have the same size under QLEN_ONLY; copied in place. The sm90 kernel takes
+    # its short-batch layout for the first and last (at most 132 tiles) and its usual one between.
     cases = ((ctx, make_case(bs, [D] * bs, H, ctx, seed=seed + 10, nan_pool=False))
-             for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 5, 65536, 64]]))
+             for seed, ctx in enumerate([[64, 4096, 1, 300], [cap, 1, 63, 20000], [5, 5, 65536, 64],
+                                         [900, 30, 1000, 2]]))
     check_graph_replay(forward, make_case(bs, [D] * bs, H, [64, 4096, 1, 300], seed=1), cases,
                        pool_rows=bs * cap + 64, index_rows=bs * cap, sm_scale=op.sm_scale)
 

@@ -69,6 +69,7 @@ struct SplitParams {
   int min_tiles;              // fewest tiles per CTA
   int evict_first;            // KV loads may leave L2 first (one row block: nobody re-reads)
   float scale_log2;           // softmax scale * log2(e)
+  int short_blocks;           // row blocks of SHORT_ROWS for a short batch (0: never; see Layout)
 };
 
 struct CombineParams {
@@ -90,6 +91,7 @@ struct CombineParams {
   int batch, heads, d_max, rows_pad, grid_x, min_tiles;
   float scale_log2;
   int slices;                  // CTAs per query row, each for 512 / slices values: 1, 2 or 4
+  int short_blocks, grid_size; // the split kernel's short layout (0: never) and its CTAs
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -265,13 +267,31 @@ struct Segment {
   int rows;         // valid query rows of the request, D * H
 };
 
+// Rows of a row block in the short layout: both consumer warpgroups take SHORT_ROWS / 2.
+constexpr int SHORT_ROWS = 48;
+
+// The split grid's shape for a batch of `total` tiles. A short batch (no more tiles than CTAs
+// along x, so each would get at most one) is spread over short_blocks row blocks of SHORT_ROWS
+// instead: twice the CTAs for 72 rows, each computing fewer rows, which shortens a one-tile
+// call (BENCHMARKS.md#the-own-sm90-kernel-page-size-1). The combine kernel takes the same
+// decision from the same total, so it finds the partials where this layout put them.
+struct Layout {
+  bool is_short;
+  int row_blocks, grid_x, rows_per_block;
+  __device__ Layout(int total, int row_blocks_, int grid_x_, int short_blocks, int grid_size, int rows_per_block_) {
+    is_short = short_blocks > 0 && total <= grid_x_;
+    row_blocks = is_short ? short_blocks : row_blocks_;
+    grid_x = is_short ? grid_size / short_blocks : grid_x_;
+    rows_per_block = is_short ? SHORT_ROWS : rows_per_block_;
+  }
+};
+
 // Iterates the segments of one CTA; every warp of the CTA walks the same sequence.
 struct SegmentWalk {
   const SplitParams& p;
   int g, end;
-  __device__ SegmentWalk(const SplitParams& params, int x) : p(params) {
-    int total = warp_total_tiles(p.kv_indptr, p.kvp64, p.batch);
-    int chunk = plan_chunk(total, p.grid_x, p.min_tiles);
+  __device__ SegmentWalk(const SplitParams& params, int total, int grid_x, int x) : p(params) {
+    int chunk = plan_chunk(total, grid_x, p.min_tiles);
     long long lo = static_cast<long long>(x) * chunk;
     g = lo < total ? static_cast<int>(lo) : total;
     end = g + chunk < total ? g + chunk : total;
@@ -345,18 +365,17 @@ struct RingPos {
 // ---------------------------------------------------------------------------------------------
 
 template <int N0, int N1>
-__device__ void produce(const SplitParams& p, uint8_t* smem, int x, int y) {
+__device__ void produce(const SplitParams& p, uint8_t* smem, int total, const Layout& lay, int x, int y) {
   using L = SmemPlan<N0, N1>;
-  constexpr int NR = L::NR;
   const int t = threadIdx.x - 256;
   const int chunk16 = t & 7;   // 16-byte piece of a 128-byte block row
   const int row = t >> 3;      // this thread's token rows: row + 16 k, k < 4
   const uint32_t base = smem_addr(smem);
-  const uint64_t policy = l2_policy(p.evict_first != 0);
+  const uint64_t policy = l2_policy(p.evict_first != 0 && !lay.is_short);  // short: two row blocks re-read
   RingPos<L::RING_BLOCKS> pos;
-  SegmentWalk walk(p, x);
+  SegmentWalk walk(p, total, lay.grid_x, x);
   Segment s;
-  while (walk.next(y, NR, s)) {
+  while (walk.next(y, lay.rows_per_block, s)) {
     // Slot ids of this thread's 4 token rows (-1 past the prefix), one tile ahead.
     int ids[4];
     auto load_ids = [&](int tile, int (&out)[4]) {
@@ -440,7 +459,8 @@ __device__ __forceinline__ void exp_tile(const float* s_acc, const float (&m_use
 // ---------------------------------------------------------------------------------------------
 
 template <int N0, int N1, int N>
-__device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int wg, int row0) {
+__device__ void consume(const SplitParams& p, uint8_t* smem, int total, const Layout& lay, int x, int y, int wg,
+                        int row0) {
   using L = SmemPlan<N0, N1>;
   constexpr int NR = L::NR;
   constexpr int NJ = N / 8;
@@ -490,14 +510,14 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
     }
   };
 
-  SegmentWalk walk(p, x);
+  SegmentWalk walk(p, total, lay.grid_x, x);
   Segment s;
-  while (walk.next(y, NR, s)) {
+  while (walk.next(y, lay.rows_per_block, s)) {
     // This warpgroup's query rows (zeros past the request's rows), loaded by itself while the producer
     // starts on the KV: a warp per row, a lane per 16 bytes. (Loaded by the producer, with its 40
     // registers, they took a third of a one-tile call: docs/verify-kernel.md.)
     for (int r = warp; r < N; r += 4) {
-      const int qrow = y * NR + row0 + r;
+      const int qrow = y * lay.rows_per_block + row0 + r;
       const bool ok = qrow < s.rows;
       const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
 #pragma unroll
@@ -659,7 +679,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int x, int y, int w
       }
     named_barrier(bar_id, 128);
     const int slot = x + s.b;
-    const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * NR + row0;
+    const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * lay.rows_per_block + row0;
     float inv_l[NJ][2];
 #pragma unroll
     for (int j = 0; j < NJ; ++j)
@@ -695,7 +715,10 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
   using L = SmemPlan<N0, N1>;
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzle assumes 1024-byte aligned atoms
-  const int x = blockIdx.x / p.row_blocks, y = blockIdx.x % p.row_blocks;
+  const int total = warp_total_tiles(p.kv_indptr, p.kvp64, p.batch);
+  constexpr bool HAS_SHORT = N0 + N1 > SHORT_ROWS;  // the 64- and 72-row variants have a short layout
+  const Layout lay(total, p.row_blocks, p.grid_x, HAS_SHORT ? p.short_blocks : 0, p.grid_x * p.row_blocks, N0 + N1);
+  const int x = blockIdx.x / lay.row_blocks, y = blockIdx.x % lay.row_blocks;
   const uint32_t base = smem_addr(smem);
   if (threadIdx.x == 0) {
     for (int i = 0; i < L::RING_BLOCKS; ++i) {
@@ -711,14 +734,26 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    produce<N0, N1>(p, smem, x, y);
-  } else {
-    if (wg == 0) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
-      consume<N0, N1, N0>(p, smem, x, y, 0, 0);
+    produce<N0, N1>(p, smem, total, lay, x, y);
+  } else if (wg == 0) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
+    if constexpr (HAS_SHORT) {
+      if (lay.is_short)
+        consume<N0, N1, SHORT_ROWS / 2>(p, smem, total, lay, x, y, 0, 0);
+      else
+        consume<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
     } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER1_REGS));
-      consume<N0, N1, N1>(p, smem, x, y, 1, N0);
+      consume<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
+    }
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER1_REGS));
+    if constexpr (HAS_SHORT) {
+      if (lay.is_short)
+        consume<N0, N1, SHORT_ROWS / 2>(p, smem, total, lay, x, y, 1, SHORT_ROWS / 2);
+      else
+        consume<N0, N1, N1>(p, smem, total, lay, x, y, 1, N0);
+    } else {
+      consume<N0, N1, N1>(p, smem, total, lay, x, y, 1, N0);
     }
   }
   // The combine kernel (a programmatic dependent) may start once every CTA is this far.
@@ -828,7 +863,8 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
     int total, first, count;
     warp_plan(p.kv_indptr, p.kvp64, p.batch, b, total, first, count);
     if (lane == 0) {
-      const int chunk = plan_chunk(total, p.grid_x, p.min_tiles);
+      const Layout lay(total, 1, p.grid_x, p.short_blocks, p.grid_size, 0);
+      const int chunk = plan_chunk(total, lay.grid_x, p.min_tiles);
       plan[0] = count > 0 ? (first + count - 1) / chunk - first / chunk + 1 : 0;
       plan[1] = first / chunk + b;
     }
