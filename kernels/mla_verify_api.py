@@ -457,6 +457,8 @@ class MlaVerify:
                                   _MASK_MODES[mask_layout], mask_indptr, out, lse, self.sm_scale)
             return out
         if path == "sm90":
+            if out.data_ptr() % 8 or out.stride(-1) != 1 or any(st % 4 for st in out.stride()[:-1]):
+                raise ValueError("out rows must be 8-byte aligned for the sm90 kernel")
             self._forward_sm90(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
                                mask_layout, mask_indptr, out, lse, bs)
             return out

@@ -850,11 +850,9 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
   __shared__ float red4[4];
   __shared__ int plan[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int row = blockIdx.x;  // (request, draft, head)
-  const int slice = blockIdx.y;
-  const int h = row % p.heads;
-  const int i = (row / p.heads) % p.d_max;
-  const int b = row / (p.heads * p.d_max);
+  // Grid (head, draft, request x slice): no integer division (the kernel is short of issue slots).
+  const int lg = __ffs(p.slices) - 1;  // slices = 1 << lg
+  const int h = blockIdx.x, i = blockIdx.y, b = blockIdx.z >> lg, slice = blockIdx.z & (p.slices - 1);
   const int q0 = static_cast<int>(load_index(p.qo_indptr, p.qop64, b));
   const int D = static_cast<int>(load_index(p.qo_indptr, p.qop64, b + 1)) - q0;
   const long long n = load_index(p.kv_indptr, p.kvp64, b + 1) - load_index(p.kv_indptr, p.kvp64, b);
@@ -875,10 +873,9 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
   // Thread (sg, dg): 8 values at col of every split_groups-th split and draft. One slice per row
   // takes every value in one CTA (batches: one wave of CTAs); four take a quarter each (one
   // request, whose rows have the most splits).
-  const int width = V_DIM / p.slices;
-  const int chunks = width / 8;
-  const int split_groups = 128 / chunks;
-  const int dg = tid % chunks, sg = tid / chunks;
+  const int width = V_DIM >> lg;
+  const int split_groups = 2 << lg;  // 128 threads / (width / 8)
+  const int dg = tid & ((64 >> lg) - 1), sg = tid >> (6 - lg);
   const int col = slice * width + dg * 8;
 
   // Tree scores (independent of the split kernel): warp w takes drafts w, w + 4, ..., each lane 8
@@ -922,14 +919,14 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
   const int slot0 = plan[1];
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the split kernel's partials are written
 
+  // Partial s of this row at part + s * part_step: pointer steps, not a 64-bit product per load.
+  const long long part_step = static_cast<long long>(p.rows_pad) * V_DIM;
+  const __nv_bfloat16* part = p.o_part + (static_cast<long long>(slot0) * p.rows_pad + r) * V_DIM + col;
+  const long long group_step = split_groups * part_step;
   uint4 o_early[EARLY > 0 ? EARLY : 1];
 #pragma unroll
-  for (int k = 0; k < EARLY; ++k) {
-    const int s = sg + split_groups * k;
-    if (s < n_splits)
-      o_early[k] = *reinterpret_cast<const uint4*>(
-          p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col);
-  }
+  for (int k = 0; k < EARLY; ++k)
+    if (sg + split_groups * k < n_splits) o_early[k] = *reinterpret_cast<const uint4*>(part + (sg + split_groups * k) * part_step);
   float mx = -INFINITY;
   for (int s = tid; s < n_splits; s += 128) {
     float v = p.l_part[static_cast<long long>(slot0 + s) * p.rows_pad + r];
@@ -956,19 +953,16 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
     if (s < n_splits) add_scaled(acc, o_early[k], weights[s]);
   }
   int s = sg + split_groups * EARLY;
-  for (; s + 3 * split_groups < n_splits; s += 4 * split_groups) {  // four loads in flight per thread
+  const __nv_bfloat16* src = part + s * part_step;
+  for (; s + 3 * split_groups < n_splits; s += 4 * split_groups, src += 4 * group_step) {  // four loads in flight
     uint4 v[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      v[k] = *reinterpret_cast<const uint4*>(
-          p.o_part + (static_cast<long long>(slot0 + s + split_groups * k) * p.rows_pad + r) * V_DIM + col);
+    for (int k = 0; k < 4; ++k) v[k] = *reinterpret_cast<const uint4*>(src + k * group_step);
 #pragma unroll
     for (int k = 0; k < 4; ++k) add_scaled(acc, v[k], weights[s + split_groups * k]);
   }
-  for (; s < n_splits; s += split_groups)
-    add_scaled(acc, *reinterpret_cast<const uint4*>(
-                        p.o_part + (static_cast<long long>(slot0 + s) * p.rows_pad + r) * V_DIM + col),
-               weights[s]);
+  for (; s < n_splits; s += split_groups, src += group_step)
+    add_scaled(acc, *reinterpret_cast<const uint4*>(src), weights[s]);
 #pragma unroll
   for (int k = 0; k < EARLY; ++k) {
     const int j = sg + split_groups * k;
@@ -978,15 +972,22 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
     const float w = exp2f(tree[j] - mx);
     if (w > 0.f) add_scaled(acc, *reinterpret_cast<const uint4*>(p.v_ext + (q0 + j) * p.ve_stride + col), w);
   }
-  float* red_flat = &red[0][0];  // [split_groups][width]
-#pragma unroll
-  for (int k = 0; k < 8; ++k) red_flat[sg * width + dg * 8 + k] = acc[k];
+  // The split groups' sums through shared memory, 16 bytes a store and a load; each thread of the
+  // first width / 4 writes 4 output values.
+  float4* red4v = reinterpret_cast<float4*>(&red[0][0]);  // [split_groups][width / 4]
+  red4v[(sg * width + dg * 8) / 4] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+  red4v[(sg * width + dg * 8) / 4 + 1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
   __syncthreads();
   const float inv = sum > 0.f ? 1.f / sum : 0.f;
-  for (int v = tid; v < width; v += 128) {
-    float o = 0.f;
-    for (int g = 0; g < split_groups; ++g) o += red_flat[g * width + v];
-    p.out[(q0 + i) * p.out_stride_t + h * p.out_stride_h + slice * width + v] = __float2bfloat16(o * inv);
+  if (tid < width / 4) {
+    float4 o = red4v[tid];
+    for (int g = 1; g < split_groups; ++g) {
+      const float4 w = red4v[g * (width / 4) + tid];
+      o.x += w.x, o.y += w.y, o.z += w.z, o.w += w.w;
+    }
+    __nv_bfloat162 lo = __floats2bfloat162_rn(o.x * inv, o.y * inv), hi = __floats2bfloat162_rn(o.z * inv, o.w * inv);
+    uint2 packed = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+    *reinterpret_cast<uint2*>(p.out + (q0 + i) * p.out_stride_t + h * p.out_stride_h + slice * width + 4 * tid) = packed;
   }
   if (p.lse != nullptr && slice == 0 && tid == 0) {
     p.lse[(q0 + i) * p.lse_stride_t + h * p.lse_stride_h] =
@@ -1157,7 +1158,7 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   if (err != cudaSuccess) return static_cast<int>(err);
   cudaLaunchConfig_t cfg = {};
   if (cp->slices != 1 && cp->slices != 2 && cp->slices != 4) return static_cast<int>(cudaErrorInvalidValue);
-  cfg.gridDim = dim3(cp->batch * cp->d_max * cp->heads, cp->slices, 1);
+  cfg.gridDim = dim3(cp->heads, cp->d_max, cp->batch * cp->slices);  // (head, draft, request x slice)
   cfg.blockDim = dim3(128, 1, 1);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -1167,7 +1168,7 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   cfg.numAttrs = pdl ? 1 : 0;
   // Four slices (by combine_slices, only grids of at most 3 CTAs per SM): the wide instance; else
   // <0, 3> while its CTAs fit one wave, else the lean one (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
-  const long long ctas = static_cast<long long>(cfg.gridDim.x) * cfg.gridDim.y;
+  const long long ctas = static_cast<long long>(cfg.gridDim.x) * cfg.gridDim.y * cfg.gridDim.z;
   if (cp->slices == 4)
     err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel<4, 3>, *cp);
   else if (ctas <= static_cast<long long>(g_keys3_per_sm[device]) * g_num_sms[device])
