@@ -247,6 +247,20 @@ def test_sm90_short_batch_layout(heads, short, ctx):
 
 @pytest.mark.gpu
 @gpu
+def test_sm90_refuses_out_rows_not_8_byte_aligned():
+    """The combine kernel stores four output values at a time: an out view one value into its
+    storage is refused before any launch."""
+    case = make_case(2, [9, 9], 8, [100, 2000], seed=4)
+    op = make_op(8, 9, 2, "sm90")
+    out = torch.empty(18 * 8 * 512 + 1, dtype=torch.bfloat16, device="cuda")[1:].view(18, 8, 512)
+    with pytest.raises(ValueError, match="8-byte aligned"):
+        op.forward(case["q"], case["k_ext"], case["v_ext"], case["kv_pool"], case["qo_indptr"],
+                   case["kv_indptr"], case["kv_indices"], mask=case["mask"], mask_layout="qlen_only",
+                   mask_indptr=case["mask_indptr"], out=out)
+
+
+@pytest.mark.gpu
+@gpu
 def test_sm90_layout_probe():
     """One tile through the kernel's own descriptors and swizzle: S^T = K Q^T, O^T = V^T P^T."""
     from moeplace_kernels import mla_verify_sm90
