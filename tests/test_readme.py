@@ -152,7 +152,9 @@ def repository_texts() -> list[Path]:
         skip = {".git", "build", "dist", "__pycache__"}
         files = [p for p in REPO.rglob("*") if not any(
             part in skip or part.startswith(".") or part.endswith(".egg-info") for part in p.relative_to(REPO).parts)]
-    return [p for p in sorted(files) if p.is_file() and p.suffix in SOURCE_SUFFIXES]
+    venvs = [cfg.parent for cfg in REPO.glob("*/pyvenv.cfg")]  # a virtual environment made in the checkout
+    return [p for p in sorted(files) if p.is_file() and p.suffix in SOURCE_SUFFIXES
+            and not any(v in p.parents for v in venvs)]
 
 
 def test_no_words_about_how_the_work_was_organised():
