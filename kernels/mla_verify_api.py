@@ -446,7 +446,7 @@ class MlaVerify:
         bs = qo_indptr.shape[0] - 1
         path = self.path_for(bs)
         self._check(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
-                    mask_layout, mask_indptr, bs, path)
+                    mask_layout, mask_indptr, out, bs, path)
         if out is None:
             out = torch.empty((q.shape[0], q.shape[1], V_DIM), dtype=q.dtype, device=q.device)
         if path == "composed":
@@ -457,8 +457,6 @@ class MlaVerify:
                                   _MASK_MODES[mask_layout], mask_indptr, out, lse, self.sm_scale)
             return out
         if path == "sm90":
-            if out.data_ptr() % 8 or out.stride(-1) != 1 or any(st % 4 for st in out.stride()[:-1]):
-                raise ValueError("out rows must be 8-byte aligned for the sm90 kernel")
             self._forward_sm90(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
                                mask_layout, mask_indptr, out, lse, bs)
             return out
@@ -543,7 +541,7 @@ class MlaVerify:
         self.sm90.forward(self.variant, sp, cp, stream, q.device.index, cfg.pdl)
 
     def _check(self, q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
-               mask_layout, mask_indptr, bs, path) -> None:
+               mask_layout, mask_indptr, out, bs, path) -> None:
         """Raise ValueError on a malformed call; reads shapes, dtypes and strides only."""
         if q.dim() != 3 or q.shape[1] != self.num_heads or q.shape[2] != KV_DIM:
             raise ValueError(f"q must be [T, {self.num_heads}, {KV_DIM}], got {tuple(q.shape)}")
@@ -583,3 +581,7 @@ class MlaVerify:
             for name, t in (("q", q), ("k_ext", k_ext), ("v_ext", v_ext), ("kv_pool", kv_pool)):
                 if t.data_ptr() % 16 or any(st % 8 for st in t.stride()[:-1]):
                     raise ValueError(f"{name} rows must be 16-byte aligned for the sm90 kernel")
+        # The sm90 combine kernel stores four output values at a time.
+        if path == "sm90" and out is not None and (
+                out.data_ptr() % 8 or out.stride(-1) != 1 or any(st % 4 for st in out.stride()[:-1])):
+            raise ValueError("out rows must be 8-byte aligned for the sm90 kernel")
