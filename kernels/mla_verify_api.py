@@ -368,9 +368,9 @@ class MlaVerify:
                         else torch.cuda.current_device())
         rows = self.num_heads * self.max_draft
         self.variant, rows_per_block, self.row_blocks = sm90_rows(rows)
-        # The short-batch layout (Sm90Config.short_batches): blocks of SHORT_ROWS, where a block
-        # holds more rows than that.
-        short = mla_verify_sm90.SHORT_ROWS
+        # The short-batch layout (Sm90Config.short_batches): blocks of the library's short rows,
+        # where a block holds more rows than that.
+        short = self.sm90.short_rows
         self.short_blocks = math.ceil(rows / short) if config.short_batches and \
             rows_per_block > short else 0
         self.rows_pad = max(self.row_blocks * rows_per_block, self.short_blocks * short)

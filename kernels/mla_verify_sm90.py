@@ -35,7 +35,6 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "
 ROWS_PER_BLOCK = (16, 32, 48, 64, 72)  # kernel variants: rows of one CTA (two warpgroups)
 MAX_DRAFT = 64  # draft tokens per request the combine kernel holds
 MAX_SPLITS = 1024  # CTAs along the KV tiles (per request at most that many partials)
-SHORT_ROWS = 48  # rows of a row block in the split kernel's layout for short batches
 # ptxas's note where it issues the wgmma one at a time (C7519 in nvcc 13.5, C7520 in 13.0: matched by its text)
 SERIALISED_WGMMA = "wgmma.mma_async instructions are serialized"
 
@@ -93,6 +92,11 @@ class Sm90Library:
         if rows != ROWS_PER_BLOCK:
             raise OSError(f"{path}: kernel variants {rows}, expected {ROWS_PER_BLOCK}")
         self.ring_blocks = tuple(lib.mlav_ring_blocks(v) for v in range(len(ROWS_PER_BLOCK)))
+        try:  # rows of a row block in the split kernel's short layout (sizes the workspace)
+            self.short_rows = lib.mlav_short_rows()
+        except AttributeError:
+            raise OSError(f"{path}: no mlav_short_rows entry point (a build from before the short "
+                          "layout)") from None
         self._lib = lib
         self._ready: set[int] = set()
 

@@ -160,5 +160,8 @@ def test_library_builds_and_matches_its_ctypes_mirrors(fresh_loader, caplog):
     assert not _warnings(caplog)
     assert lib.path.parent == fresh_loader / "cache" / "kernels"
     assert all(n >= 17 for n in lib.ring_blocks)  # the loop's deadlock-free minimum
+    # the short layout splits a block's rows between the two consumer warpgroups, 8-row aligned each,
+    # and only blocks larger than it take it
+    assert lib.short_rows % 16 == 0 and lib.short_rows < max(mla_verify_sm90.ROWS_PER_BLOCK)
     assert mla_verify_sm90.build(mla_verify_sm90.find_nvcc()) == lib.path  # cached
     assert os.path.getsize(lib.path) > 0

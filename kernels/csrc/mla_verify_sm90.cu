@@ -1103,6 +1103,9 @@ int mlav_rows_per_block(int variant) {
   return -1;
 }
 
+// Rows of a row block in the split kernel's short layout (the workspace must hold its row blocks).
+int mlav_short_rows() { return mlav::SHORT_ROWS; }
+
 // KV ring depth (8 KB blocks) of a variant, for the documentation and the benchmark.
 int mlav_ring_blocks(int variant) {
   switch (variant) {
