@@ -710,14 +710,28 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
   }
 }
 
+// Consumer warpgroup wg: its N rows from row0, or in the short layout (the 64- and 72-row variants)
+// SHORT_ROWS / 2 rows from wg * SHORT_ROWS / 2.
+template <int N0, int N1, int N>
+__device__ __forceinline__ void consume_rows(const SplitParams& p, uint8_t* smem, int total, const Layout& lay, int x,
+                                             int y, int wg, int row0) {
+  if constexpr (N0 + N1 > SHORT_ROWS) {
+    if (lay.is_short) {
+      consume<N0, N1, SHORT_ROWS / 2>(p, smem, total, lay, x, y, wg, wg * (SHORT_ROWS / 2));
+      return;
+    }
+  }
+  consume<N0, N1, N>(p, smem, total, lay, x, y, wg, row0);
+}
+
 template <int N0, int N1>
 __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitParams p) {
   using L = SmemPlan<N0, N1>;
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzle assumes 1024-byte aligned atoms
   const int total = warp_total_tiles(p.kv_indptr, p.kvp64, p.batch);
-  constexpr bool HAS_SHORT = N0 + N1 > SHORT_ROWS;  // the 64- and 72-row variants have a short layout
-  const Layout lay(total, p.row_blocks, p.grid_x, HAS_SHORT ? p.short_blocks : 0, p.grid_x * p.row_blocks, N0 + N1);
+  const Layout lay(total, p.row_blocks, p.grid_x, N0 + N1 > SHORT_ROWS ? p.short_blocks : 0, p.grid_x * p.row_blocks,
+                   N0 + N1);
   const int x = blockIdx.x / lay.row_blocks, y = blockIdx.x % lay.row_blocks;
   const uint32_t base = smem_addr(smem);
   if (threadIdx.x == 0) {
@@ -737,24 +751,10 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
     produce<N0, N1>(p, smem, total, lay, x, y);
   } else if (wg == 0) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
-    if constexpr (HAS_SHORT) {
-      if (lay.is_short)
-        consume<N0, N1, SHORT_ROWS / 2>(p, smem, total, lay, x, y, 0, 0);
-      else
-        consume<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
-    } else {
-      consume<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
-    }
+    consume_rows<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER1_REGS));
-    if constexpr (HAS_SHORT) {
-      if (lay.is_short)
-        consume<N0, N1, SHORT_ROWS / 2>(p, smem, total, lay, x, y, 1, SHORT_ROWS / 2);
-      else
-        consume<N0, N1, N1>(p, smem, total, lay, x, y, 1, N0);
-    } else {
-      consume<N0, N1, N1>(p, smem, total, lay, x, y, 1, N0);
-    }
+    consume_rows<N0, N1, N1>(p, smem, total, lay, x, y, 1, N0);
   }
   // The combine kernel (a programmatic dependent) may start once every CTA is this far.
   asm volatile("griddepcontrol.launch_dependents;");
