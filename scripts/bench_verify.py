@@ -433,7 +433,7 @@ def main() -> None:
 SM90_SWEEP = [Sm90Config(pdl=False), Sm90Config(min_tiles=2), Sm90Config(min_tiles=4),
               Sm90Config(evict_first=False), Sm90Config(combine_slices=1),
               Sm90Config(combine_slices=2), Sm90Config(combine_slices=4),
-              Sm90Config(short_batches=False)]
+              Sm90Config(short_batches=False), Sm90Config(tma_runs=False)]
 
 
 COMPOSED_SWEEP = [MergeConfig(chunks=0), MergeConfig(chunk_num_warps=4),
@@ -467,7 +467,7 @@ def merge_tag(cfg: MergeConfig) -> str:
 
 def sm90_tag(cfg: Sm90Config) -> str:
     return (f"mt{cfg.min_tiles} pdl{int(cfg.pdl)} ef{int(cfg.evict_first)} cs{cfg.combine_slices}"
-            f" sb{int(cfg.short_batches)}")
+            f" sb{int(cfg.short_batches)} tma{int(cfg.tma_runs)}")
 
 
 RAGGED_5 = [1500, 9000, 31000, 77000, 120000]

@@ -245,6 +245,54 @@ def test_sm90_short_batch_layout(heads, short, ctx):
     check(make_case(4, [9, 4, 9, 1], heads, ctx, tree="random", seed=heads), 9, op=op)
 
 
+def relayout_slots(case, ids: torch.Tensor) -> dict:
+    """``case`` with its KV rows moved to slot ids ``ids`` (one per prefix token) of a new pool
+    whose other slots hold NaN."""
+    old = case["kv_pool"]
+    pool = torch.full((int(ids.max()) + 65, 1, 576), float("nan"), dtype=old.dtype, device=old.device)
+    pool[ids.long().to(old.device)] = old[case["kv_indices"].long()]
+    return {**case, "kv_pool": pool, "kv_indices": ids.to(old.device)}
+
+
+def page_slots(ctx: list[int], page: int, seed: int) -> torch.Tensor:
+    """Slot ids of a pool in pages of ``page`` tokens: each request's tokens fill its own pages,
+    the pages shuffled over the pool (as SGLang's paged allocator hands them out)."""
+    g = torch.Generator().manual_seed(seed)
+    pages = [-(-n // page) for n in ctx]
+    order = torch.randperm(sum(pages) + 3, generator=g)
+    ids, at = [], 0
+    for n, k in zip(ctx, pages):
+        tok = torch.arange(n)
+        ids.append(order[at + tok // page] * page + tok % page)
+        at += k
+    return torch.cat(ids)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("layout", ["pages", "broken_runs"])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_sm90_tiles_of_consecutive_slots(tma, layout, index_dtype):
+    """16 tokens whose slot ids run on are copied by TMA, the others gathered: a pool in shuffled
+    64-token pages (NaN in the unused part of each request's last page), and consecutive slots
+    with a swap every 700 tokens (runs that start anywhere, groups that are not runs, partial
+    tiles); the same result with TMA copies turned off."""
+    from moeplace_kernels.mla_verify_api import Sm90Config
+
+    ctx = [63, 64, 65, 4097, 1, 20000, 130, 9000]
+    case = make_case(8, [9, 9, 4, 9, 1, 9, 9, 2], 8, ctx, seed=11)
+    if layout == "pages":
+        ids = page_slots(ctx, 64, seed=3)
+    else:
+        ids = torch.arange(sum(ctx)) + 5
+        for i in range(100, len(ids) - 1, 700):  # breaks a run every 700 tokens
+            ids[[i, i + 1]] = ids[[i + 1, i]]
+    case = relayout_slots(case, ids.to(index_dtype))
+    op = make_op(8, 9, 8, "sm90", sm90_config=Sm90Config(tma_runs=tma))
+    check(case, 9, op=op)
+
+
 @pytest.mark.gpu
 @gpu
 def test_sm90_refuses_out_rows_not_8_byte_aligned():

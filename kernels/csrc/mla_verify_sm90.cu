@@ -11,6 +11,9 @@
 //   WG2, producer: gathers KV rows by slot id with cp.async into a ring of 8 KB blocks
 //        (64 tokens x 64 values, 128-byte swizzled), rope block first, then 8 latent blocks.
 //        Completion reaches the consumers through mbarriers (cp.async.mbarrier.arrive.noinc).
+//        A producer warp's 16 tokens of a tile whose slot ids are consecutive (in every full tile of
+//        a pool in 64-token pages, in runs of a page-1 pool) are copied by TMA instead: one 2D box
+//        per block from one lane, no gather.
 //   WG0, WG1, consumers: each owns a slice of the row block's query rows (N0 + N1 <= 72), loads
 //        them itself, and runs the whole flash-attention loop for them, transposed so no row is padded:
 //          S^T [64 tokens, N] = K [64, 576] Q^T        (wgmma m64nNk16, both from shared memory)
@@ -25,6 +28,8 @@
 // splits s and visible draft tokens j. Launched as a programmatic dependent of the split kernel
 // unless Sm90Config says otherwise (it then computes the tree scores while the last split CTAs run).
 
+#include <cuda.h>  // CUtensorMap (the encoder is reached through the runtime: no libcuda link)
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -36,6 +41,7 @@ constexpr int V_DIM = 512;
 constexpr int TILE = 64;                 // KV tokens per tile: the wgmma M dimension
 constexpr int BLOCKS_PER_TILE = 9;       // 64-value column blocks per tile (rope + 8 latent)
 constexpr int BLOCK_BYTES = TILE * 128;  // one block: 64 rows of 128 bytes
+constexpr int RUN_TOKENS = 16;           // tokens of a tile a producer warp copies (by TMA when their slots run on)
 constexpr int THREADS = 384;
 constexpr int SMEM_PER_BLOCK = 232448;   // sm_90: 227 KB of dynamic shared memory per CTA
 constexpr int MAX_COMBINE_SPLITS = 1024;
@@ -70,6 +76,15 @@ struct SplitParams {
   int evict_first;            // KV loads may leave L2 first (one row block: nobody re-reads)
   float scale_log2;           // softmax scale * log2(e)
   int short_blocks;           // row blocks of SHORT_ROWS for a short batch (0: never; see Layout)
+  int tma_runs;               // copy runs of RUN_TOKENS consecutive slot ids by TMA (1) or always gather (0)
+  long long kv_rows;          // slots in the pool (the TMA map's extent)
+};
+
+// What the split kernel is launched with: the KV pool's TMA map (encoded by the host per call)
+// beside the parameters.
+struct SplitArgs {
+  CUtensorMap kv_map;  // [kv_rows, 576] bf16, boxes of 64 values x RUN_TOKENS slots, 128-byte swizzle
+  SplitParams p;
 };
 
 struct CombineParams {
@@ -129,6 +144,27 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 // The mbarrier receives one arrival once all of this thread's earlier cp.async have landed.
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// The mbarrier expects `bytes` more from asynchronous copies in its current phase.
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// `count` arrivals at once (the lane that issued its warp's TMA copy of a block arrives for all 32).
+__device__ __forceinline__ void mbar_arrive_count(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+// One 2D TMA box (64 values x RUN_TOKENS slots from value column c0, slot row c1) into shared memory;
+// its bytes complete on the mbarrier.
+__device__ __forceinline__ void tma_load_box(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar,
+                                             uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "l"(policy)
+      : "memory");
 }
 
 // 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
@@ -365,11 +401,12 @@ struct RingPos {
 // ---------------------------------------------------------------------------------------------
 
 template <int N0, int N1>
-__device__ void produce(const SplitParams& p, uint8_t* smem, int total, const Layout& lay, int x, int y) {
+__device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t* smem, int total, const Layout& lay,
+                        int x, int y) {
   using L = SmemPlan<N0, N1>;
-  const int t = threadIdx.x - 256;
-  const int chunk16 = t & 7;   // 16-byte piece of a 128-byte block row
-  const int row = t >> 3;      // this thread's token rows: row + 16 k, k < 4
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int chunk16 = lane & 7;                   // 16-byte piece of a 128-byte block row
+  const int row0 = RUN_TOKENS * warp + (lane >> 3);  // this thread's token rows: row0 + 4 k, k < 4
   const uint32_t base = smem_addr(smem);
   const uint64_t policy = l2_policy(p.evict_first != 0 && !lay.is_short);  // short: two row blocks re-read
   RingPos<L::RING_BLOCKS> pos;
@@ -377,33 +414,57 @@ __device__ void produce(const SplitParams& p, uint8_t* smem, int total, const La
   Segment s;
   while (walk.next(y, lay.rows_per_block, s)) {
     // Slot ids of this thread's 4 token rows (-1 past the prefix), one tile ahead.
-    int ids[4];
     auto load_ids = [&](int tile, int (&out)[4]) {
 #pragma unroll
       for (int k = 0; k < 4; ++k) {
-        int tok = tile * TILE + row + 16 * k;
+        int tok = tile * TILE + row0 + 4 * k;
         out[k] = tok < s.n ? static_cast<int>(load_index(p.kv_indices, p.idx64, s.kv0 + tok)) : -1;
       }
     };
+    // The first slot id of this warp's 16 tokens of a tile when they lie in the prefix and their
+    // ids run on from it (the warp then copies them by TMA), else -1.
+    auto warp_run = [&](int tile, const int (&in)[4]) {
+      if (!p.tma_runs) return -1;
+      const int first = __shfl_sync(0xffffffffu, in[0], 0);
+      bool mine = tile * TILE + RUN_TOKENS * (warp + 1) <= s.n;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) mine = mine && in[k] == first + (lane >> 3) + 4 * k;
+      return __all_sync(0xffffffffu, mine) ? first : -1;
+    };
+    int ids[4];
     load_ids(s.t0, ids);
+    int run = warp_run(s.t0, ids);
     for (int tile = s.t0; tile < s.t1; ++tile) {
+      const bool has_next = tile + 1 < s.t1;
       int next_ids[4] = {-1, -1, -1, -1};
-      if (tile + 1 < s.t1) load_ids(tile + 1, next_ids);
+      if (has_next) load_ids(tile + 1, next_ids);
 #pragma unroll 1
       for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-        const int col0 = (blk == 0 ? 8 : blk - 1) * 64 + chunk16 * 8;  // rope block first
-        mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
+        const int col = (blk == 0 ? 8 : blk - 1) * 64;  // rope block first
+        const uint32_t full = base + L::FULL + 8 * pos.slot;
         const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
+        if (run >= 0) {  // one lane copies the warp's 16 rows and arrives for all 32
+          if (lane == 0) {
+            mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
+            mbar_expect_tx(full, RUN_TOKENS * 128);
+            tma_load_box(dst + warp * (RUN_TOKENS * 128), kv_map, col, run, full, policy);
+            mbar_arrive_count(full, 32);
+          }
+        } else {
+          mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const __nv_bfloat16* src = p.kv + static_cast<long long>(ids[k] < 0 ? 0 : ids[k]) * p.kv_stride + col0;
-          cp_async16(dst + sw128_offset(row + 16 * k, chunk16 * 8), src, ids[k] < 0 ? 0 : 16, policy);
+          for (int k = 0; k < 4; ++k) {
+            const __nv_bfloat16* src =
+                p.kv + static_cast<long long>(ids[k] < 0 ? 0 : ids[k]) * p.kv_stride + col + chunk16 * 8;
+            cp_async16(dst + sw128_offset(row0 + 4 * k, chunk16 * 8), src, ids[k] < 0 ? 0 : 16, policy);
+          }
+          cp_async_arrive(full);
         }
-        cp_async_arrive(base + L::FULL + 8 * pos.slot);
         pos.advance();
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) ids[k] = next_ids[k];
+      run = has_next ? warp_run(tile + 1, ids) : -1;
     }
   }
 }
@@ -725,8 +786,9 @@ __device__ __forceinline__ void consume_rows(const SplitParams& p, uint8_t* smem
 }
 
 template <int N0, int N1>
-__global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitParams p) {
+__global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitArgs a) {
   using L = SmemPlan<N0, N1>;
+  const SplitParams& p = a.p;
   extern __shared__ __align__(1024) uint8_t smem[];
   if (smem_addr(smem) & 1023) __trap();  // the swizzle assumes 1024-byte aligned atoms
   const int total = warp_total_tiles(p.kv_indptr, p.kvp64, p.batch);
@@ -736,7 +798,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
   const uint32_t base = smem_addr(smem);
   if (threadIdx.x == 0) {
     for (int i = 0; i < L::RING_BLOCKS; ++i) {
-      mbar_init(base + L::FULL + 8 * i, 128);  // one cp.async arrival per producer thread
+      mbar_init(base + L::FULL + 8 * i, 128);  // one cp.async arrival per producer thread (TMA: 32 at once)
       mbar_init(base + L::EMPTY + 8 * i, 8);   // one arrival per consumer warp
     }
     mbar_init(base + L::Q_FULL, 128);          // one cp.async arrival per consumer thread
@@ -748,7 +810,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
   const int wg = threadIdx.x / 128;
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    produce<N0, N1>(p, smem, total, lay, x, y);
+    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y);
   } else if (wg == 0) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
     consume_rows<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
@@ -1074,6 +1136,8 @@ namespace {
 constexpr int MAX_DEVICES = 64;
 int g_num_sms[MAX_DEVICES];
 int g_keys3_per_sm[MAX_DEVICES];
+// The driver's TMA map encoder, found once by mlav_setup.
+PFN_cuTensorMapEncodeTiled_v12000 g_encode_tiled = nullptr;
 
 template <int N0, int N1>
 cudaError_t set_split_attributes() {
@@ -1083,8 +1147,20 @@ cudaError_t set_split_attributes() {
 
 template <int N0, int N1>
 cudaError_t launch_split(const mlav::SplitParams& p, cudaStream_t stream) {
+  mlav::SplitArgs a = {};
+  a.p = p;
+  if (p.tma_runs) {
+    if (g_encode_tiled == nullptr) return cudaErrorInitializationError;
+    const cuuint64_t dims[2] = {mlav::KV_DIM, static_cast<cuuint64_t>(p.kv_rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p.kv_stride) * sizeof(__nv_bfloat16)};
+    const cuuint32_t box[2] = {64, mlav::RUN_TOKENS}, steps[2] = {1, 1};
+    if (g_encode_tiled(&a.kv_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<__nv_bfloat16*>(p.kv), dims, strides,
+                       box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) != CUDA_SUCCESS)
+      return cudaErrorInvalidValue;
+  }
   const int smem = mlav::SmemPlan<N0, N1>::BYTES;
-  mlav::split_kernel<N0, N1><<<p.grid_x * p.row_blocks, mlav::THREADS, smem, stream>>>(p);
+  mlav::split_kernel<N0, N1><<<p.grid_x * p.row_blocks, mlav::THREADS, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -1137,6 +1213,13 @@ int mlav_setup(int device) {
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&g_num_sms[device], cudaDevAttrMultiProcessorCount, device);
   if (err == cudaSuccess)
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&g_keys3_per_sm[device], mlav::combine_kernel<0, 3>, 128, 0);
+  if (err == cudaSuccess && g_encode_tiled == nullptr) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found);
+    if (err == cudaSuccess && found != cudaDriverEntryPointSuccess) err = cudaErrorSymbolNotFound;
+    if (err == cudaSuccess) g_encode_tiled = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }
   return static_cast<int>(err);
 }
 
