@@ -272,15 +272,17 @@ def select_backend(requested: Backend, capability: Optional[tuple[int, int]],
     return own
 
 
-# Batch sizes the composed path serves under "auto" (the own kernel the rest), from
-# scripts/bench_verify.py on the H200 (BENCHMARKS.md#verify-attention-against-flashmla).
-COMPOSED_MIN_BS = 1
-
-
-def prefer_composed(bs: int, num_heads: int, max_draft: int) -> bool:
+def prefer_composed(bs: int, num_heads: int, max_draft: int, own_backend: str = "sm90") -> bool:
     """Whether "auto" runs the composed path for a batch of ``bs`` (host-known shapes only, so
-    the choice is fixed per captured CUDA graph; the contexts live on the device)."""
-    return bs >= COMPOSED_MIN_BS and max_draft <= mla_verify_composed.MAX_TREE
+    the choice is fixed per captured CUDA graph; the contexts live on the device): every batch of
+    several requests; one request only when the own sm90 kernel would need several row blocks
+    (more than 72 query rows, each block re-reading the KV) or cannot run. For one request of 8
+    heads x 9 drafts the own kernel takes 0.82-0.98x the composed path's time from 1k to 185k
+    except 1.04x at 16k (BENCHMARKS.md#tma-copies-of-consecutive-slots)."""
+    if max_draft > mla_verify_composed.MAX_TREE:
+        return False
+    one_block = num_heads * max_draft <= mla_verify_sm90.ROWS_PER_BLOCK[-1]
+    return not (bs == 1 and own_backend == "sm90" and one_block)
 
 
 def sm90_rows(rows: int) -> tuple[int, int, int]:
@@ -396,7 +398,7 @@ class MlaVerify:
     def path_for(self, bs: int) -> str:
         """The kernel that serves a batch of ``bs``: 'composed', 'sm90' or 'triton'."""
         if self.backend == "composed" and (self.forced or prefer_composed(
-                bs, self.num_heads, self.max_draft)):
+                bs, self.num_heads, self.max_draft, self.own_backend)):
             return "composed"
         return self.own_backend
 

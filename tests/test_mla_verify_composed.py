@@ -447,10 +447,15 @@ def test_missing_flash_mla_warns_once(monkeypatch, caplog):
     assert len(lines) == 1 and "flash_mla" in lines[0] and "\n" not in lines[0], lines
 
 
-def test_rule_is_per_batch_size_and_drafts():
-    assert not prefer_composed(1, 8, 17)
-    for bs in range(1, 65):
-        assert prefer_composed(bs, 8, 9) == (bs >= mla_verify_api.COMPOSED_MIN_BS)
+def test_rule_is_per_batch_size_rows_and_drafts():
+    """Batches of several requests go composed; one request only where the own sm90 kernel
+    would need several row blocks (16 heads x 9 drafts) or is not there (Triton)."""
+    assert not prefer_composed(1, 8, 17) and not prefer_composed(4, 8, 17)
+    for bs in range(2, 65):
+        assert prefer_composed(bs, 8, 9) and prefer_composed(bs, 16, 9)
+    assert not prefer_composed(1, 8, 9) and not prefer_composed(1, 4, 16)
+    assert prefer_composed(1, 16, 9) and prefer_composed(1, 8, 10)
+    assert prefer_composed(1, 8, 9, own_backend="triton")
 
 
 def test_env_override_and_cpu_device(monkeypatch):
