@@ -13,7 +13,9 @@ pool, and the composed path can):
                    batches on FlashMLA's own split and combine ("composed-batch-chunks":
                    as balanced chunk requests, MergeConfig.batch_chunks)
   moeplace sm90    the Hopper CUDA kernel (sm_90 only), tree mask, partials merged in L2
-                   ("sm90 page 1": the same KV one token per shuffled slot, SGLang's page size 1)
+                   ("sm90 page 1": the same KV one token per shuffled slot, SGLang's page size 1;
+                   "sm90 page 1 runs": one token per slot, each request's slots one run, as a
+                   sorted free list leaves them)
   moeplace triton  the Triton kernel (the default elsewhere)
   FlashMLA         sgl-flash-mla's SM90 dense decode (``flash_mla_with_kvcache(..., causal=True,
                    use_legacy=True)``): the same KV copied into 64-token pages, a causal chain
@@ -37,6 +39,7 @@ is checked against the fp32 reference before it is timed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import importlib
 from pathlib import Path
 
@@ -216,11 +219,12 @@ def main() -> None:
     ap.add_argument("--drafts", type=int, default=9, help="draft tokens verified per request")
     ap.add_argument("--precompile", type=int, default=0,
                     help="compile the sweep configs first in this many processes")
-    ap.add_argument("--kernels", default="composed,composed-batch-chunks,sm90,sm90-page1,triton,"
-                                         "flashmla",
+    ap.add_argument("--kernels", default="composed,composed-batch-chunks,sm90,sm90-page1,"
+                                         "sm90-page1-runs,triton,flashmla",
                     help="peers to time, comma-separated (composed, composed-batch-chunks: "
                          "batches as balanced chunk requests, sm90, sm90-page1: the "
-                         "same KV one token per shuffled slot, triton, flashmla)")
+                         "same KV one token per shuffled slot, sm90-page1-runs: one token per "
+                         "slot, a run of slots per request, triton, flashmla)")
     ap.add_argument("--grid", action="store_true",
                     help="also time batches 1-16 x contexts 1k-185k (composed, sm90 at page "
                          "1, FlashMLA; one round, one call per graph)")
@@ -330,7 +334,10 @@ def main() -> None:
         ops["composed-batch-chunks"] = MlaVerify(H, D, max_bs, backend="composed", page_size=64,
                                                  merge_config=MergeConfig(batch_chunks=True))
     page1 = {k: MlaVerify(H, D, max_bs, backend=k, page_size=1)
-             for k in ("sm90",) if f"{k}-page1" in kernels and k in ops}
+             for k in ("sm90",) if k in ops and any(n.startswith(f"{k}-page1") for n in kernels)}
+    page1_layouts = {name: lay for kernel, name, lay in (("sm90-page1", "page 1", token_slots),
+                                                         ("sm90-page1-runs", "page 1 runs", run_slots))
+                     if kernel in kernels}
     if args.sweep_composed and "composed" in ops:
         for cfg in COMPOSED_SWEEP:
             ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, 8, backend="composed",
@@ -355,15 +362,16 @@ def main() -> None:
                                 p["kv_indptr"], p["kv_indices"], 576 ** -0.5, p["mask_qlen"],
                                 "qlen_only")
         timed = {}  # peer -> (callable, recorded label, graph replays per timing)
-        for kernel, op in page1.items():  # the same KV, one token per slot, slots shuffled
-            p1 = token_slots(p)
+        for (kernel, op), (layout, relayout) in itertools.product(page1.items(),
+                                                                   page1_layouts.items()):
+            p1 = relayout(p)  # the same KV, one token per slot
             run_ours(p1, op, out)()
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if err < 1e-2:
-                timed[f"moeplace {kernel} page 1"] = (run_ours(p1, op, out), f"{label} (err "
-                                                      f"{err:.0e})", 50)
+                timed[f"moeplace {kernel} {layout}"] = (run_ours(p1, op, out), f"{label} (err "
+                                                        f"{err:.0e})", 50)
             else:
-                print(f"moeplace {kernel} page 1 {label}: relative error {err:.1e}, not timed",
+                print(f"moeplace {kernel} {layout} {label}: relative error {err:.1e}, not timed",
                       flush=True)
         for kernel, op in ops.items():
             plan = op.plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"])
@@ -534,6 +542,16 @@ def token_slots(p):
     n = p["kv_indices"].numel()
     slots = torch.randperm(p["pool"].shape[0] + n, device="cuda")[:n]
     pool = torch.zeros(p["pool"].shape[0] + n, 1, 576, dtype=p["pool"].dtype, device="cuda")
+    pool[slots] = p["pool"][p["kv_indices"]]
+    return dict(p, pool=pool, kv_indices=slots)
+
+
+def run_slots(p):
+    """``p`` with its KV moved to one token per slot, each request's tokens one run of
+    consecutive slots (a page-size-1 pool from a sorted free list): the same reference."""
+    n = p["kv_indices"].numel()
+    slots = torch.arange(n, device="cuda") + 5  # runs that start off any 16-token boundary
+    pool = torch.zeros(n + 5, 1, 576, dtype=p["pool"].dtype, device="cuda")
     pool[slots] = p["pool"][p["kv_indices"]]
     return dict(p, pool=pool, kv_indices=slots)
 
