@@ -48,10 +48,11 @@ constexpr int MAX_COMBINE_SPLITS = 1024;
 constexpr int MAX_COMBINE_DRAFTS = 64;
 // Registers after setmaxnreg: the first consumer warpgroup holds the most rows (N0 >= N1), so it gets
 // more: 232 each spilled 248 bytes in the 40-row warpgroup's loop, 240 + 224 spill 40 (4 since P^T is
-// written by stmatrix).
+// written by stmatrix). The producer's TMA path needs 48 (at 40 it spilled 20 bytes, and short calls
+// took 0.6-1 µs more); the 32-row warpgroup fits in 216. 240 + 216 + 48: nothing spills.
 constexpr int CONSUMER0_REGS = 240;
-constexpr int CONSUMER1_REGS = 224;
-constexpr int PRODUCER_REGS = 40;
+constexpr int CONSUMER1_REGS = 216;
+constexpr int PRODUCER_REGS = 48;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
 // exponentials up to 2^RESCALE_GAP stay far inside bf16's and fp32's range.
 constexpr float RESCALE_GAP = 8.f;
@@ -438,29 +439,36 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
       const bool has_next = tile + 1 < s.t1;
       int next_ids[4] = {-1, -1, -1, -1};
       if (has_next) load_ids(tile + 1, next_ids);
+      if (run >= 0) {  // one lane copies the warp's 16 rows of each block and arrives for all 32
+        if (lane == 0) {
+          RingPos<L::RING_BLOCKS> at = pos;
 #pragma unroll 1
-      for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-        const int col = (blk == 0 ? 8 : blk - 1) * 64;  // rope block first
-        const uint32_t full = base + L::FULL + 8 * pos.slot;
-        const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
-        if (run >= 0) {  // one lane copies the warp's 16 rows and arrives for all 32
-          if (lane == 0) {
-            mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
+          for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+            const uint32_t full = base + L::FULL + 8 * at.slot;
+            mbar_wait(base + L::EMPTY + 8 * at.slot, at.phase ^ 1);
             mbar_expect_tx(full, RUN_TOKENS * 128);
-            tma_load_box(dst + warp * (RUN_TOKENS * 128), kv_map, col, run, full, policy);
+            tma_load_box(base + L::RING + at.slot * BLOCK_BYTES + warp * (RUN_TOKENS * 128), kv_map,
+                         (blk == 0 ? 8 : blk - 1) * 64, run, full, policy);  // rope block first
             mbar_arrive_count(full, 32);
+            at.advance();
           }
-        } else {
+        }
+        __syncwarp();
+        pos = pos.plus(BLOCKS_PER_TILE);
+      } else {  // gathered: the loop of a warp whose control flow is uniform (its barrier addresses too)
+#pragma unroll 1
+        for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+          const int col0 = (blk == 0 ? 8 : blk - 1) * 64 + chunk16 * 8;  // rope block first
           mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
+          const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            const __nv_bfloat16* src =
-                p.kv + static_cast<long long>(ids[k] < 0 ? 0 : ids[k]) * p.kv_stride + col + chunk16 * 8;
+            const __nv_bfloat16* src = p.kv + static_cast<long long>(ids[k] < 0 ? 0 : ids[k]) * p.kv_stride + col0;
             cp_async16(dst + sw128_offset(row0 + 4 * k, chunk16 * 8), src, ids[k] < 0 ? 0 : 16, policy);
           }
-          cp_async_arrive(full);
+          cp_async_arrive(base + L::FULL + 8 * pos.slot);
+          pos.advance();
         }
-        pos.advance();
       }
 #pragma unroll
       for (int k = 0; k < 4; ++k) ids[k] = next_ids[k];
