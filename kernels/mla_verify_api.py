@@ -277,8 +277,8 @@ def prefer_composed(bs: int, num_heads: int, max_draft: int, own_backend: str = 
     the choice is fixed per captured CUDA graph; the contexts live on the device): every batch of
     several requests; one request only when the own sm90 kernel would need several row blocks
     (more than 72 query rows, each block re-reading the KV) or cannot run. For one request of 8
-    heads x 9 drafts the own kernel takes 0.82-0.98x the composed path's time from 1k to 185k
-    except 1.04x at 16k (BENCHMARKS.md#tma-copies-of-consecutive-slots)."""
+    heads x 9 drafts the own kernel takes 0.83-0.98x the composed path's time at 1k, 4k, 64k and
+    185k, 1.01-1.04x at 16k (BENCHMARKS.md#tma-copies-of-consecutive-slots)."""
     if max_draft > mla_verify_composed.MAX_TREE:
         return False
     one_block = num_heads * max_draft <= mla_verify_sm90.ROWS_PER_BLOCK[-1]
