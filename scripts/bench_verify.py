@@ -39,8 +39,8 @@ is checked against the fp32 reference before it is timed.
 from __future__ import annotations
 
 import argparse
-import itertools
 import importlib
+import itertools
 from pathlib import Path
 
 import torch
