@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_mla_verify import check_graph_replay, make_case  # noqa: E402
+from test_mla_verify import check, check_graph_replay, make_case  # noqa: E402
 
 from moeplace_kernels import mla_verify_api, mla_verify_composed  # noqa: E402
 from moeplace_kernels.mla_verify_api import (  # noqa: E402
@@ -567,6 +567,20 @@ def test_composed_batch8_and_auto_route():
     case = paged_case([9] * 8, 8, [4096 * (1 + 4 * b) for b in range(8)], seed=3)
     if op.path_for(8) == "composed":
         check_composed(case, 9, op=op)
+
+
+@pytest.mark.gpu
+def test_auto_one_request_of_one_row_block_runs_the_own_kernel():
+    """Under "auto" at page 64 one request of 8 heads x 9 drafts runs the own sm90 kernel (its
+    pages copied by TMA), one of 16 heads the composed path; both against the reference."""
+    _need_composed()
+    from moeplace_kernels.mla_verify_api import MlaVerify
+
+    for heads in (8, 16):
+        op = MlaVerify(heads, 9, 1, page_size=64)
+        own_serves = heads == 8 and op.own_backend == "sm90"
+        assert op.path_for(1) == ("sm90" if own_serves else "composed")
+        check(paged_case([9], heads, [70001], seed=heads), 9, op=op)
 
 
 MERGE_CONFIGS = [dict(), dict(pdl=True), dict(uniform=False), dict(pdl=True, uniform=False),
