@@ -254,18 +254,15 @@ def relayout_slots(case, ids: torch.Tensor) -> dict:
     return {**case, "kv_pool": pool, "kv_indices": ids.to(old.device)}
 
 
-def page_slots(ctx: list[int], page: int, seed: int) -> torch.Tensor:
-    """Slot ids of a pool in pages of ``page`` tokens: each request's tokens fill its own pages,
-    the pages shuffled over the pool (as SGLang's paged allocator hands them out)."""
-    g = torch.Generator().manual_seed(seed)
-    pages = [-(-n // page) for n in ctx]
-    order = torch.randperm(sum(pages) + 3, generator=g)
-    ids, at = [], 0
-    for n, k in zip(ctx, pages):
-        tok = torch.arange(n)
-        ids.append(order[at + tok // page] * page + tok % page)
-        at += k
-    return torch.cat(ids)
+def paged_ids(ctx: list[int], total_pages: int, gen: torch.Generator):
+    """Slot ids of requests laid out in shuffled 64-token pages: (ids int64, pages per request)."""
+    perm = torch.randperm(total_pages, generator=gen).tolist()
+    ids, pages_of = [], []
+    for n in ctx:
+        mine = [perm.pop() for _ in range((n + 63) // 64)]
+        pages_of.append(mine)
+        ids += [mine[t // 64] * 64 + t % 64 for t in range(n)]
+    return torch.tensor(ids, dtype=torch.int64), pages_of
 
 
 @pytest.mark.gpu
@@ -283,7 +280,7 @@ def test_sm90_tiles_of_consecutive_slots(tma, layout, index_dtype):
     ctx = [63, 64, 65, 4097, 1, 20000, 130, 9000]
     case = make_case(8, [9, 9, 4, 9, 1, 9, 9, 2], 8, ctx, seed=11)
     if layout == "pages":
-        ids = page_slots(ctx, 64, seed=3)
+        ids, _ = paged_ids(ctx, sum((n + 63) // 64 for n in ctx) + 3, torch.Generator().manual_seed(3))
     else:
         ids = torch.arange(sum(ctx)) + 5
         for i in range(100, len(ids) - 1, 700):  # breaks a run every 700 tokens

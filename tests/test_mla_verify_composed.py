@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_mla_verify import check, check_graph_replay, make_case  # noqa: E402
+from test_mla_verify import check, check_graph_replay, make_case, paged_ids  # noqa: E402
 
 from moeplace_kernels import mla_verify_api, mla_verify_composed  # noqa: E402
 from moeplace_kernels.mla_verify_api import (  # noqa: E402
@@ -45,9 +45,8 @@ _SCRIPT = textwrap.dedent("""
     import json, sys, torch, triton
     sys.path.insert(0, {tests!r})
     from test_mla_verify_composed import (INTERP_CASES, CHUNK_CASES, PLAN_CASES, chunk_index,
-                                          chunk_layout, fake_flash_chunks, fake_flash_prefix,
-                                          paged_ids)
-    from test_mla_verify import make_case
+                                          chunk_layout, fake_flash_chunks, fake_flash_prefix)
+    from test_mla_verify import make_case, paged_ids
     from moeplace_kernels.mla_verify_api import _MASK_MODES
     from moeplace_kernels.mla_verify_composed import (
         tree_merge, _block_table_kernel, _chunk_plan_kernel, _chunk_queries_kernel,
@@ -276,17 +275,6 @@ def fake_flash_chunks(case, d_max: int, scale: float, chunks: int):
     start, tail = chunk_index(layout, n_full, len(ctx))
     return (torch.cat(outs), torch.cat(lses).permute(0, 2, 1),
             torch.tensor(start, dtype=torch.int32), torch.tensor(tail, dtype=torch.int32))
-
-
-def paged_ids(ctx: list[int], total_pages: int, gen: torch.Generator):
-    """Slot ids of requests laid out in shuffled 64-token pages: (ids int64, pages per request)."""
-    perm = torch.randperm(total_pages, generator=gen).tolist()
-    ids, pages_of = [], []
-    for n in ctx:
-        mine = [perm.pop() for _ in range((n + 63) // 64)]
-        pages_of.append(mine)
-        ids += [mine[t // 64] * 64 + t % 64 for t in range(n)]
-    return torch.tensor(ids, dtype=torch.int64), pages_of
 
 
 @pytest.fixture(scope="module")
