@@ -304,6 +304,10 @@ struct Segment {
   int rows;         // valid query rows of the request, D * H
 };
 
+// The 64-value column block of the KV (and of the query rows) that ring block `blk` of a tile holds:
+// the rope block (8) first, so the QK products can start before the latent blocks land.
+__device__ __forceinline__ int block_column(int blk) { return blk == 0 ? 8 : blk - 1; }
+
 // Rows of a row block in the short layout: both consumer warpgroups take SHORT_ROWS / 2.
 constexpr int SHORT_ROWS = 48;
 
@@ -448,7 +452,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
             mbar_wait(base + L::EMPTY + 8 * at.slot, at.phase ^ 1);
             mbar_expect_tx(full, RUN_TOKENS * 128);
             tma_load_box(base + L::RING + at.slot * BLOCK_BYTES + warp * (RUN_TOKENS * 128), kv_map,
-                         (blk == 0 ? 8 : blk - 1) * 64, run, full, policy);  // rope block first
+                         block_column(blk) * 64, run, full, policy);
             mbar_arrive_count(full, 32);
             at.advance();
           }
@@ -458,7 +462,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
       } else {  // gathered: the loop of a warp whose control flow is uniform (its barrier addresses too)
 #pragma unroll 1
         for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-          const int col0 = (blk == 0 ? 8 : blk - 1) * 64 + chunk16 * 8;  // rope block first
+          const int col0 = block_column(blk) * 64 + chunk16 * 8;
           mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
           const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
 #pragma unroll
@@ -561,7 +565,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
       fence_async_shared();
       wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
       const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
-      const uint32_t q_addr = q_base + (blk == 0 ? 8 : blk - 1) * (NR * 128);
+      const uint32_t q_addr = q_base + block_column(blk) * (NR * 128);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         Wgmma<N>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
