@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench_verify import load_flash_mla, make_problem, run_flash_mla, run_ours
+from bench_verify import MIXED_8_WIDE, RAGGED_5_WIDE, load_flash_mla, make_problem, run_flash_mla, run_ours
 from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
 from moeplace_kernels import mla_verify_sm90
 from moeplace_kernels.mla_verify_api import MlaVerify, Sm90Config
@@ -43,7 +43,9 @@ CASES = {"b1 1k": [1024], "b1 16k": [16384], "b1 185k": [185000], "b2 1k": [1024
          "b8 16k": [16384] * 8, "b4 64k": [65536] * 4,
          # between half and all of the grid's tiles on 132 SMs, from 96 tiles a request to 16
          "b1 6k": [6144], "b2 3k": [3072] * 2, "b3 2k": [2048] * 3, "b4 2k": [2048] * 4,
-         "b6 1k": [1024] * 6}
+         "b6 1k": [1024] * 6,
+         # the mixed batches of bench_verify, where a CTA's range can cross requests
+         "b8 4k-185k": MIXED_8_WIDE, "b5 3k-150k": RAGGED_5_WIDE}
 
 
 # The lean combine instance's CTAs per SM (56 registers), which the earlier slice rules fitted a wave to.

@@ -245,6 +245,17 @@ def test_sm90_short_batch_layout(heads, short, ctx):
     check(make_case(4, [9, 4, 9, 1], heads, ctx, tree="random", seed=heads), 9, op=op)
 
 
+@pytest.mark.gpu
+@gpu
+def test_sm90_plan_charges_request_boundaries():
+    """Long ragged batches count each boundary between requests as tiles of the split plan, so CTA
+    ranges start and end in the gaps before requests' tiles, empty prefixes among them; every
+    request's tiles are still computed once and merged from the right partials."""
+    ctx = [70000, 0, 65, 30000, 1, 12345, 64, 50000, 129, 0, 40000, 9000]
+    check(make_case(12, [9, 4, 9, 9, 1, 9, 9, 2, 9, 9, 9, 5], 8, ctx, tree="random", seed=12), 9,
+          op=make_op(8, 9, 12, "sm90"))
+
+
 def relayout_slots(case, ids: torch.Tensor) -> dict:
     """``case`` with its KV rows moved to slot ids ``ids`` (one per prefix token) of a new pool
     whose other slots hold NaN."""

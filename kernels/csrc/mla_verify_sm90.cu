@@ -45,6 +45,8 @@ constexpr int RUN_TOKENS = 16;           // tokens of a tile a producer warp cop
 constexpr int THREADS = 384;
 constexpr int SMEM_PER_BLOCK = 232448;   // sm_90: 227 KB of dynamic shared memory per CTA
 constexpr int MAX_COMBINE_SPLITS = 1024;
+// What a CTA's second segment (its query rows and epilogue) costs, in 64-token tiles of one CTA's loop.
+constexpr int BOUNDARY_TILES = 3;
 constexpr int MAX_COMBINE_DRAFTS = 64;
 // Registers after setmaxnreg: the first consumer warpgroup holds the most rows (N0 >= N1), so it gets
 // more: 232 each spilled 248 bytes in the 40-row warpgroup's loop, 240 + 224 spill 40 (4 since P^T is
@@ -243,6 +245,9 @@ __device__ __forceinline__ float order_float(int i) { return __int_as_float(i >=
 // Work plan: the batch's tiles (ceil(N_b / 64) per request) split into equal chunks of at least
 // min_tiles, one chunk per CTA along x. A chunk that crosses requests is processed as segments,
 // one per request, each writing its own partial slot x + b (unique: a boundary adds one slot).
+// A segment costs its CTA the query rows and an epilogue, so each boundary between requests
+// counts as `cost` tiles of the plan (a gap before the request's tiles that no CTA computes): a
+// CTA whose chunk crosses a boundary gets that many fewer tiles.
 // Every warp computes the plan itself (no shared memory, no host): a few loads per 32 requests.
 // ---------------------------------------------------------------------------------------------
 
@@ -266,26 +271,38 @@ __device__ __forceinline__ int plan_chunk(int total, int grid_x, int min_tiles) 
   return chunk > min_tiles ? chunk : min_tiles;
 }
 
-// First request whose tiles end after global tile g: (b, its first global tile, its tile count).
-__device__ void warp_find_request(const void* kv_indptr, int kvp64, int batch, int g, int& b_out,
+// Tiles a boundary between requests counts in the plan: BOUNDARY_TILES, unless that lengthens every
+// chunk by more than a sixteenth (short calls: one more tile a CTA costs more than the boundaries
+// save) or the short layout spreads single tiles (BENCHMARKS.md#segment-cost-in-the-split-plan).
+__device__ __forceinline__ int boundary_cost(int total, int batch, int grid_x, int min_tiles, bool is_short) {
+  if (is_short) return 0;
+  const int plain = plan_chunk(total, grid_x, min_tiles);
+  const int costed = plan_chunk(total + BOUNDARY_TILES * (batch - 1), grid_x, min_tiles);
+  return 16 * (costed - plain) <= plain ? BOUNDARY_TILES : 0;
+}
+
+// First request whose tiles end after plan position g, where request b's tiles start at its global
+// first tile + b * cost: (b, that start, its tile count).
+__device__ void warp_find_request(const void* kv_indptr, int kvp64, int batch, int cost, int g, int& b_out,
                                   int& first_out, int& count_out) {
   const int lane = threadIdx.x & 31;
   int carry = 0;
   for (int base = 0; base < batch; base += 32) {
     int b = base + lane;
     int t = b < batch ? request_tiles(kv_indptr, kvp64, b) : 0;
-    int incl = t;
+    int u = b < batch ? t + cost : 0;  // its tiles and the gap after them
+    int incl = u;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       int y = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += y;
     }
-    unsigned hit = __ballot_sync(0xffffffffu, b < batch && carry + incl > g);
+    unsigned hit = __ballot_sync(0xffffffffu, b < batch && carry + incl - cost > g);
     if (hit) {
       int src = __ffs(hit) - 1;
       b_out = base + src;
       count_out = __shfl_sync(0xffffffffu, t, src);
-      first_out = carry + __shfl_sync(0xffffffffu, incl, src) - count_out;
+      first_out = carry + __shfl_sync(0xffffffffu, incl, src) - count_out - cost;
       return;
     }
     carry += __shfl_sync(0xffffffffu, incl, 31);
@@ -330,21 +347,25 @@ struct Layout {
 // Iterates the segments of one CTA; every warp of the CTA walks the same sequence.
 struct SegmentWalk {
   const SplitParams& p;
-  int g, end;
-  __device__ SegmentWalk(const SplitParams& params, int total, int grid_x, int x) : p(params) {
-    int chunk = plan_chunk(total, grid_x, p.min_tiles);
+  int g, end, cost;  // plan positions: tiles and the boundaries' cost
+  __device__ SegmentWalk(const SplitParams& params, int total, const Layout& lay, int x) : p(params) {
+    cost = boundary_cost(total, p.batch, lay.grid_x, p.min_tiles, lay.is_short);
+    const int span = total + cost * (p.batch - 1);
+    const int chunk = plan_chunk(span, lay.grid_x, p.min_tiles);
     long long lo = static_cast<long long>(x) * chunk;
-    g = lo < total ? static_cast<int>(lo) : total;
-    end = g + chunk < total ? g + chunk : total;
+    g = lo < span ? static_cast<int>(lo) : span;
+    end = g + chunk < span ? g + chunk : span;
   }
   // Next segment with work for row block y; false when the CTA's range is done.
   __device__ bool next(int y, int rows_per_block, Segment& s) {
     while (g < end) {
       int first, count;
-      warp_find_request(p.kv_indptr, p.kvp64, p.batch, g, s.b, first, count);
-      s.t0 = g - first;
+      warp_find_request(p.kv_indptr, p.kvp64, p.batch, cost, g, s.b, first, count);
+      if (s.b >= p.batch) return false;
+      s.t0 = g > first ? g - first : 0;  // g may lie in the boundary's gap
       s.t1 = (end < first + count ? end : first + count) - first;
       g = first + count;
+      if (s.t1 <= s.t0) continue;  // the range ends in the gap before this request's tiles
       s.kv0 = load_index(p.kv_indptr, p.kvp64, s.b);
       s.n = static_cast<int>(load_index(p.kv_indptr, p.kvp64, s.b + 1) - s.kv0);
       s.q0 = static_cast<int>(load_index(p.qo_indptr, p.qop64, s.b));
@@ -415,7 +436,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
   const uint32_t base = smem_addr(smem);
   const uint64_t policy = l2_policy(p.evict_first != 0 && !lay.is_short);  // short: two row blocks re-read
   RingPos<L::RING_BLOCKS> pos;
-  SegmentWalk walk(p, total, lay.grid_x, x);
+  SegmentWalk walk(p, total, lay, x);
   Segment s;
   while (walk.next(y, lay.rows_per_block, s)) {
     // Slot ids of this thread's 4 token rows (-1 past the prefix), one tile ahead.
@@ -583,7 +604,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
     }
   };
 
-  SegmentWalk walk(p, total, lay.grid_x, x);
+  SegmentWalk walk(p, total, lay, x);
   Segment s;
   while (walk.next(y, lay.rows_per_block, s)) {
     // This warpgroup's query rows (zeros past the request's rows), loaded by itself while the producer
@@ -936,9 +957,11 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
     warp_plan(p.kv_indptr, p.kvp64, p.batch, b, total, first, count);
     if (lane == 0) {
       const Layout lay(total, 1, p.grid_x, p.short_blocks, p.grid_size, 0);
-      const int chunk = plan_chunk(total, lay.grid_x, p.min_tiles);
-      plan[0] = count > 0 ? (first + count - 1) / chunk - first / chunk + 1 : 0;
-      plan[1] = first / chunk + b;
+      const int cost = boundary_cost(total, p.batch, lay.grid_x, p.min_tiles, lay.is_short);
+      const int chunk = plan_chunk(total + cost * (p.batch - 1), lay.grid_x, p.min_tiles);
+      const int start = first + cost * b;  // b's first tile in the plan
+      plan[0] = count > 0 ? (start + count - 1) / chunk - start / chunk + 1 : 0;
+      plan[1] = start / chunk + b;
     }
   }
   if (i >= D) return;
