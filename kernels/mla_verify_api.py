@@ -7,7 +7,7 @@ Three backends behind one interface:
   * ``composed``: FlashMLA's SM90 decode for the prefix plus one Triton kernel for the tree and
     the merge (``mla_verify_composed.py``); on compute capability 9.0 where ``sgl_flash_mla``
     imports and the pool is laid out in 64-token pages (``page_size`` a multiple of 64). Under
-    "auto" it serves the batch sizes ``prefer_composed`` names, the own kernel the rest;
+    "auto" it serves the shapes ``prefer_composed`` names, the own kernel the rest;
   * ``sm90``: the Hopper CUDA kernel (``csrc/mla_verify_sm90.cu``, loaded by
     ``mla_verify_sm90.py``), chosen automatically on compute capability 9.0 when nvcc can build it;
   * ``triton``: the Triton kernel (``mla_verify.py``), everywhere else (sm_120 keeps its own tile
@@ -272,17 +272,17 @@ def select_backend(requested: Backend, capability: Optional[tuple[int, int]],
     return own
 
 
-def prefer_composed(bs: int, num_heads: int, max_draft: int, own_backend: str = "sm90") -> bool:
-    """Whether "auto" runs the composed path for a batch of ``bs`` (host-known shapes only, so
-    the choice is fixed per captured CUDA graph; the contexts live on the device): every batch of
-    several requests; one request only when the own sm90 kernel would need several row blocks
-    (more than 72 query rows, each block re-reading the KV) or cannot run. For one request of 8
-    heads x 9 drafts the own kernel takes 0.83-0.98x the composed path's time at 1k, 4k, 64k and
-    185k, 1.01-1.04x at 16k (BENCHMARKS.md#tma-copies-of-consecutive-slots)."""
+def prefer_composed(num_heads: int, max_draft: int, own_backend: str = "sm90") -> bool:
+    """Whether "auto" runs the composed path (host-known shapes only, so the choice is fixed per
+    captured CUDA graph; the contexts live on the device): where the own sm90 kernel would need
+    several row blocks (more than 72 query rows, each block re-reading the KV) or cannot run. At 8
+    heads x 9 drafts the own kernel is at or under the composed path's time on one request and on
+    the mixed long batches, and within 1.5 µs either way on short ones
+    (BENCHMARKS.md#segment-cost-in-the-split-plan)."""
     if max_draft > mla_verify_composed.MAX_TREE:
         return False
     one_block = num_heads * max_draft <= mla_verify_sm90.ROWS_PER_BLOCK[-1]
-    return not (bs == 1 and own_backend == "sm90" and one_block)
+    return not (own_backend == "sm90" and one_block)
 
 
 def sm90_rows(rows: int) -> tuple[int, int, int]:
@@ -398,7 +398,7 @@ class MlaVerify:
     def path_for(self, bs: int) -> str:
         """The kernel that serves a batch of ``bs``: 'composed', 'sm90' or 'triton'."""
         if self.backend == "composed" and (self.forced or prefer_composed(
-                bs, self.num_heads, self.max_draft, self.own_backend)):
+                self.num_heads, self.max_draft, self.own_backend)):
             return "composed"
         return self.own_backend
 

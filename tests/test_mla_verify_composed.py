@@ -435,15 +435,13 @@ def test_missing_flash_mla_warns_once(monkeypatch, caplog):
     assert len(lines) == 1 and "flash_mla" in lines[0] and "\n" not in lines[0], lines
 
 
-def test_rule_is_per_batch_size_rows_and_drafts():
-    """Batches of several requests go composed; one request only where the own sm90 kernel
-    would need several row blocks (16 heads x 9 drafts) or is not there (Triton)."""
-    assert not prefer_composed(1, 8, 17) and not prefer_composed(4, 8, 17)
-    for bs in range(2, 65):
-        assert prefer_composed(bs, 8, 9) and prefer_composed(bs, 16, 9)
-    assert not prefer_composed(1, 8, 9) and not prefer_composed(1, 4, 16)
-    assert prefer_composed(1, 16, 9) and prefer_composed(1, 8, 10)
-    assert prefer_composed(1, 8, 9, own_backend="triton")
+def test_rule_is_by_rows_and_drafts():
+    """Composed only where the own sm90 kernel would need several row blocks (16 heads x 9
+    drafts, 8 x 10) or is not there (Triton); never past the composed path's tree size."""
+    assert not prefer_composed(8, 17) and not prefer_composed(16, 17)
+    assert not prefer_composed(8, 9) and not prefer_composed(4, 16) and not prefer_composed(6, 12)
+    assert prefer_composed(16, 9) and prefer_composed(8, 10) and prefer_composed(5, 16)
+    assert prefer_composed(8, 9, own_backend="triton")
 
 
 def test_env_override_and_cpu_device(monkeypatch):
@@ -558,17 +556,18 @@ def test_composed_batch8_and_auto_route():
 
 
 @pytest.mark.gpu
-def test_auto_one_request_of_one_row_block_runs_the_own_kernel():
-    """Under "auto" at page 64 one request of 8 heads x 9 drafts runs the own sm90 kernel (its
-    pages copied by TMA), one of 16 heads the composed path; both against the reference."""
+def test_auto_one_row_block_runs_the_own_kernel():
+    """Under "auto" at page 64 batches of 8 heads x 9 drafts run the own sm90 kernel (their pages
+    copied by TMA), of 16 heads the composed path; both against the reference."""
     _need_composed()
     from moeplace_kernels.mla_verify_api import MlaVerify
 
     for heads in (8, 16):
-        op = MlaVerify(heads, 9, 1, page_size=64)
+        op = MlaVerify(heads, 9, 3, page_size=64)
         own_serves = heads == 8 and op.own_backend == "sm90"
-        assert op.path_for(1) == ("sm90" if own_serves else "composed")
-        check(paged_case([9], heads, [70001], seed=heads), 9, op=op)
+        for bs, ctx in ((1, [70001]), (3, [70001, 65, 9000])):
+            assert op.path_for(bs) == ("sm90" if own_serves else "composed")
+            check(paged_case([9] * bs, heads, ctx, seed=heads + bs), 9, op=op)
 
 
 MERGE_CONFIGS = [dict(), dict(pdl=True), dict(uniform=False), dict(pdl=True, uniform=False),

@@ -147,7 +147,7 @@ class VerifyState:
                   f"drafts, batches up to {self.max_bs}"
                   + (f"; one-request batches as {chunks} FlashMLA chunk requests" if chunks else "")
                   + (f", batches of 2-{batched} requests too" if batched else "")
-                  + (f"; one-request batches on the {solo} kernel" if solo != op.backend else ""),
+                  + (f"; every batch on the {solo} kernel" if solo != op.backend else ""),
                   file=sys.stderr, flush=True)
 
     def _op(self, num_heads: int) -> Any:
