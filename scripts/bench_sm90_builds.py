@@ -17,6 +17,7 @@ Builds must share this tree's parameter structs (the loader refuses others in on
 
     python3 scripts/bench_sm90_builds.py 46cd08d:one-wave 916773f HEAD
     python3 scripts/bench_sm90_builds.py HEAD /tmp/experiment.cu --cases "b1 16k,b8 1k"
+    python3 scripts/bench_sm90_builds.py HEAD --composed   # the own kernel against the composed path
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is shown")
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--drafts", type=int, default=9)
+    ap.add_argument("--composed", action="store_true",
+                    help="also time the composed path (FlashMLA over the prefix, then our tree merge): "
+                         "what 'auto' weighs the own kernel against at page 64")
     args = ap.parse_args()
     try:
         columns = [parse_build(b) for b in args.builds]
@@ -134,6 +138,8 @@ def main() -> int:
         nvcc = mla_verify_sm90.find_nvcc()
         if nvcc is None:
             raise Refusal("no nvcc found (set CUDA_HOME)")
+        if args.composed and load_flash_mla() is None:
+            raise Refusal("--composed needs FlashMLA (the sgl-flash-mla wheel)")
         libs = {}
         for build, _ in columns:
             if build not in libs:
@@ -150,7 +156,7 @@ def main() -> int:
         lib.setup(device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     flash = load_flash_mla()
-    names = [f"{b}:{s}" for b, s in columns]
+    names = [f"{b}:{s}" for b, s in columns] + (["composed"] if args.composed else [])
     print(f"{torch.cuda.get_device_name()}; {args.heads} heads x {args.drafts}-token binary tree, "
           f"KV one token per shuffled 64-token page; µs (ratio to FlashMLA), median of {args.rounds} rounds\n")
     print("| case | FlashMLA | " + " | ".join(names) + " | max diff to the first |")
@@ -165,6 +171,11 @@ def main() -> int:
             op.sm90 = libs[build]  # the same op, this build's library
             out = torch.empty(p["q"].shape[0], args.heads, 512, dtype=torch.bfloat16, device="cuda")
             fns[name] = run_ours(p, op, out)
+            outs.append(out)
+        if args.composed:
+            op = MlaVerify(args.heads, args.drafts, len(ctx), backend="composed", page_size=64)
+            out = torch.empty_like(outs[0])
+            fns["composed"] = run_ours(p, op, out, op.plan(p["qo_indptr"], p["kv_indptr"], p["kv_indices"]))
             outs.append(out)
         if flash is not None:
             fns["FlashMLA"] = run_flash_mla(flash, p)
