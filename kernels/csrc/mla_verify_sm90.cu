@@ -45,9 +45,9 @@ constexpr int RUN_TOKENS = 16;           // tokens of a tile a producer warp cop
 constexpr int THREADS = 384;
 constexpr int SMEM_PER_BLOCK = 232448;   // sm_90: 227 KB of dynamic shared memory per CTA
 constexpr int MAX_COMBINE_SPLITS = 1024;
+constexpr int MAX_COMBINE_DRAFTS = 64;
 // What a CTA's second segment (its query rows and epilogue) costs, in 64-token tiles of one CTA's loop.
 constexpr int BOUNDARY_TILES = 3;
-constexpr int MAX_COMBINE_DRAFTS = 64;
 // Registers after setmaxnreg: the first consumer warpgroup holds the most rows (N0 >= N1), so it gets
 // more: 232 each spilled 248 bytes in the 40-row warpgroup's loop, 240 + 224 spill 40 (4 since P^T is
 // written by stmatrix). The producer's TMA path needs 48 (at 40 it spilled 20 bytes, and short calls
