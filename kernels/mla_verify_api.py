@@ -395,8 +395,9 @@ class MlaVerify:
         self.l_part = torch.empty((self.split_slots, self.rows_pad),
                                   dtype=torch.float32, device=self.device)
 
-    def path_for(self, bs: int) -> str:
-        """The kernel that serves a batch of ``bs``: 'composed', 'sm90' or 'triton'."""
+    @property
+    def path(self) -> str:
+        """The kernel that serves every batch: 'composed', 'sm90' or 'triton'."""
         if self.backend == "composed" and (self.forced or prefer_composed(
                 self.num_heads, self.max_draft, self.own_backend)):
             return "composed"
@@ -413,8 +414,7 @@ class MlaVerify:
         """Per-batch state for ``forward(..., plan=)``: FlashMLA's block table, lengths and
         scheduler metadata where the composed path serves this batch, else None (the own kernels
         derive their split plan inside each launch). Device work only: graph-capturable."""
-        bs = qo_indptr.shape[0] - 1
-        if self.path_for(bs) != "composed":
+        if self.path != "composed":
             return None
         return self.composed.plan(qo_indptr, kv_indptr, kv_indices)
 
@@ -453,7 +453,7 @@ class MlaVerify:
         FlashMLA allocates its own outputs, from the graph's pool inside a capture).
         """
         bs = qo_indptr.shape[0] - 1
-        path = self.path_for(bs)
+        path = self.path
         self._check(q, k_ext, v_ext, kv_pool, qo_indptr, kv_indptr, kv_indices, mask,
                     mask_layout, mask_indptr, out, bs, path)
         if out is None:

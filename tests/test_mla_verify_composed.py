@@ -452,7 +452,7 @@ def test_env_override_and_cpu_device(monkeypatch):
         MlaVerify(8, 9, 2, device="cpu", page_size=64)
     monkeypatch.delenv(mla_verify_api.BACKEND_ENV)
     op = MlaVerify(8, 9, 2, device="cpu", page_size=64)
-    assert op.backend == "triton" and op.path_for(2) == "triton" and op.plan(
+    assert op.backend == "triton" and op.path == "triton" and op.plan(
         torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32),
         torch.zeros(1, dtype=torch.long)) is None
 
@@ -497,7 +497,7 @@ def check_composed(case, d_max, op=None, plan=True):
 
     H, bs = case["q"].shape[1], case["qo_indptr"].shape[0] - 1
     op = op or MlaVerify(H, d_max, bs, backend="composed", page_size=64)
-    assert op.path_for(bs) == "composed"
+    assert op.path == "composed"
     out = torch.full((case["q"].shape[0], H, 512), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
     lse = torch.full(out.shape[:2], float("nan"), device="cuda")
@@ -551,7 +551,7 @@ def test_composed_batch8_and_auto_route():
     op = MlaVerify(8, 9, 8, page_size=64)
     assert op.backend == "composed"
     case = paged_case([9] * 8, 8, [4096 * (1 + 4 * b) for b in range(8)], seed=3)
-    if op.path_for(8) == "composed":
+    if op.path == "composed":
         check_composed(case, 9, op=op)
 
 
@@ -565,8 +565,8 @@ def test_auto_one_row_block_runs_the_own_kernel():
     for heads in (8, 16):
         op = MlaVerify(heads, 9, 3, page_size=64)
         own_serves = heads == 8 and op.own_backend == "sm90"
+        assert op.path == ("sm90" if own_serves else "composed")
         for bs, ctx in ((1, [70001]), (3, [70001, 65, 9000])):
-            assert op.path_for(bs) == ("sm90" if own_serves else "composed")
             check(paged_case([9] * bs, heads, ctx, seed=heads + bs), 9, op=op)
 
 

@@ -139,15 +139,14 @@ class VerifyState:
             op.reserve_kv(graph_kv.numel())
         if not VerifyState.announced:   # one line per process: the kernel is on, and which build serves
             VerifyState.announced = True
-            solo = op.path_for(1)
-            chunks = op.composed.chunks if op.composed is not None and solo == "composed" else 0
+            chunks = op.composed.chunks if op.composed is not None and op.path == "composed" else 0
             batched = max((b for b in range(2, self.max_bs + 1) if op.composed.chunks_for(b)),
                           default=0) if chunks else 0
             print(f"moeplace verify kernel on: {op.backend} backend, {op.num_heads} heads x {self.max_draft} "
                   f"drafts, batches up to {self.max_bs}"
                   + (f"; one-request batches as {chunks} FlashMLA chunk requests" if chunks else "")
                   + (f", batches of 2-{batched} requests too" if batched else "")
-                  + (f"; every batch on the {solo} kernel" if solo != op.backend else ""),
+                  + (f"; every batch on the {op.path} kernel" if op.path != op.backend else ""),
                   file=sys.stderr, flush=True)
 
     def _op(self, num_heads: int) -> Any:
