@@ -344,17 +344,27 @@ struct Layout {
   }
 };
 
+// The plan of a batch of `total` tiles in `lay`, the same in the split and the combine kernel:
+// the boundaries' cost, the plan positions (tiles and gaps) and each CTA's chunk of them.
+struct PlanShape {
+  int cost, span, chunk;
+  __device__ PlanShape(int total, int batch, const Layout& lay, int min_tiles) {
+    cost = boundary_cost(total, batch, lay.grid_x, min_tiles, lay.is_short);
+    span = total + cost * (batch - 1);
+    chunk = plan_chunk(span, lay.grid_x, min_tiles);
+  }
+};
+
 // Iterates the segments of one CTA; every warp of the CTA walks the same sequence.
 struct SegmentWalk {
   const SplitParams& p;
   int g, end, cost;  // plan positions: tiles and the boundaries' cost
   __device__ SegmentWalk(const SplitParams& params, int total, const Layout& lay, int x) : p(params) {
-    cost = boundary_cost(total, p.batch, lay.grid_x, p.min_tiles, lay.is_short);
-    const int span = total + cost * (p.batch - 1);
-    const int chunk = plan_chunk(span, lay.grid_x, p.min_tiles);
-    long long lo = static_cast<long long>(x) * chunk;
-    g = lo < span ? static_cast<int>(lo) : span;
-    end = g + chunk < span ? g + chunk : span;
+    const PlanShape plan(total, p.batch, lay, p.min_tiles);
+    cost = plan.cost;
+    long long lo = static_cast<long long>(x) * plan.chunk;
+    g = lo < plan.span ? static_cast<int>(lo) : plan.span;
+    end = g + plan.chunk < plan.span ? g + plan.chunk : plan.span;
   }
   // Next segment with work for row block y; false when the CTA's range is done.
   __device__ bool next(int y, int rows_per_block, Segment& s) {
@@ -957,11 +967,10 @@ __global__ void __launch_bounds__(128, EARLY > 0 ? 4 : PASS > 1 ? 5 : 9)
     warp_plan(p.kv_indptr, p.kvp64, p.batch, b, total, first, count);
     if (lane == 0) {
       const Layout lay(total, 1, p.grid_x, p.short_blocks, p.grid_size, 0);
-      const int cost = boundary_cost(total, p.batch, lay.grid_x, p.min_tiles, lay.is_short);
-      const int chunk = plan_chunk(total + cost * (p.batch - 1), lay.grid_x, p.min_tiles);
-      const int start = first + cost * b;  // b's first tile in the plan
-      plan[0] = count > 0 ? (start + count - 1) / chunk - start / chunk + 1 : 0;
-      plan[1] = start / chunk + b;
+      const PlanShape shape(total, p.batch, lay, p.min_tiles);
+      const int start = first + shape.cost * b;  // b's first tile in the plan
+      plan[0] = count > 0 ? (start + count - 1) / shape.chunk - start / shape.chunk + 1 : 0;
+      plan[1] = start / shape.chunk + b;
     }
   }
   if (i >= D) return;
