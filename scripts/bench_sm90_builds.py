@@ -138,7 +138,8 @@ def main() -> int:
         nvcc = mla_verify_sm90.find_nvcc()
         if nvcc is None:
             raise Refusal("no nvcc found (set CUDA_HOME)")
-        if args.composed and load_flash_mla() is None:
+        flash = load_flash_mla()
+        if args.composed and flash is None:
             raise Refusal("--composed needs FlashMLA (the sgl-flash-mla wheel)")
         libs = {}
         for build, _ in columns:
@@ -155,7 +156,6 @@ def main() -> int:
     for lib in libs.values():
         lib.setup(device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    flash = load_flash_mla()
     names = [f"{b}:{s}" for b, s in columns] + (["composed"] if args.composed else [])
     print(f"{torch.cuda.get_device_name()}; {args.heads} heads x {args.drafts}-token binary tree, "
           f"KV one token per shuffled 64-token page; µs (ratio to FlashMLA), median of {args.rounds} rounds\n")
