@@ -1,0 +1,187 @@
+"""Time the tensor-core products of one verify tile alone, in the splits the Hopper kernel could use.
+
+Question: How many cycles do a 64-token tile's products (S^T = K Q^T over 576 values, O^T += V^T P^T
+    over 512) take for 72 query rows when nothing else runs, as the sm90 kernel splits them between
+    its two consumer warpgroups and as other splits would?
+Baseline: the kernel's own split (QK at 40 and 32 rows, each warpgroup P.V over all 8 latent blocks),
+    timed in the same process.
+Output: a markdown table on stdout: cycles per tile (the slowest warpgroup, mean over the CTAs), the
+    ratio to the baseline, and the shared-memory operand bytes the split reads per tile.
+
+Every program runs on one CTA per SM with its operands in shared memory (wgmma m64nNk16, bf16, fp32
+accumulators, the kernel's 128-byte swizzled layouts), its warpgroups free-running (no barriers
+between them): what a tile costs the tensor pipe, without the softmax, the waits and the loads that
+the kernel adds (docs/verify-kernel.md, "Where the time goes").
+
+    python3 scripts/bench_wgmma_patterns.py          # needs nvcc and an sm_90 GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from moeplace_kernels import mla_verify_sm90
+
+# (name, per-warpgroup programs); a program is phases (N rows, accumulators, k steps, is P.V):
+# QK is 36 k steps of 16 values on one accumulator, P.V 4 k steps (64 tokens) per 64-value block.
+QK = lambda n, ks=36: (n, 1, ks, 0)  # noqa: E731
+PV = lambda n, blocks: (n, blocks, 4, 1)  # noqa: E731
+PATTERNS = [
+    ("kernel: QK 40 | 32 rows, P.V 8 blocks each", [[QK(40), PV(40, 8)], [QK(32), PV(32, 8)]]),
+    ("QK alone, 40 | 32 rows", [[QK(40)], [QK(32)]]),
+    ("P.V alone, 8 blocks at 40 | 32 rows", [[PV(40, 8)], [PV(32, 8)]]),
+    ("QK own rows 40 | 32, P.V 4 blocks at 72 rows each", [[QK(40), PV(72, 4)], [QK(32), PV(72, 4)]]),
+    ("QK 72 rows by one, P.V 4 blocks at 72 rows each", [[QK(72), PV(72, 4)], [PV(72, 4)]]),
+    ("QK 72 rows, half the k steps each, P.V 4 blocks at 72", [[QK(72, 18), PV(72, 4)], [QK(72, 18), PV(72, 4)]]),
+    ("three warpgroups of 24 rows", [[QK(24), PV(24, 8)]] * 3),
+]
+
+PRELUDE = r"""
+#include <cstdio>
+#include <cstdint>
+#include <cuda_runtime.h>
+template <int N> struct Wgmma;
+__device__ __forceinline__ uint64_t desc(uint32_t addr) {  // 128-byte swizzle, 8-row groups 1024 B apart
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+template <int K> __device__ __forceinline__ void pin(float (&r)[K]) {
+#pragma unroll
+  for (int i = 0; i < K; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+constexpr int A_OFF = 0, Q_OFF = 9 * 8192, P_OFF = Q_OFF + 9 * 72 * 128, SMEM = P_OFF + 72 * 128 + 1024;
+template <int N, int NACC, int KS, int TA>
+__device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0) {
+  if (N + row0 > 72) row0 = 0;
+#pragma unroll
+  for (int i = 0; i < NACC; ++i)
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t a = TA ? base + A_OFF + (1 + i) * 8192 + ks * 2048 : base + A_OFF + (ks / 4) * 8192 + (ks % 4) * 32;
+      const uint32_t b = TA ? base + P_OFF + row0 * 128 + ks * 32 : base + Q_OFF + (ks / 4) * 9216 + row0 * 128 + (ks % 4) * 32;
+      Wgmma<N>::template mma<TA>(acc[i], desc(a), desc(b));
+    }
+}
+__device__ __forceinline__ void fill(uint8_t* smem) {
+  for (int i = threadIdx.x; i < (SMEM - 1024) / 2; i += blockDim.x) {
+    const uint32_t h = (i * 2654435761u) ^ (blockIdx.x * 40503u);
+    reinterpret_cast<uint16_t*>(smem)[i] = 0x3c00 ^ (h & 0x80ff);
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+}
+"""
+
+WGMMA = r"""template <> struct Wgmma<{n}> {{
+  template <int TA> static __device__ __forceinline__ void mma(float (&d)[{r}], uint64_t a, uint64_t b) {{
+    asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, %{r}, %{r1}, 1, 1, 1, %{r2}, 0;\n"
+                 : {outs} : "l"(a), "l"(b), "n"(TA));
+  }}
+}};
+"""
+
+
+def wgmma_specialisation(n: int) -> str:
+    r = n // 2
+    return WGMMA.format(n=n, r=r, r1=r + 1, r2=r + 2, regs=",".join(f"%{i}" for i in range(r)),
+                        outs=", ".join(f'"+f"(d[{i}])' for i in range(r)))
+
+
+def program_source(k: int, wgs: list) -> str:
+    """A kernel running one program per warpgroup `reps` times; each warpgroup's cycles to cyc."""
+    branches = []
+    for w, phases in enumerate(wgs):
+        decl = "".join(f"    float a{i}[{acc}][{n // 2}] = {{}};\n" for i, (n, acc, _, _) in enumerate(phases))
+        body = "".join(f"      for (auto& x : a{i}) pin(x);\n" for i in range(len(phases)))
+        body += '      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+        for i, (n, acc, ks, ta) in enumerate(phases):
+            body += f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {40 * w if n <= 40 else 0});\n"
+            body += ('      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
+                     '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n')
+            body += "".join(f"      for (auto& x : a{j}) pin(x);\n" for j in range(len(phases)))
+            if i + 1 < len(phases):
+                body += '      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+        sink = " + ".join(f"a{i}[0][0]" for i in range(len(phases)))
+        branches.append(f"  if (wg == {w}) {{\n{decl}    const long long t0 = clock64();\n"
+                        f"    for (int r = 0; r < reps; ++r) {{\n{body}    }}\n"
+                        f"    const long long t1 = clock64();\n"
+                        f"    if ((threadIdx.x & 127) == 0) cyc[blockIdx.x * 4 + wg] = t1 - t0;\n"
+                        f"    if ({sink} == 12345.f) sink[threadIdx.x] = 1.f;\n  }}\n")
+    return (f"__global__ void __launch_bounds__({128 * len(wgs)}, 1) k{k}(int reps, long long* cyc, float* sink) {{\n"
+            "  extern __shared__ __align__(1024) uint8_t raw[];\n"
+            "  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));\n"
+            "  fill(smem);\n  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));\n"
+            "  const int wg = threadIdx.x / 128;\n" + "".join(branches) + "}\n")
+
+
+MAIN = r"""
+template <class K> double run(K kernel, int wgs, int sms) {
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+  long long* cyc; float* sink;
+  cudaMalloc(&cyc, sms * 4 * sizeof(long long)); cudaMalloc(&sink, 4096);
+  const int reps = 400;
+  kernel<<<sms, 128 * wgs, SMEM>>>(10, cyc, sink);
+  kernel<<<sms, 128 * wgs, SMEM>>>(reps, cyc, sink);
+  if (cudaDeviceSynchronize() != cudaSuccess) { std::printf("error %s\n", cudaGetErrorString(cudaGetLastError())); return -1; }
+  long long h[4 * 1024];
+  cudaMemcpy(h, cyc, sms * 4 * sizeof(long long), cudaMemcpyDeviceToHost);
+  double worst = 0;
+  for (int w = 0; w < wgs; ++w) {
+    double s = 0;
+    for (int b = 0; b < sms; ++b) s += h[b * 4 + w];
+    if (s / sms / reps > worst) worst = s / sms / reps;
+  }
+  cudaFree(cyc); cudaFree(sink);
+  return worst;
+}
+int main() {
+  int sms = 0;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+"""
+
+
+def operand_bytes(wgs: list) -> int:
+    """Shared-memory bytes a tile's products read: 2 KB of A and N x 32 B of B per wgmma."""
+    return sum(acc * ks * (2048 + n * 32) for phases in wgs for n, acc, ks, _ in phases)
+
+
+def main() -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    nvcc = mla_verify_sm90.find_nvcc()
+    if nvcc is None:
+        print("bench_wgmma_patterns: no nvcc found (set CUDA_HOME)", file=sys.stderr)
+        return 2
+    sizes = sorted({n for _, wgs in PATTERNS for phases in wgs for n, *_ in phases})
+    src = PRELUDE + "".join(wgmma_specialisation(n) for n in sizes)
+    src += "".join(program_source(k, wgs) for k, (_, wgs) in enumerate(PATTERNS))
+    src += MAIN + "".join(f'  std::printf("%.1f\\n", run(k{k}, {len(wgs)}, sms));\n'
+                          for k, (_, wgs) in enumerate(PATTERNS)) + "  return 0;\n}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        cu, exe = Path(tmp) / "patterns.cu", Path(tmp) / "patterns"
+        cu.write_text(src)
+        res = subprocess.run([nvcc, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-o", str(exe),
+                              str(cu)], capture_output=True, text=True)
+        if res.returncode != 0:
+            first = next((ln for ln in res.stderr.splitlines() if "error" in ln), res.stderr.strip()[-300:])
+            print(f"bench_wgmma_patterns: nvcc failed: {first}", file=sys.stderr)
+            return 2
+        run = subprocess.run([str(exe)], capture_output=True, text=True)
+        cycles = [float(v) for v in run.stdout.split()] if run.returncode == 0 else []
+        if len(cycles) != len(PATTERNS) or min(cycles) <= 0:
+            print(f"bench_wgmma_patterns: the run failed ({(run.stdout + run.stderr).strip()[:200]}); "
+                  "needs an sm_90 GPU", file=sys.stderr)
+            return 2
+    base = cycles[0]
+    print("| products of one 64-token tile, 72 rows | warpgroups | cycles | ratio to the kernel's | operand KB |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for (name, wgs), c in zip(PATTERNS, cycles):
+        print(f"| {name} | {len(wgs)} | {c:.0f} | {c / base:.2f} | {operand_bytes(wgs) / 1024:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""The tile-products benchmark's generated programs and its refusal without nvcc (no GPU needed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_wgmma_patterns as bench  # noqa: E402
+
+
+def test_the_kernel_split_reads_its_operands_twice():
+    # naive count: QK 36 k steps, P.V 8 blocks x 4, each wgmma 64 x 16 of A (2 KB) and N x 16 of B
+    def naive(rows):
+        return 36 * (64 * 16 * 2 + rows * 16 * 2) + 32 * (64 * 16 * 2 + rows * 16 * 2)
+    name, wgs = bench.PATTERNS[0]
+    assert name.startswith("kernel") and bench.operand_bytes(wgs) == naive(40) + naive(32)
+    # a split that reads every K and V block once reads less than the kernel's
+    assert all(bench.operand_bytes(w) < bench.operand_bytes(wgs) for n, w in bench.PATTERNS if "72" in n)
+
+
+@pytest.mark.parametrize("n", [24, 40, 72])
+def test_a_specialisation_lists_one_accumulator_per_two_columns(n):
+    text = bench.wgmma_specialisation(n)
+    assert f"m64n{n}k16" in text and text.count('"+f"(d[') == n // 2 and f"float (&d)[{n // 2}]" in text
+
+
+def test_every_warpgroup_gets_its_program():
+    src = bench.program_source(0, [[bench.QK(40), bench.PV(40, 8)], [bench.QK(32)]])
+    assert "phase<40, 1, 36, 0>" in src and "phase<40, 8, 4, 1>" in src and "phase<32, 1, 36, 0>" in src
+    assert "__launch_bounds__(256, 1)" in src
+
+
+def test_no_nvcc_is_one_line_and_exit_2(monkeypatch, capsys):
+    monkeypatch.setattr(bench.mla_verify_sm90, "find_nvcc", lambda: None)
+    monkeypatch.setattr(sys, "argv", ["bench_wgmma_patterns.py"])
+    assert bench.main() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no nvcc" in err[0]
