@@ -104,7 +104,8 @@ def program_source(k: int, wgs: list) -> str:
             body += "".join(f"      for (auto& x : a{j}) pin(x);\n" for j in range(len(phases)))
             if i + 1 < len(phases):
                 body += '      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
-        sink = " + ".join(f"a{i}[0][0]" for i in range(len(phases)))
+        # every accumulator feeds the sink: ptxas drops the products of one whose values are never read
+        sink = " + ".join(f"a{i}[{b}][0]" for i, (_, acc, _, _) in enumerate(phases) for b in range(acc))
         branches.append(f"  if (wg == {w}) {{\n{decl}    const long long t0 = clock64();\n"
                         f"    for (int r = 0; r < reps; ++r) {{\n{body}    }}\n"
                         f"    const long long t1 = clock64();\n"

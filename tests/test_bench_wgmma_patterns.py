@@ -33,6 +33,8 @@ def test_every_warpgroup_gets_its_program():
     src = bench.program_source(0, [[bench.QK(40), bench.PV(40, 8)], [bench.QK(32)]])
     assert "phase<40, 1, 36, 0>" in src and "phase<40, 8, 4, 1>" in src and "phase<32, 1, 36, 0>" in src
     assert "__launch_bounds__(256, 1)" in src
+    # every accumulator is read at the end, or ptxas drops its products (P.V would time 1 block of 8)
+    assert all(f"a1[{b}][0]" in src for b in range(8))
 
 
 def test_no_nvcc_is_one_line_and_exit_2(monkeypatch, capsys):
