@@ -85,6 +85,7 @@ WGMMA = r"""template <> struct Wgmma<{n}> {{
 
 
 def wgmma_specialisation(n: int) -> str:
+    """Wgmma<n>: the PTX instruction spells its n / 2 accumulator registers out one by one."""
     r = n // 2
     return WGMMA.format(n=n, r=r, r1=r + 1, r2=r + 2, regs=",".join(f"%{i}" for i in range(r)),
                         outs=", ".join(f'"+f"(d[{i}])' for i in range(r)))
