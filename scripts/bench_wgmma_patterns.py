@@ -55,7 +55,7 @@ template <int K> __device__ __forceinline__ void pin(float (&r)[K]) {
 constexpr int A_OFF = 0, Q_OFF = 9 * 8192, P_OFF = Q_OFF + 9 * 72 * 128, SMEM = P_OFF + 72 * 128 + 1024;
 template <int N, int NACC, int KS, int TA>
 __device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0) {
-  if (N + row0 > 72) row0 = 0;
+  asm volatile("" : "+r"(base));  // descriptors made in the loop, as the kernel's: hoisted, they spill the accumulators
 #pragma unroll
   for (int i = 0; i < NACC; ++i)
 #pragma unroll
@@ -99,7 +99,8 @@ def program_source(k: int, wgs: list) -> str:
         body = "".join(f"      for (auto& x : a{i}) pin(x);\n" for i in range(len(phases)))
         body += '      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
         for i, (n, acc, ks, ta) in enumerate(phases):
-            body += f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {40 * w if n <= 40 else 0});\n"
+            row0 = 40 * w if 40 * w + n <= 72 else 0  # the query rows' buffer holds 72
+            body += f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n"
             body += ('      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
                      '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n')
             body += "".join(f"      for (auto& x : a{j}) pin(x);\n" for j in range(len(phases)))
@@ -150,6 +151,15 @@ def operand_bytes(wgs: list) -> int:
     return sum(acc * ks * (2048 + n * 32) for phases in wgs for n, acc, ks, _ in phases)
 
 
+def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
+    """One positive cycle count per pattern from the program's output, else None (a failed run)."""
+    try:
+        cycles = [float(v) for v in stdout.split()] if returncode == 0 else []
+    except ValueError:  # the program printed a CUDA error
+        return None
+    return cycles if len(cycles) == len(PATTERNS) and min(cycles) > 0 else None
+
+
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
@@ -172,8 +182,8 @@ def main() -> int:
             print(f"bench_wgmma_patterns: nvcc failed: {first}", file=sys.stderr)
             return 2
         run = subprocess.run([str(exe)], capture_output=True, text=True)
-        cycles = [float(v) for v in run.stdout.split()] if run.returncode == 0 else []
-        if len(cycles) != len(PATTERNS) or min(cycles) <= 0:
+        cycles = parse_cycles(run.stdout, run.returncode)
+        if cycles is None:
             print(f"bench_wgmma_patterns: the run failed ({(run.stdout + run.stderr).strip()[:200]}); "
                   "needs an sm_90 GPU", file=sys.stderr)
             return 2

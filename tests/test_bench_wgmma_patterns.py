@@ -43,3 +43,12 @@ def test_no_nvcc_is_one_line_and_exit_2(monkeypatch, capsys):
     assert bench.main() == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no nvcc" in err[0]
+
+
+def test_a_failed_run_is_told_apart_from_figures():
+    good = "\n".join(f"{1000 + k:.1f}" for k in range(len(bench.PATTERNS)))
+    assert bench.parse_cycles(good, 0) == [1000.0 + k for k in range(len(bench.PATTERNS))]
+    assert bench.parse_cycles(good, 1) is None
+    assert bench.parse_cycles("1000.0\nerror an illegal memory access was encountered", 0) is None
+    assert bench.parse_cycles(good.replace("1000.0", "-1.0"), 0) is None
+    assert bench.parse_cycles("1000.0", 0) is None
