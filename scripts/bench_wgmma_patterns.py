@@ -160,6 +160,16 @@ def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
     return cycles if len(cycles) == len(PATTERNS) and min(cycles) > 0 else None
 
 
+def table(cycles: list[float]) -> list[str]:
+    """The markdown table: a row per pattern (its name's '|' escaped), cycles against the first pattern's."""
+    rows = ["| products of one 64-token tile, 72 rows | warpgroups | cycles | ratio to the kernel's | operand KB |",
+            "| --- | ---: | ---: | ---: | ---: |"]
+    for (name, wgs), c in zip(PATTERNS, cycles):
+        cell = name.replace("|", r"\|")
+        rows.append(f"| {cell} | {len(wgs)} | {c:.0f} | {c / cycles[0]:.2f} | {operand_bytes(wgs) / 1024:.0f} |")
+    return rows
+
+
 def main() -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1],
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
@@ -187,11 +197,7 @@ def main() -> int:
             print(f"bench_wgmma_patterns: the run failed ({(run.stdout + run.stderr).strip()[:200]}); "
                   "needs an sm_90 GPU", file=sys.stderr)
             return 2
-    base = cycles[0]
-    print("| products of one 64-token tile, 72 rows | warpgroups | cycles | ratio to the kernel's | operand KB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for (name, wgs), c in zip(PATTERNS, cycles):
-        print(f"| {name} | {len(wgs)} | {c:.0f} | {c / base:.2f} | {operand_bytes(wgs) / 1024:.0f} |")
+    print("\n".join(table(cycles)))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -52,3 +53,11 @@ def test_a_failed_run_is_told_apart_from_figures():
     assert bench.parse_cycles("1000.0\nerror an illegal memory access was encountered", 0) is None
     assert bench.parse_cycles(good.replace("1000.0", "-1.0"), 0) is None
     assert bench.parse_cycles("1000.0", 0) is None
+
+
+def test_every_table_row_has_five_cells():
+    # pattern names hold '|' (40 | 32 rows): unescaped, the row would split into more cells
+    rows = bench.table([3400.0 - k for k in range(len(bench.PATTERNS))])
+    cells = [len(re.split(r"(?<!\\)\|", r.strip("|"))) for r in rows]
+    assert len(rows) == len(bench.PATTERNS) + 2 and cells == [5] * len(rows)
+    assert rows[2].split(" | ")[3] == "1.00"
