@@ -6,7 +6,9 @@ Question: How many cycles do a 64-token tile's products (S^T = K Q^T over 576 va
 Baseline: the kernel's own split (QK at 40 and 32 rows, each warpgroup P.V over all 8 latent blocks),
     timed in the same process.
 Output: a markdown table on stdout: cycles per tile (the slowest warpgroup, mean over the CTAs), the
-    ratio to the baseline, and the shared-memory operand bytes the split reads per tile.
+    ratio to the baseline, and the shared-memory operand bytes the split reads per tile. A second table
+    asks whether a warpgroup's own work (a dependent FMA chain, standing in for the softmax) runs while
+    its QK products are in flight, with one warpgroup and with two sharing the tensor pipe.
 
 Every program runs on one CTA per SM with its operands in shared memory (wgmma m64nNk16, bf16, fp32
 accumulators, the kernel's 128-byte swizzled layouts), its warpgroups free-running (no barriers
@@ -30,6 +32,7 @@ from moeplace_kernels import mla_verify_sm90
 # QK is 36 k steps of 16 values on one accumulator, P.V 4 k steps (64 tokens) per 64-value block.
 QK = lambda n, ks=36: (n, 1, ks, 0)  # noqa: E731
 PV = lambda n, blocks: (n, blocks, 4, 1)  # noqa: E731
+FMA = lambda steps: (0, steps, 0, -1)  # noqa: E731  # a dependent FMA chain, under the previous phase's products
 PATTERNS = [
     ("kernel: QK 40 | 32 rows, P.V 8 blocks each", [[QK(40), PV(40, 8)], [QK(32), PV(32, 8)]]),
     ("QK alone, 40 | 32 rows", [[QK(40)], [QK(32)]]),
@@ -39,6 +42,9 @@ PATTERNS = [
     ("QK 72 rows, half the k steps each, P.V 4 blocks at 72", [[QK(72, 18), PV(72, 4)], [QK(72, 18), PV(72, 4)]]),
     ("three warpgroups of 24 rows", [[QK(24), PV(24, 8)]] * 3),
 ]
+BESIDE = [(f"{what}, {w} warpgroup{'s' * (w > 1)}", [prog] * w) for w in (1, 2) for what, prog in [
+    ("QK 40 alone", [QK(40)]), ("FMA chain of 200 alone", [FMA(200)]), ("FMA chain of 800 alone", [FMA(800)]),
+    ("QK 40, FMA chain of 200 under it", [QK(40), FMA(200)]), ("QK 40, FMA chain of 800 under it", [QK(40), FMA(800)])]]
 
 PRELUDE = r"""
 #include <cstdio>
@@ -95,19 +101,23 @@ def program_source(k: int, wgs: list) -> str:
     """A kernel running one program per warpgroup `reps` times; each warpgroup's cycles to cyc."""
     branches = []
     for w, phases in enumerate(wgs):
-        decl = "".join(f"    float a{i}[{acc}][{n // 2}] = {{}};\n" for i, (n, acc, _, _) in enumerate(phases))
-        body = "".join(f"      for (auto& x : a{i}) pin(x);\n" for i in range(len(phases)))
-        body += '      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+        mma = [(i, ph) for i, ph in enumerate(phases) if ph[3] >= 0]
+        decl = "".join(f"    float a{i}[{acc}][{n // 2}] = {{}};\n" for i, (n, acc, _, _) in mma)
+        decl += "    float x = threadIdx.x * 1e-3f;\n"
+        pins = "".join(f"      for (auto& v : a{i}) pin(v);\n" for i, _ in mma)
+        body = pins
         for i, (n, acc, ks, ta) in enumerate(phases):
-            row0 = 40 * w if 40 * w + n <= 72 else 0  # the query rows' buffer holds 72
-            body += f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n"
-            body += ('      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
-                     '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n')
-            body += "".join(f"      for (auto& x : a{j}) pin(x);\n" for j in range(len(phases)))
-            if i + 1 < len(phases):
-                body += '      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+            if ta < 0:  # the chain runs while the previous phase's products are in flight, then they are waited for
+                body += f'      for (int i = 0; i < {acc}; ++i) asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f33D6BF95;" : "+f"(x));\n'
+            else:
+                row0 = 40 * w if 40 * w + n <= 72 else 0  # the query rows' buffer holds 72
+                body += ('      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+                         f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n"
+                         '      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n')
+            if ta >= 0 and not (i + 1 < len(phases) and phases[i + 1][3] < 0) or ta < 0 and i > 0:
+                body += '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n' + pins
         # every accumulator feeds the sink: ptxas drops the products of one whose values are never read
-        sink = " + ".join(f"a{i}[{b}][0]" for i, (_, acc, _, _) in enumerate(phases) for b in range(acc))
+        sink = " + ".join([f"a{i}[{b}][0]" for i, (_, acc, _, _) in mma for b in range(acc)] + ["x"])
         branches.append(f"  if (wg == {w}) {{\n{decl}    const long long t0 = clock64();\n"
                         f"    for (int r = 0; r < reps; ++r) {{\n{body}    }}\n"
                         f"    const long long t1 = clock64();\n"
@@ -151,22 +161,28 @@ def operand_bytes(wgs: list) -> int:
     return sum(acc * ks * (2048 + n * 32) for phases in wgs for n, acc, ks, _ in phases)
 
 
+PROGRAMS = PATTERNS + BESIDE  # one generated binary times both tables
+
+
 def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
-    """One positive cycle count per pattern from the program's output, else None (a failed run)."""
+    """One positive cycle count per program from the binary's output, else None (a failed run)."""
     try:
         cycles = [float(v) for v in stdout.split()] if returncode == 0 else []
     except ValueError:  # the program printed a CUDA error
         return None
-    return cycles if len(cycles) == len(PATTERNS) and min(cycles) > 0 else None
+    return cycles if len(cycles) == len(PROGRAMS) and min(cycles) > 0 else None
 
 
 def table(cycles: list[float]) -> list[str]:
-    """The markdown table: a row per pattern (its name's '|' escaped), cycles against the first pattern's."""
+    """The markdown tables: a row per pattern (its name's '|' escaped), cycles against the first pattern's; then
+    the programs of a warpgroup's work beside its products."""
     rows = ["| products of one 64-token tile, 72 rows | warpgroups | cycles | ratio to the kernel's | operand KB |",
             "| --- | ---: | ---: | ---: | ---: |"]
     for (name, wgs), c in zip(PATTERNS, cycles):
         cell = name.replace("|", r"\|")
         rows.append(f"| {cell} | {len(wgs)} | {c:.0f} | {c / cycles[0]:.2f} | {operand_bytes(wgs) / 1024:.0f} |")
+    rows += ["", "| a warpgroup's own work beside its products | cycles |", "| --- | ---: |"]
+    rows += [f"| {name} | {c:.0f} |" for (name, _), c in zip(BESIDE, cycles[len(PATTERNS):])]
     return rows
 
 
@@ -177,11 +193,11 @@ def main() -> int:
     if nvcc is None:
         print("bench_wgmma_patterns: no nvcc found (set CUDA_HOME)", file=sys.stderr)
         return 2
-    sizes = sorted({n for _, wgs in PATTERNS for phases in wgs for n, *_ in phases})
+    sizes = sorted({n for _, wgs in PROGRAMS for phases in wgs for n, *_ in phases if n})
     src = PRELUDE + "".join(wgmma_specialisation(n) for n in sizes)
-    src += "".join(program_source(k, wgs) for k, (_, wgs) in enumerate(PATTERNS))
+    src += "".join(program_source(k, wgs) for k, (_, wgs) in enumerate(PROGRAMS))
     src += MAIN + "".join(f'  std::printf("%.1f\\n", run(k{k}, {len(wgs)}, sms));\n'
-                          for k, (_, wgs) in enumerate(PATTERNS)) + "  return 0;\n}\n"
+                          for k, (_, wgs) in enumerate(PROGRAMS)) + "  return 0;\n}\n"
     with tempfile.TemporaryDirectory() as tmp:
         cu, exe = Path(tmp) / "patterns.cu", Path(tmp) / "patterns"
         cu.write_text(src)

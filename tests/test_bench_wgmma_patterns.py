@@ -47,8 +47,8 @@ def test_no_nvcc_is_one_line_and_exit_2(monkeypatch, capsys):
 
 
 def test_a_failed_run_is_told_apart_from_figures():
-    good = "\n".join(f"{1000 + k:.1f}" for k in range(len(bench.PATTERNS)))
-    assert bench.parse_cycles(good, 0) == [1000.0 + k for k in range(len(bench.PATTERNS))]
+    good = "\n".join(f"{1000 + k:.1f}" for k in range(len(bench.PROGRAMS)))
+    assert bench.parse_cycles(good, 0) == [1000.0 + k for k in range(len(bench.PROGRAMS))]
     assert bench.parse_cycles(good, 1) is None
     assert bench.parse_cycles("1000.0\nerror an illegal memory access was encountered", 0) is None
     assert bench.parse_cycles(good.replace("1000.0", "-1.0"), 0) is None
@@ -57,7 +57,20 @@ def test_a_failed_run_is_told_apart_from_figures():
 
 def test_every_table_row_has_five_cells():
     # pattern names hold '|' (40 | 32 rows): unescaped, the row would split into more cells
-    rows = bench.table([3400.0 - k for k in range(len(bench.PATTERNS))])
+    rows = bench.table([3400.0 - k for k in range(len(bench.PROGRAMS))])[:len(bench.PATTERNS) + 2]
     cells = [len(re.split(r"(?<!\\)\|", r.strip("|"))) for r in rows]
-    assert len(rows) == len(bench.PATTERNS) + 2 and cells == [5] * len(rows)
+    assert cells == [5] * len(rows)
     assert rows[2].split(" | ")[3] == "1.00"
+
+
+def test_the_chain_runs_between_the_products_issue_and_their_wait():
+    src = bench.program_source(0, [[bench.QK(40), bench.FMA(200)]])
+    issue, chain = src.index("phase<40, 1, 36, 0>"), src.index("i < 200")
+    assert src.index("commit_group") < chain < src.index("wait_group") and issue < chain
+    alone = bench.program_source(1, [[bench.FMA(800)]])
+    assert "i < 800" in alone and "wgmma" not in alone and "x == 12345.f" in alone
+
+
+def test_the_second_table_names_every_beside_program():
+    rows = bench.table([1000.0] * len(bench.PROGRAMS))
+    assert rows[-len(bench.BESIDE):] == [f"| {name} | 1000 |" for name, _ in bench.BESIDE]
