@@ -8,7 +8,10 @@ Baseline: the kernel's own split (QK at 40 and 32 rows, each warpgroup P.V over 
 Output: a markdown table on stdout: cycles per tile (the slowest warpgroup, mean over the CTAs), the
     ratio to the baseline, and the shared-memory operand bytes the split reads per tile. A second table
     asks whether a warpgroup's own work (a dependent FMA chain, standing in for the softmax) runs while
-    its QK products are in flight, with one warpgroup and with two sharing the tensor pipe.
+    its QK products are in flight, with one warpgroup and with two sharing the tensor pipe. A third
+    times QK issued as the kernel's loop does, a 64-value block at a time with a wgmma fence, an
+    mbarrier wait (on a completed barrier) and a proxy fence before each block, against 36 products
+    back to back.
 
 Every program runs on one CTA per SM with its operands in shared memory (wgmma m64nNk16, bf16, fp32
 accumulators, the kernel's 128-byte swizzled layouts), its warpgroups free-running (no barriers
@@ -28,11 +31,13 @@ from pathlib import Path
 
 from moeplace_kernels import mla_verify_sm90
 
-# (name, per-warpgroup programs); a program is phases (N rows, accumulators, k steps, is P.V):
+# (name, per-warpgroup programs); a program is phases (N rows, accumulators, k steps, kind: 0 QK, 1 P.V, below):
 # QK is 36 k steps of 16 values on one accumulator, P.V 4 k steps (64 tokens) per 64-value block.
 QK = lambda n, ks=36: (n, 1, ks, 0)  # noqa: E731
 PV = lambda n, blocks: (n, blocks, 4, 1)  # noqa: E731
 FMA = lambda steps: (0, steps, 0, -1)  # noqa: E731  # a dependent FMA chain, under the previous phase's products
+# QK in the kernel's block loop: a wgmma fence per block, + an mbarrier wait (wait=1), + a proxy fence (fence=1)
+QKB = lambda n, wait, fence: (n, 1, 36, 2 + wait + 2 * fence)  # noqa: E731
 PATTERNS = [
     ("kernel: QK 40 | 32 rows, P.V 8 blocks each", [[QK(40), PV(40, 8)], [QK(32), PV(32, 8)]]),
     ("QK alone, 40 | 32 rows", [[QK(40)], [QK(32)]]),
@@ -45,6 +50,11 @@ PATTERNS = [
 BESIDE = [(f"{what}, {w} warpgroup{'s' * (w > 1)}", [prog] * w) for w in (1, 2) for what, prog in [
     ("QK 40 alone", [QK(40)]), ("FMA chain of 200 alone", [FMA(200)]), ("FMA chain of 800 alone", [FMA(800)]),
     ("QK 40, FMA chain of 200 under it", [QK(40), FMA(200)]), ("QK 40, FMA chain of 800 under it", [QK(40), FMA(800)])]]
+STRUCTURE = [(what, [[prog(40)], [prog(32)]]) for what, prog in [
+    ("36 products back to back", QK), ("9 blocks, a wgmma fence each", lambda n: QKB(n, 0, 0)),
+    ("9 blocks, a wgmma fence and a barrier wait each", lambda n: QKB(n, 1, 0)),
+    ("9 blocks, a wgmma fence and a proxy fence each", lambda n: QKB(n, 0, 1)),
+    ("9 blocks, all three each (the kernel's loop)", lambda n: QKB(n, 1, 1))]]
 
 PRELUDE = r"""
 #include <cstdio>
@@ -58,7 +68,8 @@ template <int K> __device__ __forceinline__ void pin(float (&r)[K]) {
 #pragma unroll
   for (int i = 0; i < K; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
-constexpr int A_OFF = 0, Q_OFF = 9 * 8192, P_OFF = Q_OFF + 9 * 72 * 128, SMEM = P_OFF + 72 * 128 + 1024;
+constexpr int A_OFF = 0, Q_OFF = 9 * 8192, P_OFF = Q_OFF + 9 * 72 * 128, BAR_OFF = P_OFF + 72 * 128;
+constexpr int SMEM = BAR_OFF + 16 + 1024;  // + an mbarrier, + the 1024-byte alignment
 template <int N, int NACC, int KS, int TA>
 __device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0) {
   asm volatile("" : "+r"(base));  // descriptors made in the loop, as the kernel's: hoisted, they spill the accumulators
@@ -70,6 +81,29 @@ __device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, 
       const uint32_t b = TA ? base + P_OFF + row0 * 128 + ks * 32 : base + Q_OFF + (ks / 4) * 9216 + row0 * 128 + (ks % 4) * 32;
       Wgmma<N>::template mma<TA>(acc[i], desc(a), desc(b));
     }
+}
+template <int N, int FLAGS>
+__device__ __forceinline__ void qk_blocks(float (&acc)[1][N / 2], uint32_t base, int row0, uint32_t bar) {
+  // as the kernel's loop: a block's barrier, fences, then its 4 products (unrolled: rolled inside a warpgroup's
+  // branch, ptxas serialises these wgmma, C7520, which it does not in the kernel)
+#pragma unroll
+  for (int blk = 0; blk < 9; ++blk) {
+    if (FLAGS & 1) {
+      uint32_t done;
+      do {
+        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar) : "memory");
+      } while (!done);
+    }
+    if (FLAGS & 2) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    uint32_t b = base;
+    asm volatile("" : "+r"(b));
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      Wgmma<N>::template mma<0>(acc[0], desc(b + A_OFF + blk * 8192 + ks * 32),
+                                desc(b + Q_OFF + blk * 9216 + row0 * 128 + ks * 32));
+  }
 }
 __device__ __forceinline__ void fill(uint8_t* smem) {
   for (int i = threadIdx.x; i < (SMEM - 1024) / 2; i += blockDim.x) {
@@ -108,12 +142,14 @@ def program_source(k: int, wgs: list) -> str:
         body = pins
         for i, (n, acc, ks, ta) in enumerate(phases):
             if ta < 0:  # the chain runs while the previous phase's products are in flight, then they are waited for
-                body += f'      for (int i = 0; i < {acc}; ++i) asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f33D6BF95;" : "+f"(x));\n'
+                body += (f"      for (int i = 0; i < {acc}; ++i)\n"
+                         '        asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f33D6BF95;" : "+f"(x));\n')
             else:
                 row0 = 40 * w if 40 * w + n <= 72 else 0  # the query rows' buffer holds 72
                 body += ('      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
-                         f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n"
-                         '      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n')
+                         f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n" if ta < 2 else
+                         f"      qk_blocks<{n}, {ta - 2}>(a{i}, base, {row0}, bar);\n")
+                body += '      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
             if ta >= 0 and not (i + 1 < len(phases) and phases[i + 1][3] < 0) or ta < 0 and i > 0:
                 body += '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n' + pins
         # every accumulator feeds the sink: ptxas drops the products of one whose values are never read
@@ -127,6 +163,11 @@ def program_source(k: int, wgs: list) -> str:
             "  extern __shared__ __align__(1024) uint8_t raw[];\n"
             "  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));\n"
             "  fill(smem);\n  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));\n"
+            "  const uint32_t bar = base + BAR_OFF;\n"
+            "  if (threadIdx.x == 0) {  // an mbarrier whose phase 0 has completed: its waits return at once\n"
+            '    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));\n'
+            '    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");\n'
+            "  }\n  __syncthreads();\n"
             "  const int wg = threadIdx.x / 128;\n" + "".join(branches) + "}\n")
 
 
@@ -161,7 +202,7 @@ def operand_bytes(wgs: list) -> int:
     return sum(acc * ks * (2048 + n * 32) for phases in wgs for n, acc, ks, _ in phases)
 
 
-PROGRAMS = PATTERNS + BESIDE  # one generated binary times both tables
+PROGRAMS = PATTERNS + BESIDE + STRUCTURE  # one generated binary times the three tables
 
 
 def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
@@ -183,6 +224,8 @@ def table(cycles: list[float]) -> list[str]:
         rows.append(f"| {cell} | {len(wgs)} | {c:.0f} | {c / cycles[0]:.2f} | {operand_bytes(wgs) / 1024:.0f} |")
     rows += ["", "| a warpgroup's own work beside its products | cycles |", "| --- | ---: |"]
     rows += [f"| {name} | {c:.0f} |" for (name, _), c in zip(BESIDE, cycles[len(PATTERNS):])]
+    rows += ["", "| QK of a tile, 40 \\| 32 rows, as issued | cycles |", "| --- | ---: |"]
+    rows += [f"| {name} | {c:.0f} |" for (name, _), c in zip(STRUCTURE, cycles[len(PATTERNS) + len(BESIDE):])]
     return rows
 
 

@@ -71,6 +71,18 @@ def test_the_chain_runs_between_the_products_issue_and_their_wait():
     assert "i < 800" in alone and "wgmma" not in alone and "x == 12345.f" in alone
 
 
-def test_the_second_table_names_every_beside_program():
-    rows = bench.table([1000.0] * len(bench.PROGRAMS))
-    assert rows[-len(bench.BESIDE):] == [f"| {name} | 1000 |" for name, _ in bench.BESIDE]
+def test_the_later_tables_name_every_program_in_order():
+    rows = bench.table([float(1000 + k) for k in range(len(bench.PROGRAMS))])
+    later = [r for r in rows[len(bench.PATTERNS) + 2:] if r.startswith("| ") and "---" not in r and "cycles" not in r]
+    names = [name for name, _ in bench.BESIDE + bench.STRUCTURE]
+    first = len(bench.PATTERNS)
+    assert later == [f"| {n} | {1000 + first + k} |" for k, n in enumerate(names)]
+
+
+@pytest.mark.parametrize("wait, fence", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_the_block_loop_asks_for_what_it_names(wait, fence):
+    src = bench.program_source(0, [[bench.QKB(40, wait, fence)], [bench.QKB(32, wait, fence)]])
+    assert f"qk_blocks<40, {wait + 2 * fence}>" in src and f"qk_blocks<32, {wait + 2 * fence}>" in src
+    assert "mbarrier.init" in src  # the barrier the waits read has completed its phase before the loop
+    # the same products as 36 back to back: the table compares the issue, not the work
+    assert bench.operand_bytes([[bench.QKB(40, wait, fence)]]) == bench.operand_bytes([[bench.QK(40)]])
