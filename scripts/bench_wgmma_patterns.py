@@ -146,11 +146,14 @@ def program_source(k: int, wgs: list) -> str:
                          '        asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f33D6BF95;" : "+f"(x));\n')
             else:
                 row0 = 40 * w if 40 * w + n <= 72 else 0  # the query rows' buffer holds 72
-                body += ('      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
-                         f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n" if ta < 2 else
-                         f"      qk_blocks<{n}, {ta - 2}>(a{i}, base, {row0}, bar);\n")
+                if ta < 2:
+                    body += ('      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
+                             f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n")
+                else:  # its own fences, block by block
+                    body += f"      qk_blocks<{n}, {ta - 2}>(a{i}, base, {row0}, bar);\n"
                 body += '      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
-            if ta >= 0 and not (i + 1 < len(phases) and phases[i + 1][3] < 0) or ta < 0 and i > 0:
+            chain_next = i + 1 < len(phases) and phases[i + 1][3] < 0
+            if (ta >= 0 and not chain_next) or (ta < 0 and i > 0):  # products are waited for after any chain
                 body += '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n' + pins
         # every accumulator feeds the sink: ptxas drops the products of one whose values are never read
         sink = " + ".join([f"a{i}[{b}][0]" for i, (_, acc, _, _) in mma for b in range(acc)] + ["x"])
@@ -216,7 +219,7 @@ def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
 
 def table(cycles: list[float]) -> list[str]:
     """The markdown tables: a row per pattern (its name's '|' escaped), cycles against the first pattern's; then
-    the programs of a warpgroup's work beside its products."""
+    the cycles of the programs of a warpgroup's work beside its products, and of QK issued block by block."""
     rows = ["| products of one 64-token tile, 72 rows | warpgroups | cycles | ratio to the kernel's | operand KB |",
             "| --- | ---: | ---: | ---: | ---: |"]
     for (name, wgs), c in zip(PATTERNS, cycles):
