@@ -70,13 +70,13 @@ template <int K> __device__ __forceinline__ void pin(float (&r)[K]) {
 }
 constexpr int A_OFF = 0, Q_OFF = 9 * 8192, P_OFF = Q_OFF + 9 * 72 * 128, BAR_OFF = P_OFF + 72 * 128;
 constexpr int SMEM = BAR_OFF + 16 + 1024;  // + an mbarrier, + the 1024-byte alignment
-template <int N, int NACC, int KS, int TA>
-__device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0) {
+template <int N, int NACC, int KS, int TA>  // k steps k0 .. k0 + KS - 1 (QK's block b: k0 = 4 b)
+__device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0, int k0 = 0) {
   asm volatile("" : "+r"(base));  // descriptors made in the loop, as the kernel's: hoisted, they spill the accumulators
 #pragma unroll
   for (int i = 0; i < NACC; ++i)
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
+    for (int ks = k0; ks < k0 + KS; ++ks) {
       const uint32_t a = TA ? base + A_OFF + (1 + i) * 8192 + ks * 2048 : base + A_OFF + (ks / 4) * 8192 + (ks % 4) * 32;
       const uint32_t b = TA ? base + P_OFF + row0 * 128 + ks * 32 : base + Q_OFF + (ks / 4) * 9216 + row0 * 128 + (ks % 4) * 32;
       Wgmma<N>::template mma<TA>(acc[i], desc(a), desc(b));
@@ -97,12 +97,7 @@ __device__ __forceinline__ void qk_blocks(float (&acc)[1][N / 2], uint32_t base,
     }
     if (FLAGS & 2) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-    uint32_t b = base;
-    asm volatile("" : "+r"(b));
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      Wgmma<N>::template mma<0>(acc[0], desc(b + A_OFF + blk * 8192 + ks * 32),
-                                desc(b + Q_OFF + blk * 9216 + row0 * 128 + ks * 32));
+    phase<N, 1, 4, 0>(acc, base, row0, 4 * blk);
   }
 }
 __device__ __forceinline__ void fill(uint8_t* smem) {
@@ -140,20 +135,20 @@ def program_source(k: int, wgs: list) -> str:
         decl += "    float x = threadIdx.x * 1e-3f;\n"
         pins = "".join(f"      for (auto& v : a{i}) pin(v);\n" for i, _ in mma)
         body = pins
-        for i, (n, acc, ks, ta) in enumerate(phases):
-            if ta < 0:  # the chain runs while the previous phase's products are in flight, then they are waited for
+        for i, (n, acc, ks, kind) in enumerate(phases):
+            if kind < 0:  # the chain runs while the previous phase's products are in flight, then they are waited for
                 body += (f"      for (int i = 0; i < {acc}; ++i)\n"
                          '        asm volatile("fma.rn.f32 %0, %0, 0f3F800347, 0f33D6BF95;" : "+f"(x));\n')
             else:
                 row0 = 40 * w if 40 * w + n <= 72 else 0  # the query rows' buffer holds 72
-                if ta < 2:
+                if kind < 2:  # kind is phase's TA: P.V reads V^T transposed
                     body += ('      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");\n'
-                             f"      phase<{n}, {acc}, {ks}, {ta}>(a{i}, base, {row0});\n")
+                             f"      phase<{n}, {acc}, {ks}, {kind}>(a{i}, base, {row0});\n")
                 else:  # its own fences, block by block
-                    body += f"      qk_blocks<{n}, {ta - 2}>(a{i}, base, {row0}, bar);\n"
+                    body += f"      qk_blocks<{n}, {kind - 2}>(a{i}, base, {row0}, bar);\n"
                 body += '      asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");\n'
             chain_next = i + 1 < len(phases) and phases[i + 1][3] < 0
-            if (ta >= 0 and not chain_next) or (ta < 0 and i > 0):  # products are waited for after any chain
+            if (kind >= 0 and not chain_next) or (kind < 0 and i > 0):  # products are waited for after any chain
                 body += '      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");\n' + pins
         # every accumulator feeds the sink: ptxas drops the products of one whose values are never read
         sink = " + ".join([f"a{i}[{b}][0]" for i, (_, acc, _, _) in mma for b in range(acc)] + ["x"])
