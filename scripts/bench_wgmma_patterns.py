@@ -11,12 +11,16 @@ Output: a markdown table on stdout: cycles per tile (the slowest warpgroup, mean
     its QK products are in flight, with one warpgroup and with two sharing the tensor pipe. A third
     times QK issued as the kernel's loop does, a 64-value block at a time with a wgmma fence, an
     mbarrier wait (on a completed barrier) and a proxy fence before each block, against 36 products
-    back to back.
+    back to back. A fourth times whole tiles of the consumer loop in three schedules, the softmax stood
+    in for by a dependent FMA chain that reads the scores and P^T stored as the kernel stores it: the
+    kernel's, in turns at the tensor pipe, and the tiles shared out between the warpgroups (each QK and
+    softmax of every other tile for all 72 rows, P.V of every tile for half the values, P^T handed over
+    on mbarriers); each against the kernel's at the same stand-in.
 
 Every program runs on one CTA per SM with its operands in shared memory (wgmma m64nNk16, bf16, fp32
-accumulators, the kernel's 128-byte swizzled layouts), its warpgroups free-running (no barriers
-between them): what a tile costs the tensor pipe, without the softmax, the waits and the loads that
-the kernel adds (docs/verify-kernel.md, "Where the time goes").
+accumulators, the kernel's 128-byte swizzled layouts); in the first three tables its warpgroups run
+free (no barriers between them): what a tile costs the tensor pipe, without the softmax, the waits
+and the loads that the kernel adds (docs/verify-kernel.md, "Where the time goes").
 
     python3 scripts/bench_wgmma_patterns.py          # needs nvcc and an sm_90 GPU
 """
@@ -55,14 +59,30 @@ STRUCTURE = [(what, [[prog(40)], [prog(32)]]) for what, prog in [
     ("9 blocks, a wgmma fence and a barrier wait each", lambda n: QKB(n, 1, 0)),
     ("9 blocks, a wgmma fence and a proxy fence each", lambda n: QKB(n, 0, 1)),
     ("9 blocks, all three each (the kernel's loop)", lambda n: QKB(n, 1, 1))]]
+# Whole tiles of the consumer loop without loads, the softmax stood in for by a dependent chain of C FMAs per 8 rows
+# (SCHEDULE_SOURCE): (name, kernel, tiles a warpgroup's repetition covers, C).
+SCHEDULE_KINDS = [
+    ("the kernel's: own rows 40 | 32; QK, softmax, P.V over 8 blocks", "sched_own<{c}, false>", 1),
+    ("in turns: own rows; P.V(t - 1) and QK(t) in a warpgroup's turn", "sched_own<{c}, true>", 1),
+    ("tiles shared: QK and softmax of every other tile at 72 rows; P.V over 4 blocks", "sched_shared<{c}>", 2)]
+SCHEDULES = [(what, kernel.format(c=c), tiles, c) for c in (0, 40, 80) for what, kernel, tiles in SCHEDULE_KINDS]
 
 PRELUDE = r"""
 #include <cstdio>
 #include <cstdint>
+#include <type_traits>
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 template <int N> struct Wgmma;
 __device__ __forceinline__ uint64_t desc(uint32_t addr) {  // 128-byte swizzle, 8-row groups 1024 B apart
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
 }
 template <int K> __device__ __forceinline__ void pin(float (&r)[K]) {
 #pragma unroll
@@ -70,15 +90,17 @@ template <int K> __device__ __forceinline__ void pin(float (&r)[K]) {
 }
 constexpr int A_OFF = 0, Q_OFF = 9 * 8192, P_OFF = Q_OFF + 9 * 72 * 128, BAR_OFF = P_OFF + 72 * 128;
 constexpr int SMEM = BAR_OFF + 16 + 1024;  // + an mbarrier, + the 1024-byte alignment
-template <int N, int NACC, int KS, int TA>  // k steps k0 .. k0 + KS - 1 (QK's block b: k0 = 4 b)
-__device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0, int k0 = 0) {
+// k steps k0 .. k0 + KS - 1 (QK's block b: k0 = 4 b); P.V reads V blocks v0 + 1 .. v0 + NACC and P^T at p_off
+template <int N, int NACC, int KS, int TA>
+__device__ __forceinline__ void phase(float (&acc)[NACC][N / 2], uint32_t base, int row0, int k0 = 0, int v0 = 0,
+                                      int p_off = P_OFF) {
   asm volatile("" : "+r"(base));  // descriptors made in the loop, as the kernel's: hoisted, they spill the accumulators
 #pragma unroll
   for (int i = 0; i < NACC; ++i)
 #pragma unroll
     for (int ks = k0; ks < k0 + KS; ++ks) {
-      const uint32_t a = TA ? base + A_OFF + (1 + i) * 8192 + ks * 2048 : base + A_OFF + (ks / 4) * 8192 + (ks % 4) * 32;
-      const uint32_t b = TA ? base + P_OFF + row0 * 128 + ks * 32 : base + Q_OFF + (ks / 4) * 9216 + row0 * 128 + (ks % 4) * 32;
+      const uint32_t a = TA ? base + A_OFF + (1 + v0 + i) * 8192 + ks * 2048 : base + A_OFF + (ks / 4) * 8192 + (ks % 4) * 32;
+      const uint32_t b = TA ? base + p_off + row0 * 128 + ks * 32 : base + Q_OFF + (ks / 4) * 9216 + row0 * 128 + (ks % 4) * 32;
       Wgmma<N>::template mma<TA>(acc[i], desc(a), desc(b));
     }
 }
@@ -88,13 +110,7 @@ __device__ __forceinline__ void qk_blocks(float (&acc)[1][N / 2], uint32_t base,
   // branch, ptxas serialises these wgmma, C7520, which it does not in the kernel)
 #pragma unroll
   for (int blk = 0; blk < 9; ++blk) {
-    if (FLAGS & 1) {
-      uint32_t done;
-      do {
-        asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0;\n"
-                     "selp.u32 %0, 1, 0, p;\n}\n" : "=r"(done) : "r"(bar) : "memory");
-      } while (!done);
-    }
+    if (FLAGS & 1) mbar_wait(bar, 0);
     if (FLAGS & 2) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     phase<N, 1, 4, 0>(acc, base, row0, 4 * blk);
@@ -107,6 +123,140 @@ __device__ __forceinline__ void fill(uint8_t* smem) {
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
+}
+"""
+
+SCHEDULE_SOURCE = r"""
+constexpr int P2_OFF = BAR_OFF + 1024;      // a second P^T buffer (72 rows x 128 B)
+constexpr int HANDOFF = P2_OFF + 72 * 128;  // the shared schedule's mbarriers: P^T of tile t written, by t & 1
+constexpr int SCHED_SMEM = HANDOFF + 16 + 1024;
+#define FENCE() asm volatile("wgmma.fence.sync.aligned;" ::: "memory")
+#define COMMIT() asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory")
+#define WAIT(n) asm volatile("wgmma.wait_group.sync.aligned " #n ";" ::: "memory")
+__device__ __forceinline__ uint32_t trans_addr(uint32_t rows_base) {  // the kernel's stmatrix address of a lane
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, k = lane & 7, h = (lane >> 3) & 1;
+  return rows_base + k * 128 + ((((2 * warp + h) ^ k) & 7) << 4);
+}
+// The softmax's stand-in: a dependent FMA chain of C steps per 8 rows through the scores, P^T stored by stmatrix
+// as the kernel does, a proxy fence and the warpgroup's barrier (the kernel's barrier C).
+template <int N, int C>
+__device__ __forceinline__ void softmax(float (&s)[N / 2], uint32_t pt, int bar_id) {
+  float x = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+    for (int k = 0; k < C; ++k) x = fmaf(x, 0.999f, s[4 * j + (k & 3)]);
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(s[4 * j] + x, s[4 * j + 1]);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(s[4 * j + 2], s[4 * j + 3]);
+    asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(pt + j * 1024),
+                 "r"(*reinterpret_cast<uint32_t*>(&lo)), "r"(*reinterpret_cast<uint32_t*>(&hi)) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
+}
+__device__ __forceinline__ uint32_t sched_smem(uint8_t* raw) {
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  fill(smem);
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+}
+// Each warpgroup its own rows (40 | 32), as the kernel: QK, softmax, P.V over the 8 latent blocks; or (TURNS) in
+// turns at the tensor pipe, FlashAttention-3's ping-pong: P.V(t - 1) and QK(t) issued in the warpgroup's turn (named
+// barriers 3 + w), the turn handed over, then softmax(t) while the other's products run.
+template <int C, bool TURNS>
+__global__ void __launch_bounds__(256, 1) sched_own(int reps, long long* cyc, float* sink) {
+  extern __shared__ __align__(1024) uint8_t raw[];
+  const uint32_t base = sched_smem(raw);
+  const int wg = threadIdx.x / 128;
+  auto run = [&](auto n_tag) {
+    constexpr int N = decltype(n_tag)::value;
+    const int row0 = wg ? 40 : 0;
+    float s[1][N / 2] = {}, o[8][N / 2] = {};
+    const uint32_t pt = trans_addr(base + P_OFF + row0 * 128);
+    if (TURNS && wg == 1) asm volatile("bar.arrive 3, 256;" ::: "memory");  // warpgroup 0 takes the first turn
+    const long long t0 = clock64();
+    for (int r = 0; r < reps; ++r) {
+      pin(s[0]);
+      for (auto& v : o) pin(v);
+      if (TURNS) {
+        asm volatile("bar.sync %0, 256;" ::"r"(3 + wg) : "memory");
+        FENCE();
+        phase<N, 8, 4, 1>(o, base, row0);
+        phase<N, 1, 36, 0>(s, base, row0);
+        COMMIT();
+        asm volatile("bar.arrive %0, 256;" ::"r"(4 - wg) : "memory");
+        WAIT(0);
+        pin(s[0]);
+        for (auto& v : o) pin(v);
+        softmax<N, C>(s[0], pt, 1 + wg);
+      } else {
+        FENCE();
+        phase<N, 1, 36, 0>(s, base, row0);
+        COMMIT();
+        WAIT(0);
+        pin(s[0]);
+        softmax<N, C>(s[0], pt, 1 + wg);
+        FENCE();
+        phase<N, 8, 4, 1>(o, base, row0);
+        COMMIT();
+        WAIT(0);
+      }
+    }
+    for (auto& v : o) pin(v);
+    const long long t1 = clock64();
+    if (TURNS && wg == 0) asm volatile("bar.sync 3, 256;" ::: "memory");  // the last hand-over: no arrival left
+    if ((threadIdx.x & 127) == 0) cyc[blockIdx.x * 4 + wg] = t1 - t0;
+    float acc = s[0][0];
+    for (int d = 0; d < 8; ++d) acc += o[d][0] + o[d][N / 2 - 1];
+    if (acc == 12345.f) sink[threadIdx.x] = 1.f;
+  };
+  if (wg == 0) run(std::integral_constant<int, 40>{});
+  else run(std::integral_constant<int, 32>{});
+}
+// Tiles shared out: warpgroup w computes QK (N = 72) and the softmax of tiles t = w, w + 2, ..., and P.V of every
+// tile over its 4 latent blocks (4 w + 1 .. 4 w + 4) at N = 72. Tile t's P^T (buffer t & 1) is handed over on an
+// mbarrier; softmax(t) waits for softmax(t - 1), as the reference maxima would, which also frees buffer t & 1
+// (the other warpgroup waited for its P.V(t - 2) before softmax(t - 1)). After softmax(t) a warpgroup issues
+// P.V(t - 1), P.V(t) and QK(t + 2) together (with no branch among them: at t = 0 a spare P.V, at the end a spare QK).
+template <int C>
+__global__ void __launch_bounds__(256, 1) sched_shared(int reps, long long* cyc, float* sink) {
+  extern __shared__ __align__(1024) uint8_t raw[];
+  const uint32_t base = sched_smem(raw);
+  if (threadIdx.x < 2) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(base + HANDOFF + 8 * threadIdx.x));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
+  float s[1][36] = {}, o[4][36] = {};
+  auto p_off = [](int t) { return (t & 1) ? P2_OFF : P_OFF; };
+  pin(s[0]);
+  for (auto& v : o) pin(v);
+  const long long t0 = clock64();
+  int t = wg;
+  FENCE();
+  phase<72, 1, 36, 0>(s, base, 0);
+  COMMIT();
+  for (int k = 0; k < reps; ++k, t += 2) {
+    WAIT(0);
+    pin(s[0]);
+    for (auto& v : o) pin(v);
+    if (t >= 1) mbar_wait(base + HANDOFF + 8 * ((t - 1) & 1), ((t - 1) >> 1) & 1);
+    softmax<72, C>(s[0], trans_addr(base + p_off(t)), 1 + wg);
+    if ((threadIdx.x & 127) == 0)
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(base + HANDOFF + 8 * (t & 1)) : "memory");
+    FENCE();
+    phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t + 1));
+    phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t));
+    phase<72, 1, 36, 0>(s, base, 0);
+    COMMIT();
+  }
+  WAIT(0);
+  for (auto& v : o) pin(v);
+  const long long t1 = clock64();
+  if ((threadIdx.x & 127) == 0) cyc[blockIdx.x * 4 + wg] = t1 - t0;
+  float acc = s[0][0];
+  for (int d = 0; d < 4; ++d) acc += o[d][0] + o[d][35];
+  if (acc == 12345.f) sink[threadIdx.x] = 1.f;
 }
 """
 
@@ -170,13 +320,13 @@ def program_source(k: int, wgs: list) -> str:
 
 
 MAIN = r"""
-template <class K> double run(K kernel, int wgs, int sms) {
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
+template <class K> double run(K kernel, int wgs, int sms, int smem = SMEM, int tiles = 1) {  // cycles per tile
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   long long* cyc; float* sink;
   cudaMalloc(&cyc, sms * 4 * sizeof(long long)); cudaMalloc(&sink, 4096);
   const int reps = 400;
-  kernel<<<sms, 128 * wgs, SMEM>>>(10, cyc, sink);
-  kernel<<<sms, 128 * wgs, SMEM>>>(reps, cyc, sink);
+  kernel<<<sms, 128 * wgs, smem>>>(10, cyc, sink);
+  kernel<<<sms, 128 * wgs, smem>>>(reps, cyc, sink);
   if (cudaDeviceSynchronize() != cudaSuccess) { std::printf("error %s\n", cudaGetErrorString(cudaGetLastError())); return -1; }
   long long h[4 * 1024];
   cudaMemcpy(h, cyc, sms * 4 * sizeof(long long), cudaMemcpyDeviceToHost);
@@ -184,7 +334,7 @@ template <class K> double run(K kernel, int wgs, int sms) {
   for (int w = 0; w < wgs; ++w) {
     double s = 0;
     for (int b = 0; b < sms; ++b) s += h[b * 4 + w];
-    if (s / sms / reps > worst) worst = s / sms / reps;
+    if (s / sms / reps / tiles > worst) worst = s / sms / reps / tiles;
   }
   cudaFree(cyc); cudaFree(sink);
   return worst;
@@ -204,17 +354,18 @@ PROGRAMS = PATTERNS + BESIDE + STRUCTURE  # one generated binary times the three
 
 
 def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
-    """One positive cycle count per program from the binary's output, else None (a failed run)."""
+    """One positive cycle count per program and schedule from the binary's output, else None (a failed run)."""
     try:
         cycles = [float(v) for v in stdout.split()] if returncode == 0 else []
     except ValueError:  # the program printed a CUDA error
         return None
-    return cycles if len(cycles) == len(PROGRAMS) and min(cycles) > 0 else None
+    return cycles if len(cycles) == len(PROGRAMS) + len(SCHEDULES) and min(cycles) > 0 else None
 
 
 def table(cycles: list[float]) -> list[str]:
     """The markdown tables: a row per pattern (its name's '|' escaped), cycles against the first pattern's; then
-    the cycles of the programs of a warpgroup's work beside its products, and of QK issued block by block."""
+    the cycles of the programs of a warpgroup's work beside its products, of QK issued block by block, and of
+    whole tiles in each schedule against the kernel's at the same softmax stand-in."""
     rows = ["| products of one 64-token tile, 72 rows | warpgroups | cycles | ratio to the kernel's | operand KB |",
             "| --- | ---: | ---: | ---: | ---: |"]
     for (name, wgs), c in zip(PATTERNS, cycles):
@@ -224,6 +375,12 @@ def table(cycles: list[float]) -> list[str]:
     rows += [f"| {name} | {c:.0f} |" for (name, _), c in zip(BESIDE, cycles[len(PATTERNS):])]
     rows += ["", "| QK of a tile, 40 \\| 32 rows, as issued | cycles |", "| --- | ---: |"]
     rows += [f"| {name} | {c:.0f} |" for (name, _), c in zip(STRUCTURE, cycles[len(PATTERNS) + len(BESIDE):])]
+    rows += ["", "| schedule of a tile, no loads | FMAs per 8 rows | cycles per tile | ratio to the kernel's |",
+             "| --- | ---: | ---: | ---: |"]
+    timed = cycles[len(PROGRAMS):]
+    for k, ((name, _, _, c), cyc) in enumerate(zip(SCHEDULES, timed)):
+        kernel_cyc = timed[k - k % len(SCHEDULE_KINDS)]  # the kernel's schedule at the same stand-in
+        rows.append(f"| {name.replace('|', chr(92) + '|')} | {c} | {cyc:.0f} | {cyc / kernel_cyc:.2f} |")
     return rows
 
 
@@ -236,9 +393,11 @@ def main() -> int:
         return 2
     sizes = sorted({n for _, wgs in PROGRAMS for phases in wgs for n, *_ in phases if n})
     src = PRELUDE + "".join(wgmma_specialisation(n) for n in sizes)
-    src += "".join(program_source(k, wgs) for k, (_, wgs) in enumerate(PROGRAMS))
+    src += "".join(program_source(k, wgs) for k, (_, wgs) in enumerate(PROGRAMS)) + SCHEDULE_SOURCE
     src += MAIN + "".join(f'  std::printf("%.1f\\n", run(k{k}, {len(wgs)}, sms));\n'
-                          for k, (_, wgs) in enumerate(PROGRAMS)) + "  return 0;\n}\n"
+                          for k, (_, wgs) in enumerate(PROGRAMS))
+    src += "".join(f'  std::printf("%.1f\\n", run({kernel}, 2, sms, SCHED_SMEM, {tiles}));\n'
+                   for _, kernel, tiles, _ in SCHEDULES) + "  return 0;\n}\n"
     with tempfile.TemporaryDirectory() as tmp:
         cu, exe = Path(tmp) / "patterns.cu", Path(tmp) / "patterns"
         cu.write_text(src)

@@ -47,8 +47,9 @@ def test_no_nvcc_is_one_line_and_exit_2(monkeypatch, capsys):
 
 
 def test_a_failed_run_is_told_apart_from_figures():
-    good = "\n".join(f"{1000 + k:.1f}" for k in range(len(bench.PROGRAMS)))
-    assert bench.parse_cycles(good, 0) == [1000.0 + k for k in range(len(bench.PROGRAMS))]
+    count = len(bench.PROGRAMS) + len(bench.SCHEDULES)  # a figure per program and per schedule
+    good = "\n".join(f"{1000 + k:.1f}" for k in range(count))
+    assert bench.parse_cycles(good, 0) == [1000.0 + k for k in range(count)]
     assert bench.parse_cycles(good, 1) is None
     assert bench.parse_cycles("1000.0\nerror an illegal memory access was encountered", 0) is None
     assert bench.parse_cycles(good.replace("1000.0", "-1.0"), 0) is None
@@ -57,7 +58,8 @@ def test_a_failed_run_is_told_apart_from_figures():
 
 def test_every_table_row_has_five_cells():
     # pattern names hold '|' (40 | 32 rows): unescaped, the row would split into more cells
-    rows = bench.table([3400.0 - k for k in range(len(bench.PROGRAMS))])[:len(bench.PATTERNS) + 2]
+    figures = [3400.0 - k for k in range(len(bench.PROGRAMS) + len(bench.SCHEDULES))]
+    rows = bench.table(figures)[:len(bench.PATTERNS) + 2]
     cells = [len(re.split(r"(?<!\\)\|", r.strip("|"))) for r in rows]
     assert cells == [5] * len(rows)
     assert rows[2].split(" | ")[3] == "1.00"
@@ -72,8 +74,9 @@ def test_the_chain_runs_between_the_products_issue_and_their_wait():
 
 
 def test_the_later_tables_name_every_program_in_order():
-    rows = bench.table([float(1000 + k) for k in range(len(bench.PROGRAMS))])
+    rows = bench.table([float(1000 + k) for k in range(len(bench.PROGRAMS) + len(bench.SCHEDULES))])
     later = [r for r in rows[len(bench.PATTERNS) + 2:] if r.startswith("| ") and "---" not in r and "cycles" not in r]
+    later = later[:len(bench.BESIDE) + len(bench.STRUCTURE)]
     names = [name for name, _ in bench.BESIDE + bench.STRUCTURE]
     first = len(bench.PATTERNS)
     assert later == [f"| {n} | {1000 + first + k} |" for k, n in enumerate(names)]
@@ -86,3 +89,25 @@ def test_the_block_loop_asks_for_what_it_names(wait, fence):
     assert "mbarrier.init" in src  # the barrier the waits read has completed its phase before the loop
     # the same products as 36 back to back: the table compares the issue, not the work
     assert bench.operand_bytes([[bench.QKB(40, wait, fence)]]) == bench.operand_bytes([[bench.QK(40)]])
+
+
+def test_each_schedule_is_compared_with_the_kernels_at_its_own_stand_in():
+    kinds = len(bench.SCHEDULE_KINDS)
+    # the kernel's schedule 1000 + 100 c at every stand-in c, the others 10 and 20 cycles fewer
+    timed = [1000.0 + 100 * c - 10 * (k % kinds) for k, (_, _, _, c) in enumerate(bench.SCHEDULES)]
+    rows = bench.table([1.0] * len(bench.PROGRAMS) + timed)[-len(bench.SCHEDULES):]
+    cells = [re.split(r"(?<!\\)\|", r.strip("|")) for r in rows]
+    assert all(len(c) == 4 for c in cells)  # the names' '|' escaped
+    for (name, _, _, c), row, cyc in zip(bench.SCHEDULES, cells, timed):
+        kernel = 1000.0 + 100 * c
+        assert int(row[1]) == c and float(row[2]) == round(cyc) and row[3].strip() == f"{cyc / kernel:.2f}"
+    assert [r[3].strip() for r in cells[::kinds]] == ["1.00"] * (len(bench.SCHEDULES) // kinds)
+
+
+def test_the_schedules_are_timed_per_tile():
+    # the shared schedule covers two tiles a repetition (one per warpgroup); its P.V reads a warpgroup's own 4 blocks
+    shared = [s for s in bench.SCHEDULES if s[1].startswith("sched_shared")]
+    assert shared and all(tiles == 2 for _, _, tiles, _ in shared)
+    assert all(tiles == 1 for _, kernel, tiles, _ in bench.SCHEDULES if kernel.startswith("sched_own"))
+    assert "phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg," in bench.SCHEDULE_SOURCE
+    assert "s / sms / reps / tiles" in bench.MAIN
