@@ -350,7 +350,7 @@ def operand_bytes(wgs: list) -> int:
     return sum(acc * ks * (2048 + n * 32) for phases in wgs for n, acc, ks, _ in phases)
 
 
-PROGRAMS = PATTERNS + BESIDE + STRUCTURE  # one generated binary times the three tables
+PROGRAMS = PATTERNS + BESIDE + STRUCTURE  # one generated binary times these three tables and the schedules
 
 
 def parse_cycles(stdout: str, returncode: int) -> list[float] | None:
@@ -380,7 +380,8 @@ def table(cycles: list[float]) -> list[str]:
     timed = cycles[len(PROGRAMS):]
     for k, ((name, _, _, c), cyc) in enumerate(zip(SCHEDULES, timed)):
         kernel_cyc = timed[k - k % len(SCHEDULE_KINDS)]  # the kernel's schedule at the same stand-in
-        rows.append(f"| {name.replace('|', chr(92) + '|')} | {c} | {cyc:.0f} | {cyc / kernel_cyc:.2f} |")
+        cell = name.replace("|", r"\|")
+        rows.append(f"| {cell} | {c} | {cyc:.0f} | {cyc / kernel_cyc:.2f} |")
     return rows
 
 
