@@ -15,7 +15,8 @@ Output: a markdown table on stdout: cycles per tile (the slowest warpgroup, mean
     in for by a dependent FMA chain that reads the scores and P^T stored as the kernel stores it: the
     kernel's, in turns at the tensor pipe, and the tiles shared out between the warpgroups (each QK and
     softmax of every other tile for all 72 rows, P.V of every tile for half the values, P^T handed over
-    on mbarriers); each against the kernel's at the same stand-in.
+    on mbarriers; in two loop orders, the second the one an 18-block ring allows); each against the
+    kernel's at the same stand-in.
 
 Every program runs on one CTA per SM with its operands in shared memory (wgmma m64nNk16, bf16, fp32
 accumulators, the kernel's 128-byte swizzled layouts); in the first three tables its warpgroups run
@@ -64,7 +65,8 @@ STRUCTURE = [(what, [[prog(40)], [prog(32)]]) for what, prog in [
 SCHEDULE_KINDS = [
     ("the kernel's: own rows 40 | 32; QK, softmax, P.V over 8 blocks", "sched_own<{c}, false>", 1),
     ("in turns: own rows; P.V(t - 1) and QK(t) in a warpgroup's turn", "sched_own<{c}, true>", 1),
-    ("tiles shared: QK and softmax of every other tile at 72 rows; P.V over 4 blocks", "sched_shared<{c}>", 2)]
+    ("tiles shared: QK and softmax of every other tile at 72 rows; P.V over 4 blocks", "sched_shared<{c}, false>", 2),
+    ("tiles shared, in the order an 18-block ring allows", "sched_shared<{c}, true>", 2)]
 SCHEDULES = [(what, kernel.format(c=c), tiles, c) for c in (0, 40, 80) for what, kernel, tiles in SCHEDULE_KINDS]
 
 PRELUDE = r"""
@@ -216,10 +218,15 @@ __global__ void __launch_bounds__(256, 1) sched_own(int reps, long long* cyc, fl
 }
 // Tiles shared out: warpgroup w computes QK (N = 72) and the softmax of tiles t = w, w + 2, ..., and P.V of every
 // tile over its 4 latent blocks (4 w + 1 .. 4 w + 4) at N = 72. Tile t's P^T (buffer t & 1) is handed over on an
-// mbarrier; softmax(t) waits for softmax(t - 1), as the reference maxima would, which also frees buffer t & 1
-// (the other warpgroup waited for its P.V(t - 2) before softmax(t - 1)). After softmax(t) a warpgroup issues
-// P.V(t - 1), P.V(t) and QK(t + 2) together (with no branch among them: at t = 0 a spare P.V, at the end a spare QK).
-template <int C>
+// mbarrier; softmax(t) waits for softmax(t - 1), as the reference maxima would. No branch among the products: at
+// t = 0 a spare P.V(t - 1), and (!IN_ORDER) at the end a spare QK.
+// !IN_ORDER: after softmax(t), P.V(t - 1), P.V(t) and QK(t + 2) issued together; the other warpgroup waited for its
+//   P.V(t - 2) before softmax(t - 1), so buffer t & 1 is free. (A ring would have to hold tiles t to t + 2.)
+// IN_ORDER, the loop an 18-block ring allows: QK(t); P.V(t - 1) as soon as P^T(t - 1) is handed over; softmax(t)
+//   while P.V(t - 1) runs; P.V(t - 1) waited for before P^T(t) is handed over; P.V(t) issued and waited for (its
+//   half of tile t freed before QK(t + 2)). QK(t) is issued in the iteration that reads its scores: read one
+//   iteration later, with a group in flight, ptxas issues every wgmma one at a time (C7514).
+template <int C, bool IN_ORDER>
 __global__ void __launch_bounds__(256, 1) sched_shared(int reps, long long* cyc, float* sink) {
   extern __shared__ __align__(1024) uint8_t raw[];
   const uint32_t base = sched_smem(raw);
@@ -229,26 +236,55 @@ __global__ void __launch_bounds__(256, 1) sched_shared(int reps, long long* cyc,
   const int wg = threadIdx.x / 128;
   float s[1][36] = {}, o[4][36] = {};
   auto p_off = [](int t) { return (t & 1) ? P2_OFF : P_OFF; };
+  auto hand_over = [&](int t) {
+    if ((threadIdx.x & 127) == 0)
+      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(base + HANDOFF + 8 * (t & 1)) : "memory");
+  };
+  auto wait_for_handoff = [&](int t) {  // of P^T(t - 1)
+    if (t >= 1) mbar_wait(base + HANDOFF + 8 * ((t - 1) & 1), ((t - 1) >> 1) & 1);
+  };
   pin(s[0]);
   for (auto& v : o) pin(v);
   const long long t0 = clock64();
   int t = wg;
-  FENCE();
-  phase<72, 1, 36, 0>(s, base, 0);
-  COMMIT();
-  for (int k = 0; k < reps; ++k, t += 2) {
-    WAIT(0);
-    pin(s[0]);
-    for (auto& v : o) pin(v);
-    if (t >= 1) mbar_wait(base + HANDOFF + 8 * ((t - 1) & 1), ((t - 1) >> 1) & 1);
-    softmax<72, C>(s[0], trans_addr(base + p_off(t)), 1 + wg);
-    if ((threadIdx.x & 127) == 0)
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(base + HANDOFF + 8 * (t & 1)) : "memory");
+  if (!IN_ORDER) {
     FENCE();
-    phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t + 1));
-    phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t));
     phase<72, 1, 36, 0>(s, base, 0);
     COMMIT();
+  }
+  for (int k = 0; k < reps; ++k, t += 2) {
+    if (IN_ORDER) {
+      FENCE();
+      phase<72, 1, 36, 0>(s, base, 0);
+      COMMIT();
+      wait_for_handoff(t);
+      FENCE();
+      phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t + 1));
+      COMMIT();
+      WAIT(1);
+      pin(s[0]);
+      softmax<72, C>(s[0], trans_addr(base + p_off(t)), 1 + wg);
+      WAIT(0);
+      for (auto& v : o) pin(v);
+      hand_over(t);
+      FENCE();
+      phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t));
+      COMMIT();
+      WAIT(0);
+      for (auto& v : o) pin(v);
+    } else {
+      WAIT(0);
+      pin(s[0]);
+      for (auto& v : o) pin(v);
+      wait_for_handoff(t);
+      softmax<72, C>(s[0], trans_addr(base + p_off(t)), 1 + wg);
+      hand_over(t);
+      FENCE();
+      phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t + 1));
+      phase<72, 4, 4, 1>(o, base, 0, 0, 4 * wg, p_off(t));
+      phase<72, 1, 36, 0>(s, base, 0);
+      COMMIT();
+    }
   }
   WAIT(0);
   for (auto& v : o) pin(v);
