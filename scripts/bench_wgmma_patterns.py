@@ -126,6 +126,11 @@ __device__ __forceinline__ void fill(uint8_t* smem) {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
 }
+__device__ __forceinline__ uint32_t operands(uint8_t* raw) {  // the operands, 1024-byte aligned and filled: their address
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
+  fill(smem);
+  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+}
 """
 
 SCHEDULE_SOURCE = r"""
@@ -158,18 +163,13 @@ __device__ __forceinline__ void softmax(float (&s)[N / 2], uint32_t pt, int bar_
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync %0, 128;" ::"r"(bar_id) : "memory");
 }
-__device__ __forceinline__ uint32_t sched_smem(uint8_t* raw) {
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));
-  fill(smem);
-  return static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-}
 // Each warpgroup its own rows (40 | 32), as the kernel: QK, softmax, P.V over the 8 latent blocks; or (TURNS) in
 // turns at the tensor pipe, FlashAttention-3's ping-pong: P.V(t - 1) and QK(t) issued in the warpgroup's turn (named
 // barriers 3 + w), the turn handed over, then softmax(t) while the other's products run.
 template <int C, bool TURNS>
 __global__ void __launch_bounds__(256, 1) sched_own(int reps, long long* cyc, float* sink) {
   extern __shared__ __align__(1024) uint8_t raw[];
-  const uint32_t base = sched_smem(raw);
+  const uint32_t base = operands(raw);
   const int wg = threadIdx.x / 128;
   auto run = [&](auto n_tag) {
     constexpr int N = decltype(n_tag)::value;
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(256, 1) sched_own(int reps, long long* cyc, fl
 template <int C, bool IN_ORDER>
 __global__ void __launch_bounds__(256, 1) sched_shared(int reps, long long* cyc, float* sink) {
   extern __shared__ __align__(1024) uint8_t raw[];
-  const uint32_t base = sched_smem(raw);
+  const uint32_t base = operands(raw);
   if (threadIdx.x < 2) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(base + HANDOFF + 8 * threadIdx.x));
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   __syncthreads();
@@ -345,8 +345,7 @@ def program_source(k: int, wgs: list) -> str:
                         f"    if ({sink} == 12345.f) sink[threadIdx.x] = 1.f;\n  }}\n")
     return (f"__global__ void __launch_bounds__({128 * len(wgs)}, 1) k{k}(int reps, long long* cyc, float* sink) {{\n"
             "  extern __shared__ __align__(1024) uint8_t raw[];\n"
-            "  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t(1023));\n"
-            "  fill(smem);\n  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));\n"
+            "  const uint32_t base = operands(raw);\n"
             "  const uint32_t bar = base + BAR_OFF;\n"
             "  if (threadIdx.x == 0) {  // an mbarrier whose phase 0 has completed: its waits return at once\n"
             '    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));\n'
