@@ -441,7 +441,8 @@ def main() -> None:
 SM90_SWEEP = [Sm90Config(pdl=False), Sm90Config(min_tiles=2), Sm90Config(min_tiles=4),
               Sm90Config(evict_first=False), Sm90Config(combine_slices=1),
               Sm90Config(combine_slices=2), Sm90Config(combine_slices=4),
-              Sm90Config(short_batches=False), Sm90Config(tma_runs=False)]
+              Sm90Config(short_batches=False), Sm90Config(tma_runs=False),
+              Sm90Config(shared_tiles=True)]
 
 
 COMPOSED_SWEEP = [MergeConfig(chunks=0), MergeConfig(chunk_num_warps=4),
@@ -475,7 +476,7 @@ def merge_tag(cfg: MergeConfig) -> str:
 
 def sm90_tag(cfg: Sm90Config) -> str:
     return (f"mt{cfg.min_tiles} pdl{int(cfg.pdl)} ef{int(cfg.evict_first)} cs{cfg.combine_slices}"
-            f" sb{int(cfg.short_batches)} tma{int(cfg.tma_runs)}")
+            f" sb{int(cfg.short_batches)} tma{int(cfg.tma_runs)} sh{int(cfg.shared_tiles)}")
 
 
 RAGGED_5 = [1500, 9000, 31000, 77000, 120000]

@@ -55,12 +55,18 @@ constexpr int BOUNDARY_TILES = 3;
 constexpr int CONSUMER0_REGS = 240;
 constexpr int CONSUMER1_REGS = 216;
 constexpr int PRODUCER_REGS = 48;
+// Shared tiles (consume_shared, SplitParams.shared_tiles): the 72-row variant outside the short layout
+// alternates its tiles between the consumer warpgroups, each holding half of O^T for all 72 rows. At
+// 224 registers each ptxas spilled 148 bytes of their loop (running sums), at 232 60 bytes.
+constexpr int SHARED_REGS = 232;
+constexpr int SHARED_PRODUCER_REGS = 40;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
 // exponentials up to 2^RESCALE_GAP stay far inside bf16's and fp32's range.
 constexpr float RESCALE_GAP = 8.f;
 // setmaxnreg only moves registers within the CTA (launched with 384 x 168): what the two
 // consumer warpgroups take must not exceed what the producer gives back, or they wait forever.
 static_assert(CONSUMER0_REGS + CONSUMER1_REGS - 2 * 168 <= 168 - PRODUCER_REGS, "register budget");
+static_assert(2 * SHARED_REGS - 2 * 168 <= 168 - SHARED_PRODUCER_REGS, "register budget");
 
 struct SplitParams {
   const __nv_bfloat16* q;     // [T, H, 576]
@@ -80,6 +86,7 @@ struct SplitParams {
   float scale_log2;           // softmax scale * log2(e)
   int short_blocks;           // row blocks of SHORT_ROWS for a short batch (0: never; see Layout)
   int tma_runs;               // copy runs of RUN_TOKENS consecutive slot ids by TMA (1) or always gather (0)
+  int shared_tiles;           // the 72-row variant outside the short layout runs consume_shared (1)
   long long kv_rows;          // slots in the pool (the TMA map's extent)
 };
 
@@ -195,6 +202,18 @@ __device__ __forceinline__ void fence_async_shared() {
 
 __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+
+// A named barrier that also tells every thread whether `pred` held for any of them.
+__device__ __forceinline__ bool named_barrier_any(int id, int count, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.cta.red.or.pred q, %2, %3, p;\n"
+      "selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(count)
+      : "memory");
+  return any != 0;
 }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -325,6 +344,12 @@ struct Segment {
 // the rope block (8) first, so the QK products can start before the latent blocks land.
 __device__ __forceinline__ int block_column(int blk) { return blk == 0 ? 8 : blk - 1; }
 
+// The same for shared tiles (consume_shared): after the rope block, the 4 latent blocks of the
+// tile's owner's half of the values (warpgroup o holds blocks 4 o .. 4 o + 3), which free first.
+__device__ __forceinline__ int shared_column(int blk, int owner) {
+  return blk == 0 ? 8 : blk <= 4 ? 4 * owner + blk - 1 : 4 * (1 - owner) + blk - 5;
+}
+
 // Rows of a row block in the short layout: both consumer warpgroups take SHORT_ROWS / 2.
 constexpr int SHORT_ROWS = 48;
 
@@ -404,7 +429,11 @@ struct SmemPlan {
   static constexpr int FULL = BARS;                            // RING_BLOCKS x 8 B
   static constexpr int EMPTY = FULL + 8 * RING_BLOCKS;
   static constexpr int Q_FULL = EMPTY + 8 * RING_BLOCKS;      // one per consumer warpgroup
-  static constexpr int ROW_MAX = Q_FULL + 16;                  // [2 tiles][NR] ordered ints
+  static constexpr int HANDOFF = Q_FULL + 16;                  // shared tiles: P^T written, per owner
+  static constexpr int PV_DONE = HANDOFF + 16;                 // shared tiles: P.V of own tile done
+  static constexpr int FLAG = PV_DONE + 16;                    // shared tiles: the reference moved
+  static constexpr int ROW_MAX = FLAG + 16;                    // [2 tiles][NR] ordered ints (shared tiles:
+                                                               // reference maxima, then their factors)
   static constexpr int BYTES = ROW_MAX + 2 * NR * 4;
   // Tile t + 1 reuses the slots of tile t - 1's latent blocks and of tile t's rope block, which
   // are free before tile t + 1's QK is issued; with fewer blocks the loop would deadlock.
@@ -427,7 +456,9 @@ struct RingPos {
   }
   __device__ __forceinline__ RingPos plus(int k) const {
     RingPos r = *this;
-    for (int i = 0; i < k; ++i) r.advance();
+    r.slot += k;
+    r.phase ^= (r.slot / RING) & 1;
+    r.slot %= RING;
     return r;
   }
 };
@@ -436,9 +467,10 @@ struct RingPos {
 // Producer warpgroup
 // ---------------------------------------------------------------------------------------------
 
+// shared: the tiles' latent blocks in shared_column's order (the owner alternates with the CTA's tile count).
 template <int N0, int N1>
 __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t* smem, int total, const Layout& lay,
-                        int x, int y) {
+                        int x, int y, bool shared) {
   using L = SmemPlan<N0, N1>;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int chunk16 = lane & 7;                   // 16-byte piece of a 128-byte block row
@@ -446,6 +478,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
   const uint32_t base = smem_addr(smem);
   const uint64_t policy = l2_policy(p.evict_first != 0 && !lay.is_short);  // short: two row blocks re-read
   RingPos<L::RING_BLOCKS> pos;
+  int count = 0;  // tiles of this CTA so far
   SegmentWalk walk(p, total, lay, x);
   Segment s;
   while (walk.next(y, lay.rows_per_block, s)) {
@@ -470,8 +503,10 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
     int ids[4];
     load_ids(s.t0, ids);
     int run = warp_run(s.t0, ids);
-    for (int tile = s.t0; tile < s.t1; ++tile) {
+    for (int tile = s.t0; tile < s.t1; ++tile, ++count) {
       const bool has_next = tile + 1 < s.t1;
+      const int owner = count & 1;
+      auto column = [&](int blk) { return shared ? shared_column(blk, owner) : block_column(blk); };
       int next_ids[4] = {-1, -1, -1, -1};
       if (has_next) load_ids(tile + 1, next_ids);
       if (run >= 0) {  // one lane copies the warp's 16 rows of each block and arrives for all 32
@@ -483,7 +518,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
             mbar_wait(base + L::EMPTY + 8 * at.slot, at.phase ^ 1);
             mbar_expect_tx(full, RUN_TOKENS * 128);
             tma_load_box(base + L::RING + at.slot * BLOCK_BYTES + warp * (RUN_TOKENS * 128), kv_map,
-                         block_column(blk) * 64, run, full, policy);
+                         column(blk) * 64, run, full, policy);
             mbar_arrive_count(full, 32);
             at.advance();
           }
@@ -493,7 +528,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
       } else {  // gathered: the loop of a warp whose control flow is uniform (its barrier addresses too)
 #pragma unroll 1
         for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-          const int col0 = block_column(blk) * 64 + chunk16 * 8;
+          const int col0 = column(blk) * 64 + chunk16 * 8;
           mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
           const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
 #pragma unroll
@@ -523,11 +558,16 @@ __device__ __forceinline__ float tile_exp(float s_lo, float s_hi, float m) { ret
 // A warp's 16 x 8 piece of an accumulator (rows 8h + lane / 4, columns 2 (lane % 4) + e; a0 a1 for
 // h = 0, b0 b1 for h = 1) stored transposed as bf16 by stmatrix: column k becomes 16 bytes at the
 // address lane 8h + k gives (trans_row_addr), half h of them.
-__device__ __forceinline__ void store_piece_trans(uint32_t addr, float a0, float a1, float b0, float b1) {
-  __nv_bfloat162 lo = __floats2bfloat162_rn(a0, a1), hi = __floats2bfloat162_rn(b0, b1);
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr),
-               "r"(*reinterpret_cast<uint32_t*>(&lo)), "r"(*reinterpret_cast<uint32_t*>(&hi))
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ void store_packed_trans(uint32_t addr, uint32_t lo, uint32_t hi) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(lo), "r"(hi)
                : "memory");
+}
+__device__ __forceinline__ void store_piece_trans(uint32_t addr, float a0, float a1, float b0, float b1) {
+  store_packed_trans(addr, pack_bf16(a0, a1), pack_bf16(b0, b1));
 }
 
 // This lane's stmatrix address in a stack of 128-byte rows with the 128-byte swizzle (rows_base 8-row
@@ -828,6 +868,344 @@ __device__ __forceinline__ void consume_rows(const SplitParams& p, uint8_t* smem
   consume<N0, N1, N>(p, smem, total, lay, x, y, wg, row0);
 }
 
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Shared tiles (the 72-row variant outside the short layout): the consumer warpgroups take the CTA's
+// tiles in turn. A tile's owner computes S^T for all 72 rows (wgmma N = 72) and the softmax, writes
+// P^T and hands it over on an mbarrier; each warpgroup holds O^T of half the 512 values (latent
+// blocks 4 wg .. 4 wg + 3) for all 72 rows and multiplies every tile's P^T into it. Every K and V
+// block is read once from shared memory (consume reads each twice, at N = 40 and 32), and one
+// warpgroup's softmax runs while the other's products do (docs/verify-kernel.md#shared-tiles).
+//
+// Warpgroup wg's loop for its tile t (tile t - 1 is the other's):
+//   QK(t) issued; P^T(t - 1) waited for and P.V(t - 1) issued; QK(t) waited for; softmax(t);
+//   P.V(t - 1) and the other's P.V(t - 1) waited for (P^T has one buffer); P^T(t) written and handed
+//   over; P.V(t) issued and waited for.
+// The reference maxima (as in consume, moved only when a tile's scores pass them by RESCALE_GAP) live
+// in shared memory, one set for both warpgroups: a tile's owner moves them and says so with P^T, and
+// the other rescales its accumulators by the factors the owner left beside them.
+// ---------------------------------------------------------------------------------------------
+
+template <int N0, int N1>
+__device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, const Layout& lay, int x, int y,
+                               int wg) {
+  using L = SmemPlan<N0, N1>;
+  using Pos = RingPos<L::RING_BLOCKS>;
+  constexpr int NR = L::NR;      // columns of S^T, P^T and O^T
+  constexpr int NJ = NR / 8;
+  constexpr int NV = NR / 2;     // accumulator registers per 64-row block
+  constexpr int HALF = NR / 2;   // query rows each warpgroup loads
+  constexpr int BOTH = 3;        // named barrier of both consumer warpgroups
+  static_assert(NR == 72, "shared tiles are for the 72-row variant");
+  const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
+  const int bar_id = 1 + wg;
+  const uint32_t base = smem_addr(smem);
+  const uint32_t p_base = base + L::P;
+  const uint32_t pt_addr = trans_row_addr(p_base, warp, lane);
+  int* m_buf = reinterpret_cast<int*>(smem + L::ROW_MAX);                // [NR] reference maxima, ordered
+  float* alpha_buf = reinterpret_cast<float*>(smem + L::ROW_MAX) + NR;  // [NR] factors of their last move
+  int* tile_max = reinterpret_cast<int*>(alpha_buf);                      // (the same space) a moving tile's maxima
+  volatile int* moved_flag = reinterpret_cast<volatile int*>(smem + L::FLAG);
+  const uint32_t handoff_mine = base + L::HANDOFF + 8 * wg, handoff_other = base + L::HANDOFF + 8 * (1 - wg);
+  const uint32_t pv_mine = base + L::PV_DONE + 8 * wg, pv_other = base + L::PV_DONE + 8 * (1 - wg);
+  const uint64_t q_policy = l2_policy(false);
+
+  float s_acc[NV];
+  float o_acc[4][NV];  // O^T rows of latent block 4 wg + d, all NR columns
+  float l_run[NJ][2] = {};  // this thread's sums of exp2(s - reference) over the warpgroup's own tiles
+  uint32_t q_phase = 0;
+  int others = 0;      // the other warpgroup's tiles taken so far: the phase of its two barriers
+  int count = 0;       // the CTA's tiles so far (tile owner: count & 1)
+  Pos pos;             // first block of tile `count`
+
+  auto arrive_empty = [&](Pos at, int first, int n) {
+    at = at.plus(first);
+    for (int i = 0; i < n; ++i) {
+      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
+      at.advance();
+    }
+  };
+  // Blocks 0-4 of the other's tile (its rope and its owner's half) are never read here: freed once landed.
+  auto release_unread = [&](Pos at) {
+    for (int i = 0; i < 5; ++i) {
+      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
+      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
+      at.advance();
+    }
+  };
+  auto issue_qk = [&](Pos at) {
+#pragma unroll 1
+    for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
+      fence_async_shared();
+      wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
+      const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
+      const uint32_t q_addr = base + L::Q + shared_column(blk, wg) * (NR * 128);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        Wgmma<NR>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
+                                      blk > 0 || ks > 0);
+      at.advance();
+    }
+    wgmma_commit();
+  };
+  // O^T += V^T P^T over this warpgroup's 4 latent blocks of the tile at `at`, owned by `owner`.
+  auto issue_pv = [&](Pos at, int owner) {
+    at = at.plus(owner == wg ? 1 : 5);
+#pragma unroll
+    for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+    wgmma_fence();
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        Wgmma<NR>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_base + ks * 32), 1);
+      at.advance();
+    }
+    wgmma_commit();
+  };
+  auto rescale = [&](int j, int e, float alpha) {
+    l_run[j][e] *= alpha;
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      o_acc[d][4 * j + e] *= alpha;
+      o_acc[d][4 * j + 2 + e] *= alpha;
+    }
+  };
+  // The other's tile at `at` handed over: its move of the reference applied here too, then its P.V issued.
+  auto take_handoff = [&](Pos at) {
+    mbar_wait(handoff_other, others & 1);
+    fence_async_shared();
+    if (*moved_flag) {
+#pragma unroll
+      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) rescale(j, e, alpha_buf[8 * j + 2 * (lane & 3) + e]);
+    }
+    issue_pv(at, 1 - wg);
+  };
+
+  SegmentWalk walk(p, total, lay, x);
+  Segment s;
+  while (walk.next(y, lay.rows_per_block, s)) {
+    // Half of the query rows each (zeros past the request's rows): a warp per row, a lane per 16 bytes.
+    for (int r = HALF * wg + warp; r < HALF * (wg + 1); r += 4) {
+      const int qrow = y * lay.rows_per_block + r;
+      const bool ok = qrow < s.rows;
+      const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const int c = lane + 32 * k;
+        if (c < KV_DIM / 8)
+          cp_async16(base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(r, (c & 7) * 8), src + c * 8, ok ? 16 : 0,
+                     q_policy);
+      }
+    }
+    cp_async_arrive(base + L::Q_FULL + 8 * wg);
+    mbar_wait(base + L::Q_FULL, q_phase);
+    mbar_wait(base + L::Q_FULL + 8, q_phase);
+    q_phase ^= 1;
+    fence_async_shared();
+#pragma unroll
+    for (int d = 0; d < 4; ++d)
+#pragma unroll
+      for (int i = 0; i < NV; ++i) o_acc[d][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) l_run[j][e] = 0.f;
+
+    const int tiles = s.t1 - s.t0;
+    int i = (count & 1) == wg ? 0 : 1;  // this warpgroup's first tile of the segment
+    Pos prv = pos, cur = pos.plus(BLOCKS_PER_TILE * i);
+    // This warpgroup's tile s.t0 + i; has_prev: tile i - 1, the other's, is in this segment. Two
+    // instances, so that no wgmma is issued on a path only some iterations take (ptxas then issues
+    // every wgmma one at a time: C7520).
+    auto own_tile = [&](int i, auto prev_flag) {
+      constexpr bool has_prev = decltype(prev_flag)::value;
+      if constexpr (has_prev) release_unread(prv);
+      fence_regs(s_acc);
+      issue_qk(cur);
+      if constexpr (has_prev) {
+        take_handoff(prv);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      fence_regs(s_acc);
+      arrive_empty(cur, 0, 1);  // the rope block and the other's half: read by QK only
+      arrive_empty(cur, 5, 4);
+
+      // Scaled scores (log2 units), masked past the prefix; does any pass the reference by RESCALE_GAP?
+      const int valid = s.n - (s.t0 + i) * TILE;  // tokens of this tile (>= 1)
+      const int r_lo = 16 * warp + (lane >> 2);
+      const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
+      bool pass = false;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float lo = ok_lo ? s_acc[4 * j + e] * p.scale_log2 : -INFINITY;
+          const float hi = ok_hi ? s_acc[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
+          s_acc[4 * j + e] = lo;
+          s_acc[4 * j + 2 + e] = hi;
+          pass |= fmaxf(lo, hi) > order_float(m_buf[8 * j + 2 * (lane & 3) + e]) + RESCALE_GAP;
+        }
+      const bool moved = named_barrier_any(bar_id, 128, pass);
+      if (moved) {  // rare after a segment's first tile: the column maxima, then every column moved to them
+        wgmma_wait<0>();  // P.V(t - 1) accumulates into o_acc
+#pragma unroll
+        for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+        if (tid < NR) tile_max[tid] = INT_MIN;  // every warp has taken tile t - 1's factors (before the vote)
+        named_barrier(bar_id, 128);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float w = fmaxf(s_acc[4 * j + e], s_acc[4 * j + 2 + e]);
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
+            if (lane < 4) atomicMax(tile_max + 8 * j + 2 * lane + e, float_order(w));
+          }
+        named_barrier(bar_id, 128);
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 8 * j + 2 * (lane & 3) + e;
+            const float m_old = order_float(m_buf[c]);
+            rescale(j, e, exp2f(m_old - fmaxf(m_old, order_float(tile_max[c]))));
+          }
+        named_barrier(bar_id, 128);  // every thread has its factors: warp 0 moves the reference
+        if (warp == 0 && lane < 4) {
+#pragma unroll
+          for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int c = 8 * j + 2 * lane + e;
+              const float m_old = order_float(m_buf[c]), m_new = fmaxf(m_old, order_float(tile_max[c]));
+              alpha_buf[c] = exp2f(m_old - m_new);
+              m_buf[c] = float_order(m_new);
+            }
+        }
+        named_barrier(bar_id, 128);
+      }
+      uint32_t pk[NJ][2];  // P^T pieces, bf16
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        float q[2][2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float m = order_float(m_buf[8 * j + 2 * (lane & 3) + e]);
+          q[0][e] = clamped_exp(s_acc[4 * j + e], m);
+          q[1][e] = clamped_exp(s_acc[4 * j + 2 + e], m);
+          l_run[j][e] += q[0][e] + q[1][e];
+        }
+        pk[j][0] = pack_bf16(q[0][0], q[0][1]);
+        pk[j][1] = pack_bf16(q[1][0], q[1][1]);
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      if constexpr (has_prev) {  // P^T's one buffer is free once both warpgroups' P.V(t - 1) are done
+        arrive_empty(prv, 5, 4);
+        mbar_wait(pv_other, others & 1);
+        ++others;
+      }
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) store_packed_trans(pt_addr + j * 1024, pk[j][0], pk[j][1]);
+      if (tid == 0) *moved_flag = moved;
+      fence_async_shared();
+      mbar_arrive(handoff_mine);
+      issue_pv(cur, wg);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      arrive_empty(cur, 1, 4);
+      mbar_arrive(pv_mine);
+    };
+    auto next_pair = [&] {
+      prv = cur.plus(BLOCKS_PER_TILE);
+      cur = cur.plus(2 * BLOCKS_PER_TILE);
+    };
+    if (i == 0) {
+      own_tile(0, Flag<false>{});
+      next_pair();
+      i = 2;
+    }
+    for (; i < tiles; i += 2) {
+      own_tile(i, Flag<true>{});
+      next_pair();
+    }
+    if (((count + tiles - 1) & 1) != wg) {  // the segment's last tile is the other's: its P.V here
+      const Pos last = pos.plus(BLOCKS_PER_TILE * (tiles - 1));
+      release_unread(last);
+      take_handoff(last);
+      wgmma_wait<0>();
+#pragma unroll
+      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      arrive_empty(last, 5, 4);
+      ++others;
+    }
+    count += tiles;
+    pos = pos.plus(BLOCKS_PER_TILE * tiles);
+
+    // Epilogue: row sums of both warpgroups, normalise, stage each half in the query rows' blocks
+    // (free: every QK is done), copy out 16 bytes per thread.
+    named_barrier(BOTH, 256);
+    float* scratch = reinterpret_cast<float*>(smem + L::Q + 8 * (NR * 128));  // [8 warps][NR], query rope block
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = l_run[j][e];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (lane < 4) scratch[(4 * wg + warp) * NR + 8 * j + 2 * lane + e] = v;
+      }
+    named_barrier(BOTH, 256);
+    const int slot = x + s.b;
+    const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * lay.rows_per_block;
+    float inv_l[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * j + 2 * (lane & 3) + e;
+        float l = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; ++w) l += scratch[w * NR + c];
+        inv_l[j][e] = 1.f / l;
+        if (wg == 0 && warp == 0 && lane < 4) p.l_part[part_row0 + c] = order_float(m_buf[c]) + log2f(l);
+      }
+    const uint32_t stage = trans_row_addr(base + L::Q, warp, lane);
+#pragma unroll
+    for (int d = 0; d < 4; ++d)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        store_piece_trans(stage + (4 * wg + d) * (NR * 128) + j * 1024, o_acc[d][4 * j] * inv_l[j][0],
+                          o_acc[d][4 * j + 1] * inv_l[j][1], o_acc[d][4 * j + 2] * inv_l[j][0],
+                          o_acc[d][4 * j + 3] * inv_l[j][1]);
+    named_barrier(bar_id, 128);
+    if (wg == 0 && tid < NR) m_buf[tid] = float_order(-1e30f);  // the next segment sets its reference again
+    for (int k = tid; k < NR * 32; k += 128) {
+      const int c = k >> 5, piece = 32 * wg + (k & 31);  // row c, values 8 piece ..
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + L::Q + (piece >> 3) * (NR * 128) + c * 128 +
+                                                      ((((piece & 7) ^ c) & 7) << 4));
+      *reinterpret_cast<uint4*>(p.o_part + (part_row0 + c) * V_DIM + piece * 8) = v;
+    }
+    named_barrier(BOTH, 256);  // the staged rows are read: the next segment's query rows may land there
+  }
+}
+
 template <int N0, int N1>
 __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitArgs a) {
   using L = SmemPlan<N0, N1>;
@@ -846,14 +1224,31 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
     }
     mbar_init(base + L::Q_FULL, 128);          // one cp.async arrival per consumer thread
     mbar_init(base + L::Q_FULL + 8, 128);
+    for (int i = 0; i < 2; ++i) {              // shared tiles: one arrival per thread of the warpgroup
+      mbar_init(base + L::HANDOFF + 8 * i, 128);
+      mbar_init(base + L::PV_DONE + 8 * i, 128);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if (threadIdx.x < 2 * L::NR) reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = INT_MIN;
+  // Running maxima (consume), or the reference maxima of shared tiles (consume_shared), from scratch.
+  if (threadIdx.x < 2 * L::NR)
+    reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] =
+        N0 + N1 == 72 && p.shared_tiles ? float_order(-1e30f) : INT_MIN;
   __syncthreads();
   const int wg = threadIdx.x / 128;
-  if (wg == 2) {
+  constexpr bool SHARED = N0 + N1 == 72;
+  const bool shared = SHARED && p.shared_tiles && !lay.is_short;
+  if (wg == 2 && shared) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(SHARED_PRODUCER_REGS));
+    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y, true);
+  } else if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y);
+    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y, false);
+  } else if (shared) {
+    if constexpr (SHARED) {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(SHARED_REGS));
+      consume_shared<N0, N1>(p, smem, total, lay, x, y, wg);
+    }
   } else if (wg == 0) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
     consume_rows<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
