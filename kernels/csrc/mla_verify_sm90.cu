@@ -57,7 +57,8 @@ constexpr int CONSUMER1_REGS = 216;
 constexpr int PRODUCER_REGS = 48;
 // Shared tiles (consume_shared, SplitParams.shared_tiles): the 72-row variant outside the short layout
 // alternates its tiles between the consumer warpgroups, each holding half of O^T for all 72 rows. At
-// 224 registers each ptxas spilled 148 bytes of their loop (running sums), at 232 60 bytes.
+// 224 registers each ptxas spilled 148 bytes of their loop (running sums); at 232, with the producer
+// at 40, the kernel spills 64 bytes, mostly loop-invariant values.
 constexpr int SHARED_REGS = 232;
 constexpr int SHARED_PRODUCER_REGS = 40;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
@@ -223,6 +224,14 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int PENDING>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
+}
+
+template <int A, int B>
+__device__ __forceinline__ void fill(float (&r)[A][B], float v) {
+#pragma unroll
+  for (int a = 0; a < A; ++a)
+#pragma unroll
+    for (int b = 0; b < B; ++b) r[a][b] = v;
 }
 
 // Pin registers written by asynchronous wgmma: the compiler may not move their uses across.
@@ -596,6 +605,109 @@ __device__ __forceinline__ void exp_tile(const float* s_acc, const float (&m_use
   }
 }
 
+// Rows [r0, r1) of a row block (its first query row row_base) into the query buffer at q_buf (9 column
+// blocks of NR rows, 128-byte swizzle), zeros past the request's rows: a warp of the calling warpgroup per
+// row, a lane per 16 bytes, by cp.async.
+template <int NR>
+__device__ __forceinline__ void load_query_rows(const SplitParams& p, const Segment& s, int row_base, uint32_t q_buf,
+                                                int r0, int r1, uint64_t policy) {
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  for (int r = r0 + warp; r < r1; r += 4) {
+    const int qrow = row_base + r;
+    const bool ok = qrow < s.rows;
+    const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const int c = lane + 32 * k;
+      if (c < KV_DIM / 8)
+        cp_async16(q_buf + (c >> 3) * (NR * 128) + sw128_offset(r, (c & 7) * 8), src + c * 8, ok ? 16 : 0, policy);
+    }
+  }
+}
+
+// This warp's sums of l over its 16 tokens, per column (its columns 8 j + 2 (lane % 4) + e): lanes 0-3
+// write them to sums[column].
+template <int NJ>
+__device__ __forceinline__ void warp_column_sums(const float (&l)[NJ][2], float* sums) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = l[j][e];
+      v += __shfl_xor_sync(0xffffffffu, v, 4);
+      v += __shfl_xor_sync(0xffffffffu, v, 8);
+      v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (lane < 4) sums[8 * j + 2 * lane + e] = v;
+    }
+}
+
+// Each of this thread's columns' sum l over W warps' sums (stride floats apart in sums): 1 / l into inv_l,
+// and where `write`, the partial's log2-sum-exp ref(j, e, column) + log2(l) into l_part[column].
+template <int W, int NJ, typename Ref>
+__device__ __forceinline__ void column_totals(const float* sums, int stride, float (&inv_l)[NJ][2], bool write,
+                                              float* l_part, Ref ref) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * j + 2 * (lane & 3) + e;
+      float l = 0.f;
+#pragma unroll
+      for (int w = 0; w < W; ++w) l += sums[w * stride + c];
+      inv_l[j][e] = 1.f / l;
+      if (write && lane < 4) l_part[c] = ref(j, e, c) + log2f(l);
+    }
+}
+
+// Normalised rows staged for the copy out: O^T block d times inv_l, transposed to bf16 rows of 64
+// values (128-byte swizzle) at stage + d * block_bytes (stage: trans_row_addr of the first row).
+template <int D, int NV, int NJ>
+__device__ __forceinline__ void stage_rows(const float (&o)[D][NV], const float (&inv_l)[NJ][2], uint32_t stage,
+                                           int block_bytes) {
+#pragma unroll
+  for (int d = 0; d < D; ++d)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+      store_piece_trans(stage + d * block_bytes + j * 1024, o[d][4 * j] * inv_l[j][0], o[d][4 * j + 1] * inv_l[j][1],
+                        o[d][4 * j + 2] * inv_l[j][0], o[d][4 * j + 3] * inv_l[j][1]);
+}
+
+// Staged rows row0 .. row0 + rows (blocks of nr rows in the query buffer q) to out (a row every
+// V_DIM values), PIECES 16-byte pieces of each from piece0, 16 bytes per thread of the warpgroup.
+template <int PIECES>
+__device__ __forceinline__ void copy_rows_out(const uint8_t* q, int nr, int row0, int rows, int piece0,
+                                              __nv_bfloat16* out) {
+  for (int k = threadIdx.x & 127; k < rows * PIECES; k += 128) {
+    const int c = k / PIECES, piece = piece0 + k % PIECES;  // row c, values 8 piece ..
+    const uint4 v = *reinterpret_cast<const uint4*>(q + (piece >> 3) * (nr * 128) + (row0 + c) * 128 +
+                                                    ((((piece & 7) ^ c) & 7) << 4));
+    *reinterpret_cast<uint4*>(out + c * V_DIM + piece * 8) = v;
+  }
+}
+
+// S^T (+)= K Q^T over the 9 blocks of the tile from ring position `at`, each waited for as it lands: the
+// block against column block column(blk) of the query rows at q_rows (L::NR rows a column block).
+template <typename L, int NV, int RING, typename Column>
+__device__ __forceinline__ void issue_tile_qk(float (&s_acc)[NV], uint32_t base, RingPos<RING> at, uint32_t q_rows,
+                                              Column column) {
+#pragma unroll 1
+  for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+    mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
+    fence_async_shared();
+    wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
+    const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
+    const uint32_t q_addr = q_rows + column(blk) * (L::NR * 128);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      Wgmma<2 * NV>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
+                                        blk > 0 || ks > 0);
+    at.advance();
+  }
+  wgmma_commit();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Consumer warpgroup: N query rows (columns of S^T and O^T) starting at row0 of the row block.
 // Accumulator layout of wgmma m64nN (per warp w, lane l): value 4j + 2h + e sits at row
@@ -630,21 +742,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
   int tile_count = 0;           // tiles done by this CTA: parity picks the row-max buffer
 
   auto issue_qk = [&](RingPos<L::RING_BLOCKS> at) {
-#pragma unroll 1
-    for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
-      fence_async_shared();
-      wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
-      const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
-      const uint32_t q_addr = q_base + block_column(blk) * (NR * 128);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        Wgmma<N>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
-                                     blk > 0 || ks > 0);
-      }
-      at.advance();
-    }
-    wgmma_commit();
+    issue_tile_qk<L>(s_acc, base, at, q_base, [](int blk) { return block_column(blk); });
   };
   auto release = [&](RingPos<L::RING_BLOCKS> at, int first, int count) {
     at = at.plus(first);
@@ -660,33 +758,14 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
     // This warpgroup's query rows (zeros past the request's rows), loaded by itself while the producer
     // starts on the KV: a warp per row, a lane per 16 bytes. (Loaded by the producer, with its 40
     // registers, they took a third of a one-tile call: docs/verify-kernel.md.)
-    for (int r = warp; r < N; r += 4) {
-      const int qrow = y * lay.rows_per_block + row0 + r;
-      const bool ok = qrow < s.rows;
-      const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        const int c = lane + 32 * k;
-        if (c < KV_DIM / 8)
-          cp_async16(base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(row0 + r, (c & 7) * 8), src + c * 8,
-                     ok ? 16 : 0, q_policy);
-      }
-    }
+    load_query_rows<NR>(p, s, y * lay.rows_per_block, base + L::Q, row0, row0 + N, q_policy);
     cp_async_arrive(base + L::Q_FULL + 8 * wg);
     mbar_wait(base + L::Q_FULL + 8 * wg, q_phase);  // every warp's rows have landed (a named barrier
     q_phase ^= 1;                                   // here makes ptxas serialise the wgmma)
     fence_async_shared();
-#pragma unroll
-    for (int d = 0; d < 8; ++d)
-#pragma unroll
-      for (int i = 0; i < NV; ++i) o_acc[d][i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        m_use[j][e] = -1e30f;
-        l_run[j][e] = 0.f;
-      }
+    fill(o_acc, 0.f);
+    fill(m_use, -1e30f);
+    fill(l_run, 0.f);
     fence_regs(s_acc);
     issue_qk(pos);
     wgmma_wait<0>();
@@ -811,45 +890,17 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
       row_max[tid] = INT_MIN;
       row_max[NR + tid] = INT_MIN;
     }
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = l_run[j][e];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (lane < 4) scratch[warp * N + 8 * j + 2 * lane + e] = v;
-      }
+    warp_column_sums(l_run, scratch + warp * N);
     named_barrier(bar_id, 128);
     const int slot = x + s.b;
     const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * lay.rows_per_block + row0;
     float inv_l[NJ][2];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * j + 2 * (lane & 3) + e;
-        const float l = scratch[c] + scratch[N + c] + scratch[2 * N + c] + scratch[3 * N + c];
-        inv_l[j][e] = 1.f / l;
-        if (warp == 0 && lane < 4) p.l_part[part_row0 + c] = m_use[j][e] + log2f(l);
-      }
+    column_totals<4>(scratch, N, inv_l, warp == 0, p.l_part + part_row0, [&](int j, int e, int) { return m_use[j][e]; });
     // Stage the normalised rows (512 values each, in 128-byte swizzled blocks of 64) in this WG's rows
     // of the query buffer: value 64 d + r of row c is O^T's row r of block d, column c.
-    const uint32_t stage = trans_row_addr(base + L::Q + row0 * 128, warp, lane);
-#pragma unroll
-    for (int d = 0; d < 8; ++d)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        store_piece_trans(stage + d * (NR * 128) + j * 1024, o_acc[d][4 * j] * inv_l[j][0], o_acc[d][4 * j + 1] * inv_l[j][1],
-                          o_acc[d][4 * j + 2] * inv_l[j][0], o_acc[d][4 * j + 3] * inv_l[j][1]);
+    stage_rows(o_acc, inv_l, trans_row_addr(base + L::Q + row0 * 128, warp, lane), NR * 128);
     named_barrier(bar_id, 128);
-    for (int i = tid; i < N * 64; i += 128) {
-      const int c = i >> 6, piece = i & 63;  // row c, values 8 piece ..
-      const uint4 v = *reinterpret_cast<const uint4*>(
-          smem + L::Q + (piece >> 3) * (NR * 128) + (row0 + c) * 128 + ((((piece & 7) ^ c) & 7) << 4));
-      *reinterpret_cast<uint4*>(p.o_part + (part_row0 + c) * V_DIM + piece * 8) = v;
-    }
+    copy_rows_out<64>(smem + L::Q, NR, row0, N, 0, p.o_part + part_row0 * V_DIM);
     named_barrier(bar_id, 128);  // the staged rows are read: the next segment's query rows may land there
   }
 }
@@ -938,20 +989,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
     }
   };
   auto issue_qk = [&](Pos at) {
-#pragma unroll 1
-    for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
-      fence_async_shared();
-      wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
-      const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
-      const uint32_t q_addr = base + L::Q + shared_column(blk, wg) * (NR * 128);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        Wgmma<NR>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
-                                      blk > 0 || ks > 0);
-      at.advance();
-    }
-    wgmma_commit();
+    issue_tile_qk<L>(s_acc, base, at, base + L::Q, [wg](int blk) { return shared_column(blk, wg); });
   };
   // O^T += V^T P^T over this warpgroup's 4 latent blocks of the tile at `at`, owned by `owner`.
   auto issue_pv = [&](Pos at, int owner) {
@@ -996,31 +1034,14 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
   Segment s;
   while (walk.next(y, lay.rows_per_block, s)) {
     // Half of the query rows each (zeros past the request's rows): a warp per row, a lane per 16 bytes.
-    for (int r = HALF * wg + warp; r < HALF * (wg + 1); r += 4) {
-      const int qrow = y * lay.rows_per_block + r;
-      const bool ok = qrow < s.rows;
-      const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        const int c = lane + 32 * k;
-        if (c < KV_DIM / 8)
-          cp_async16(base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(r, (c & 7) * 8), src + c * 8, ok ? 16 : 0,
-                     q_policy);
-      }
-    }
+    load_query_rows<NR>(p, s, y * lay.rows_per_block, base + L::Q, HALF * wg, HALF * (wg + 1), q_policy);
     cp_async_arrive(base + L::Q_FULL + 8 * wg);
     mbar_wait(base + L::Q_FULL, q_phase);
     mbar_wait(base + L::Q_FULL + 8, q_phase);
     q_phase ^= 1;
     fence_async_shared();
-#pragma unroll
-    for (int d = 0; d < 4; ++d)
-#pragma unroll
-      for (int i = 0; i < NV; ++i) o_acc[d][i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) l_run[j][e] = 0.f;
+    fill(o_acc, 0.f);
+    fill(l_run, 0.f);
 
     const int tiles = s.t1 - s.t0;
     int i = (count & 1) == wg ? 0 : 1;  // this warpgroup's first tile of the segment
@@ -1161,47 +1182,17 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
     // (free: every QK is done), copy out 16 bytes per thread.
     named_barrier(BOTH, 256);
     float* scratch = reinterpret_cast<float*>(smem + L::Q + 8 * (NR * 128));  // [8 warps][NR], query rope block
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = l_run[j][e];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (lane < 4) scratch[(4 * wg + warp) * NR + 8 * j + 2 * lane + e] = v;
-      }
+    warp_column_sums(l_run, scratch + (4 * wg + warp) * NR);
     named_barrier(BOTH, 256);
     const int slot = x + s.b;
     const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * lay.rows_per_block;
     float inv_l[NJ][2];
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = 8 * j + 2 * (lane & 3) + e;
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; ++w) l += scratch[w * NR + c];
-        inv_l[j][e] = 1.f / l;
-        if (wg == 0 && warp == 0 && lane < 4) p.l_part[part_row0 + c] = order_float(m_buf[c]) + log2f(l);
-      }
-    const uint32_t stage = trans_row_addr(base + L::Q, warp, lane);
-#pragma unroll
-    for (int d = 0; d < 4; ++d)
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-        store_piece_trans(stage + (4 * wg + d) * (NR * 128) + j * 1024, o_acc[d][4 * j] * inv_l[j][0],
-                          o_acc[d][4 * j + 1] * inv_l[j][1], o_acc[d][4 * j + 2] * inv_l[j][0],
-                          o_acc[d][4 * j + 3] * inv_l[j][1]);
+    column_totals<8>(scratch, NR, inv_l, wg == 0 && warp == 0, p.l_part + part_row0,
+                     [&](int, int, int c) { return order_float(m_buf[c]); });
+    stage_rows(o_acc, inv_l, trans_row_addr(base + L::Q, warp, lane) + 4 * wg * (NR * 128), NR * 128);
     named_barrier(bar_id, 128);
     if (wg == 0 && tid < NR) m_buf[tid] = float_order(-1e30f);  // the next segment sets its reference again
-    for (int k = tid; k < NR * 32; k += 128) {
-      const int c = k >> 5, piece = 32 * wg + (k & 31);  // row c, values 8 piece ..
-      const uint4 v = *reinterpret_cast<const uint4*>(smem + L::Q + (piece >> 3) * (NR * 128) + c * 128 +
-                                                      ((((piece & 7) ^ c) & 7) << 4));
-      *reinterpret_cast<uint4*>(p.o_part + (part_row0 + c) * V_DIM + piece * 8) = v;
-    }
+    copy_rows_out<32>(smem + L::Q, NR, 0, NR, 32 * wg, p.o_part + part_row0 * V_DIM);
     named_barrier(BOTH, 256);  // the staged rows are read: the next segment's query rows may land there
   }
 }
