@@ -20,6 +20,9 @@
 //          O^T [512, N]      += V^T [512, 64] P^T [64, N]   (V^T read from the same K blocks)
 //        The softmax runs over the token (M) dimension: a shuffle within each warp and a shared
 //        max across the warpgroup's 4 warps.
+//        With SplitParams.shared_tiles the 72-row variant shares the tiles out instead (consume_shared):
+//        the warpgroups take them in turn for S^T of all 72 rows (N = 72) and the softmax, and each
+//        multiplies every tile's P^T into its half of O^T (256 values of all 72 rows).
 // The prefix needs no mask (every draft row sees every prefix token), so the loop has none; the
 // D x D tree part is computed by the combine kernel and merged by log-sum-exp.
 //
