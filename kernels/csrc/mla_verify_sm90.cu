@@ -37,6 +37,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 namespace mlav {
 
 constexpr int KV_DIM = 576;
@@ -61,7 +63,7 @@ constexpr int PRODUCER_REGS = 48;
 // Shared tiles (consume_shared, SplitParams.shared_tiles): the 72-row variant outside the short layout
 // alternates its tiles between the consumer warpgroups, each holding half of O^T for all 72 rows. At
 // 224 registers each ptxas spilled 148 bytes of their loop (running sums); at 232, with the producer
-// at 40, the kernel spills 64 bytes, mostly loop-invariant values.
+// at 40, the kernel spills 72 bytes, mostly loop-invariant values.
 constexpr int SHARED_REGS = 232;
 constexpr int SHARED_PRODUCER_REGS = 40;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
@@ -690,6 +692,17 @@ __device__ __forceinline__ void copy_rows_out(const uint8_t* q, int nr, int row0
   }
 }
 
+// This warp's arrival on the free barriers of blocks first .. first + n - 1 of the tile at ring position
+// `at` (each slot frees once every consumer warp has arrived).
+template <typename L, int RING>
+__device__ __forceinline__ void release_blocks(uint32_t base, RingPos<RING> at, int first, int n) {
+  at = at.plus(first);
+  for (int i = 0; i < n; ++i) {
+    if ((threadIdx.x & 31) == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
+    at.advance();
+  }
+}
+
 // S^T (+)= K Q^T over the 9 blocks of the tile from ring position `at`, each waited for as it lands: the
 // block against column block column(blk) of the query rows at q_rows (L::NR rows a column block).
 template <typename L, int NV, int RING, typename Column>
@@ -747,13 +760,7 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
   auto issue_qk = [&](RingPos<L::RING_BLOCKS> at) {
     issue_tile_qk<L>(s_acc, base, at, q_base, [](int blk) { return block_column(blk); });
   };
-  auto release = [&](RingPos<L::RING_BLOCKS> at, int first, int count) {
-    at = at.plus(first);
-    for (int i = 0; i < count; ++i) {
-      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
-      at.advance();
-    }
-  };
+  auto release = [&](RingPos<L::RING_BLOCKS> at, int first, int count) { release_blocks<L>(base, at, first, count); };
 
   SegmentWalk walk(p, total, lay, x);
   Segment s;
@@ -922,11 +929,6 @@ __device__ __forceinline__ void consume_rows(const SplitParams& p, uint8_t* smem
   consume<N0, N1, N>(p, smem, total, lay, x, y, wg, row0);
 }
 
-template <bool B>
-struct Flag {
-  static constexpr bool value = B;
-};
-
 // ---------------------------------------------------------------------------------------------
 // Shared tiles (the 72-row variant outside the short layout): the consumer warpgroups take the CTA's
 // tiles in turn. A tile's owner computes S^T for all 72 rows (wgmma N = 72) and the softmax, writes
@@ -976,13 +978,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
   int count = 0;       // the CTA's tiles so far (tile owner: count & 1)
   Pos pos;             // first block of tile `count`
 
-  auto arrive_empty = [&](Pos at, int first, int n) {
-    at = at.plus(first);
-    for (int i = 0; i < n; ++i) {
-      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
-      at.advance();
-    }
-  };
+  auto arrive_empty = [&](Pos at, int first, int n) { release_blocks<L>(base, at, first, n); };
   // Blocks 0-4 of the other's tile (its rope and its owner's half) are never read here: freed once landed.
   auto release_unread = [&](Pos at) {
     for (int i = 0; i < 5; ++i) {
@@ -1160,12 +1156,12 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
       cur = cur.plus(2 * BLOCKS_PER_TILE);
     };
     if (i == 0) {
-      own_tile(0, Flag<false>{});
+      own_tile(0, std::false_type{});
       next_pair();
       i = 2;
     }
     for (; i < tiles; i += 2) {
-      own_tile(i, Flag<true>{});
+      own_tile(i, std::true_type{});
       next_pair();
     }
     if (((count + tiles - 1) & 1) != wg) {  // the segment's last tile is the other's: its P.V here
@@ -1224,14 +1220,13 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  // Running maxima (consume), or the reference maxima of shared tiles (consume_shared), from scratch.
-  if (threadIdx.x < 2 * L::NR)
-    reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] =
-        N0 + N1 == 72 && p.shared_tiles ? float_order(-1e30f) : INT_MIN;
-  __syncthreads();
-  const int wg = threadIdx.x / 128;
   constexpr bool SHARED = N0 + N1 == 72;
   const bool shared = SHARED && p.shared_tiles && !lay.is_short;
+  // Running maxima (consume), or the reference maxima of shared tiles (consume_shared), from scratch.
+  if (threadIdx.x < 2 * L::NR)
+    reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = shared ? float_order(-1e30f) : INT_MIN;
+  __syncthreads();
+  const int wg = threadIdx.x / 128;
   if (wg == 2 && shared) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(SHARED_PRODUCER_REGS));
     produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y, true);
