@@ -63,7 +63,7 @@ constexpr int PRODUCER_REGS = 48;
 // Shared tiles (consume_shared, SplitParams.shared_tiles): the 72-row variant outside the short layout
 // alternates its tiles between the consumer warpgroups, each holding half of O^T for all 72 rows. At
 // 224 registers each ptxas spilled 148 bytes of their loop (running sums); at 232, with the producer
-// at 40, the kernel spills 72 bytes, mostly loop-invariant values.
+// at 40, its kernel instance spills 72 bytes, mostly loop-invariant values (the row split's has none).
 constexpr int SHARED_REGS = 232;
 constexpr int SHARED_PRODUCER_REGS = 40;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
@@ -1196,8 +1196,11 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
   }
 }
 
-template <int N0, int N1>
+// SHARED: the instance that runs shared tiles (72 rows, SplitParams.shared_tiles); the row split
+// keeps its own instance, so its registers are not shared-tile registers (0 spills).
+template <int N0, int N1, bool SHARED>
 __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitArgs a) {
+  static_assert(!SHARED || N0 + N1 == 72, "shared tiles are for the 72-row variant");
   using L = SmemPlan<N0, N1>;
   const SplitParams& p = a.p;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -1220,8 +1223,7 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  constexpr bool SHARED = N0 + N1 == 72;
-  const bool shared = SHARED && p.shared_tiles && !lay.is_short;
+  const bool shared = SHARED && !lay.is_short;
   // Running maxima (consume), or the reference maxima of shared tiles (consume_shared), from scratch.
   if (threadIdx.x < 2 * L::NR)
     reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = shared ? float_order(-1e30f) : INT_MIN;
@@ -1569,8 +1571,13 @@ PFN_cuTensorMapEncodeTiled_v12000 g_encode_tiled = nullptr;
 
 template <int N0, int N1>
 cudaError_t set_split_attributes() {
-  return cudaFuncSetAttribute(mlav::split_kernel<N0, N1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              mlav::SmemPlan<N0, N1>::BYTES);
+  cudaError_t err = cudaFuncSetAttribute(mlav::split_kernel<N0, N1, false>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, mlav::SmemPlan<N0, N1>::BYTES);
+  if constexpr (N0 + N1 == 72)
+    if (err == cudaSuccess)
+      err = cudaFuncSetAttribute(mlav::split_kernel<N0, N1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 mlav::SmemPlan<N0, N1>::BYTES);
+  return err;
 }
 
 template <int N0, int N1>
@@ -1588,7 +1595,13 @@ cudaError_t launch_split(const mlav::SplitParams& p, cudaStream_t stream) {
       return cudaErrorInvalidValue;
   }
   const int smem = mlav::SmemPlan<N0, N1>::BYTES;
-  mlav::split_kernel<N0, N1><<<p.grid_x * p.row_blocks, mlav::THREADS, smem, stream>>>(a);
+  const int ctas = p.grid_x * p.row_blocks;
+  if constexpr (N0 + N1 == 72)
+    if (p.shared_tiles) {
+      mlav::split_kernel<N0, N1, true><<<ctas, mlav::THREADS, smem, stream>>>(a);
+      return cudaGetLastError();
+    }
+  mlav::split_kernel<N0, N1, false><<<ctas, mlav::THREADS, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
