@@ -32,6 +32,7 @@ is checked against the fp32 reference before it is timed.
     pip install --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl; export PYTHONPATH=/tmp/site
     python scripts/bench_verify.py --out bench.md                # peers table
     python scripts/bench_verify.py --sweep-sm90 --out sweep.md   # + Sm90Config variants
+    python scripts/bench_verify.py --kernels sm90,flashmla --sm90-config shared_tiles=1   # + one variant
     python scripts/bench_verify.py --rounds 3 --layers 8 --sglang-root /tmp/sgl   # every peer
     python scripts/bench_verify.py --grid --extra-cases --rounds 3 --layers 8   # + batches x contexts
 """
@@ -39,6 +40,7 @@ is checked against the fp32 reference before it is timed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import itertools
 from pathlib import Path
@@ -244,7 +246,14 @@ def main() -> None:
                     help="random seed (the pages' shuffle: run two to see the layout's effect)")
     ap.add_argument("--sweep-sm90", action="store_true",
                     help="also time the Hopper kernel's launch settings (Sm90Config variants)")
+    ap.add_argument("--sm90-config", action="append", default=[], metavar="FIELD=VALUE[,...]",
+                    help="also time the Hopper kernel with these Sm90Config fields (repeat for more "
+                         "variants), e.g. shared_tiles=1 or min_tiles=2,pdl=0")
     args = ap.parse_args()
+    try:
+        sm90_variants = [sm90_config(text) for text in args.sm90_config]
+    except ValueError as exc:
+        ap.error(str(exc))
     torch.manual_seed(args.seed)
     ext = ver = None
     if (args.sglang_wheel or args.sglang_root) and not args.no_baseline:
@@ -350,8 +359,8 @@ def main() -> None:
         for cfg in BATCH_SWEEP:
             ops[f"composed {merge_tag(cfg)}"] = MlaVerify(H, D, max_bs, backend="composed",
                                                           page_size=64, merge_config=cfg)
-    if args.sweep_sm90 and "sm90" in ops:
-        for cfg in SM90_SWEEP:
+    if "sm90" in ops:
+        for cfg in (SM90_SWEEP if args.sweep_sm90 else []) + sm90_variants:
             ops[f"sm90 {sm90_tag(cfg)}"] = MlaVerify(H, D, 8, backend="sm90", sm90_config=cfg)
     peers = []  # (kernel, case, ctx list, µs)
     layered = []  # the same, per call of --layers calls in one graph
@@ -472,6 +481,26 @@ def merge_tag(cfg: MergeConfig) -> str:
             + (f" bdv{cfg.batch_chunk_dv_split} bcb{cfg.batch_chunk_block} "
                f"bw{cfg.batch_chunk_num_warps} bu{cfg.batch_chunk_unroll}" if cfg.batch_chunks
                else " bc0"))
+
+
+def sm90_config(text: str) -> Sm90Config:
+    """Sm90Config from 'field=value,...' (booleans as 0/1); ValueError naming what is wrong."""
+    types = {f.name: f.type for f in dataclasses.fields(Sm90Config)}
+    values = {}
+    for item in text.split(","):
+        field, eq, value = item.partition("=")
+        field = field.strip()
+        if not eq or field not in types:
+            raise ValueError(f"--sm90-config: '{item}' is not FIELD=VALUE with FIELD one of "
+                             + ", ".join(types))
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"--sm90-config: {field} must be an integer, got '{value}'") from None
+        if types[field] in (bool, "bool") and number not in (0, 1):
+            raise ValueError(f"--sm90-config: {field} must be 0 or 1, got {number}")
+        values[field] = bool(number) if types[field] in (bool, "bool") else number
+    return Sm90Config(**values)
 
 
 def sm90_tag(cfg: Sm90Config) -> str:
