@@ -497,9 +497,10 @@ def sm90_config(text: str) -> Sm90Config:
             number = int(value)
         except ValueError:
             raise ValueError(f"--sm90-config: {field} must be an integer, got '{value}'") from None
-        if types[field] in (bool, "bool") and number not in (0, 1):
+        flag = types[field] in (bool, "bool")
+        if flag and number not in (0, 1):
             raise ValueError(f"--sm90-config: {field} must be 0 or 1, got {number}")
-        values[field] = bool(number) if types[field] in (bool, "bool") else number
+        values[field] = bool(number) if flag else number
     return Sm90Config(**values)
 
 
