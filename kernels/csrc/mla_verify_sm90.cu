@@ -246,6 +246,12 @@ __device__ __forceinline__ void fence_regs(float (&r)[K]) {
   for (int i = 0; i < K; ++i) asm volatile("" : "+f"(r[i])::"memory");
 }
 
+template <int D, int K>
+__device__ __forceinline__ void fence_regs(float (&r)[D][K]) {
+#pragma unroll
+  for (int d = 0; d < D; ++d) fence_regs(r[d]);
+}
+
 template <int N>
 struct Wgmma;  // D[64, N] (+)= A[64, 16] B[16, N], bf16 in, fp32 accumulate
 
@@ -630,6 +636,21 @@ __device__ __forceinline__ void load_query_rows(const SplitParams& p, const Segm
   }
 }
 
+// S^T in log2 units (times scale_log2), -inf in the rows of tokens past the tile's `valid` (>= 1): this
+// thread's rows are 16 warp + lane / 4 and 8 more.
+template <int NV>
+__device__ __forceinline__ void scale_scores(float (&s_acc)[NV], int valid, float scale_log2, int warp, int lane) {
+  const int r_lo = 16 * warp + (lane >> 2);
+  const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
+#pragma unroll
+  for (int k = 0; k < NV; k += 4)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      s_acc[k + e] = ok_lo ? s_acc[k + e] * scale_log2 : -INFINITY;
+      s_acc[k + 2 + e] = ok_hi ? s_acc[k + 2 + e] * scale_log2 : -INFINITY;
+    }
+}
+
 // This warp's sums of l over its 16 tokens, per column (its columns 8 j + 2 (lane % 4) + e): lanes 0-3
 // write them to sums[column].
 template <int NJ>
@@ -724,6 +745,23 @@ __device__ __forceinline__ void issue_tile_qk(float (&s_acc)[NV], uint32_t base,
   wgmma_commit();
 }
 
+// O^T (+)= V^T P^T over D latent blocks from ring position `at` (V^T rows 64 d .. from block d), P^T at
+// p_addr (the accumulators' 2 NV columns).
+template <typename L, int D, int NV, int RING>
+__device__ __forceinline__ void issue_tile_pv(float (&o_acc)[D][NV], uint32_t base, RingPos<RING> at, uint32_t p_addr) {
+  fence_regs(o_acc);
+  wgmma_fence();
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      Wgmma<2 * NV>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_addr + ks * 32), 1);
+    at.advance();
+  }
+  wgmma_commit();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Consumer warpgroup: N query rows (columns of S^T and O^T) starting at row0 of the row block.
 // Accumulator layout of wgmma m64nN (per warp w, lane l): value 4j + 2h + e sits at row
@@ -783,9 +821,6 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
 
     for (int tile = s.t0; tile < s.t1; ++tile) {
       release(pos, 0, 1);  // rope block: read by the QK just waited for
-      const int valid = s.n - tile * TILE;  // tokens of this tile (>= 1)
-      const int r_lo = 16 * warp + (lane >> 2);
-      const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
       // Each column's maximum: tile t's warps push max(their tile maximum, m_use) into buffer t & 1
       // (reset only between segments: it may also hold tile t - 2's, which m_use passed then), read
       // back after barrier C. Buffer t & 1 was last read after barrier C of tile t - 2, before any
@@ -794,17 +829,12 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
       // Scaled scores (log2 units), masked past the prefix, and this warp's column maxima: every
       // column's shuffles side by side, then one branch for the atomics (a branch per column kept
       // each column's shuffles waiting for the previous column's atomic).
+      scale_scores(s_acc, s.n - tile * TILE, p.scale_log2, warp, lane);
       float wmax[NJ][2];
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float lo = ok_lo ? s_acc[4 * j + e] * p.scale_log2 : -INFINITY;
-          float hi = ok_hi ? s_acc[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
-          s_acc[4 * j + e] = lo;
-          s_acc[4 * j + 2 + e] = hi;
-          wmax[j][e] = fmaxf(lo, hi);
-        }
+        for (int e = 0; e < 2; ++e) wmax[j][e] = fmaxf(s_acc[4 * j + e], s_acc[4 * j + 2 + e]);
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1)
 #pragma unroll
@@ -858,30 +888,18 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
         fence_async_shared();
         named_barrier(bar_id, 128);  // P^T rewritten against the new maxima
       }
-#pragma unroll
-      for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
-      wgmma_fence();
       // O^T += V^T P^T: V^T rows 64d.. come from latent block d (ring position pos + 1 + d).
       // (Issuing the 8 independent accumulators k step by k step instead measured no faster.)
       RingPos<L::RING_BLOCKS> at = pos;
-#pragma unroll
-      for (int d = 0; d < 8; ++d) {
-        at.advance();
-        const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
-#pragma unroll
-        for (int ks = 0; ks < 4; ++ks) {
-          Wgmma<N>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_base + ks * 32), 1);
-        }
-      }
-      wgmma_commit();
+      at.advance();  // not pos.plus(1), which ptxas compiles to other (untimed) code than this loop had
+      issue_tile_pv<L>(o_acc, base, at, p_base);
       ++tile_count;
       // Free this tile's latent blocks as soon as its PV is done, before waiting for the next
       // tile's data, so tile t + 2 loads into them while tile t + 1 is computed. (Issuing
       // QK(t + 1) first, which holds them until all of tile t + 1 has arrived, measured the
       // same: the loop is not bound by its loads; BENCHMARKS.md.)
       wgmma_wait<0>();
-#pragma unroll
-      for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
+      fence_regs(o_acc);
       release(pos, 1, 8);
       const RingPos<L::RING_BLOCKS> next = pos.plus(BLOCKS_PER_TILE);
       if (tile + 1 < s.t1) {
@@ -991,21 +1009,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
     issue_tile_qk<L>(s_acc, base, at, base + L::Q, [wg](int blk) { return shared_column(blk, wg); });
   };
   // O^T += V^T P^T over this warpgroup's 4 latent blocks of the tile at `at`, owned by `owner`.
-  auto issue_pv = [&](Pos at, int owner) {
-    at = at.plus(owner == wg ? 1 : 5);
-#pragma unroll
-    for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
-    wgmma_fence();
-#pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        Wgmma<NR>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_base + ks * 32), 1);
-      at.advance();
-    }
-    wgmma_commit();
-  };
+  auto issue_pv = [&](Pos at, int owner) { issue_tile_pv<L>(o_acc, base, at.plus(owner == wg ? 1 : 5), p_base); };
   auto rescale = [&](int j, int e, float alpha) {
     l_run[j][e] *= alpha;
 #pragma unroll
@@ -1019,8 +1023,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
     mbar_wait(handoff_other, others & 1);
     fence_async_shared();
     if (*moved_flag) {
-#pragma unroll
-      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      fence_regs(o_acc);
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -1064,25 +1067,17 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
       arrive_empty(cur, 5, 4);
 
       // Scaled scores (log2 units), masked past the prefix; does any pass the reference by RESCALE_GAP?
-      const int valid = s.n - (s.t0 + i) * TILE;  // tokens of this tile (>= 1)
-      const int r_lo = 16 * warp + (lane >> 2);
-      const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
+      scale_scores(s_acc, s.n - (s.t0 + i) * TILE, p.scale_log2, warp, lane);
       bool pass = false;
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float lo = ok_lo ? s_acc[4 * j + e] * p.scale_log2 : -INFINITY;
-          const float hi = ok_hi ? s_acc[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
-          s_acc[4 * j + e] = lo;
-          s_acc[4 * j + 2 + e] = hi;
-          pass |= fmaxf(lo, hi) > order_float(m_buf[8 * j + 2 * (lane & 3) + e]) + RESCALE_GAP;
-        }
+        for (int e = 0; e < 2; ++e)
+          pass |= fmaxf(s_acc[4 * j + e], s_acc[4 * j + 2 + e]) > order_float(m_buf[8 * j + 2 * (lane & 3) + e]) + RESCALE_GAP;
       const bool moved = named_barrier_any(bar_id, 128, pass);
       if (moved) {  // rare after a segment's first tile: the column maxima, then every column moved to them
         wgmma_wait<0>();  // P.V(t - 1) accumulates into o_acc
-#pragma unroll
-        for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+        fence_regs(o_acc);
         if (tid < NR) tile_max[tid] = INT_MIN;  // every warp has taken tile t - 1's factors (before the vote)
         named_barrier(bar_id, 128);
 #pragma unroll
@@ -1132,8 +1127,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
         pk[j][1] = pack_bf16(q[1][0], q[1][1]);
       }
       wgmma_wait<0>();
-#pragma unroll
-      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      fence_regs(o_acc);
       if constexpr (has_prev) {  // P^T's one buffer is free once both warpgroups' P.V(t - 1) are done
         arrive_empty(prv, 5, 4);
         mbar_wait(pv_other, others & 1);
@@ -1146,8 +1140,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
       mbar_arrive(handoff_mine);
       issue_pv(cur, wg);
       wgmma_wait<0>();
-#pragma unroll
-      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      fence_regs(o_acc);
       arrive_empty(cur, 1, 4);
       mbar_arrive(pv_mine);
     };
@@ -1169,8 +1162,7 @@ __device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, c
       release_unread(last);
       take_handoff(last);
       wgmma_wait<0>();
-#pragma unroll
-      for (int d = 0; d < 4; ++d) fence_regs(o_acc[d]);
+      fence_regs(o_acc);
       arrive_empty(last, 5, 4);
       ++others;
     }
@@ -1535,8 +1527,7 @@ __global__ void __launch_bounds__(128) probe_kernel(const __nv_bfloat16* k, cons
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(s_acc);
-#pragma unroll
-  for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
+  fence_regs(o_acc);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
