@@ -175,9 +175,6 @@ class Sm90Config:
     on the device. 8 heads x 9 drafts on an H100, page 64: one request of 185k 104.2 -> 97.5 µs,
     8 of 56k-131k 394.8 -> 368.5; page 1 in runs, 5 of 3k-150k 160.0 -> 149.6; level with
     shuffled slots.
-    shared_tiles: 72-row blocks outside the short layout share each tile between the consumer
-    warpgroups (one computes S^T and the softmax for all 72 rows, both multiply P^T into their
-    half of the values; docs/verify-kernel.md#shared-tiles). Off: not yet measured faster.
     """
 
     min_tiles: int = 1
@@ -186,7 +183,6 @@ class Sm90Config:
     combine_slices: int = 0
     short_batches: bool = True
     tma_runs: bool = True
-    shared_tiles: bool = False
 
     def __post_init__(self) -> None:
         if self.combine_slices not in (0, 1, 2, 4):
@@ -529,7 +525,6 @@ class MlaVerify:
         sp.scale_log2 = scale_log2
         sp.short_blocks = self.short_blocks
         sp.tma_runs, sp.kv_rows = cfg.tma_runs, kv_pool.shape[0]
-        sp.shared_tiles = cfg.shared_tiles
         cp = self._combine_args
         cp.q, cp.k_ext, cp.v_ext = q.data_ptr(), k_ext.data_ptr(), v_ext.data_ptr()
         cp.mask = mask.data_ptr() if mask is not None else 0

@@ -53,8 +53,7 @@ class SplitParams(ctypes.Structure):
                 ("idx64", _I32), ("kvp64", _I32), ("qop64", _I32), ("batch", _I32),
                 ("heads", _I32), ("row_blocks", _I32), ("rows_pad", _I32), ("grid_x", _I32),
                 ("min_tiles", _I32), ("evict_first", _I32), ("scale_log2", _F32),
-                ("short_blocks", _I32), ("tma_runs", _I32), ("shared_tiles", _I32),
-                ("kv_rows", _I64)]
+                ("short_blocks", _I32), ("tma_runs", _I32), ("kv_rows", _I64)]
 
 
 class CombineParams(ctypes.Structure):

@@ -32,7 +32,7 @@ is checked against the fp32 reference before it is timed.
     pip install --no-deps --target /tmp/site .whl/sgl_flash_mla-*.whl; export PYTHONPATH=/tmp/site
     python scripts/bench_verify.py --out bench.md                # peers table
     python scripts/bench_verify.py --sweep-sm90 --out sweep.md   # + Sm90Config variants
-    python scripts/bench_verify.py --kernels sm90,flashmla --sm90-config shared_tiles=1   # + one variant
+    python scripts/bench_verify.py --kernels sm90,flashmla --sm90-config min_tiles=2   # + one variant
     python scripts/bench_verify.py --rounds 3 --layers 8 --sglang-root /tmp/sgl   # every peer
     python scripts/bench_verify.py --grid --extra-cases --rounds 3 --layers 8   # + batches x contexts
 """
@@ -248,7 +248,7 @@ def main() -> None:
                     help="also time the Hopper kernel's launch settings (Sm90Config variants)")
     ap.add_argument("--sm90-config", action="append", default=[], metavar="FIELD=VALUE[,...]",
                     help="also time the Hopper kernel with these Sm90Config fields (repeat for more "
-                         "variants), e.g. shared_tiles=1 or min_tiles=2,pdl=0")
+                         "variants), e.g. tma_runs=0 or min_tiles=2,pdl=0")
     args = ap.parse_args()
     try:
         sm90_variants = [sm90_config(text) for text in args.sm90_config]
@@ -450,8 +450,7 @@ def main() -> None:
 SM90_SWEEP = [Sm90Config(pdl=False), Sm90Config(min_tiles=2), Sm90Config(min_tiles=4),
               Sm90Config(evict_first=False), Sm90Config(combine_slices=1),
               Sm90Config(combine_slices=2), Sm90Config(combine_slices=4),
-              Sm90Config(short_batches=False), Sm90Config(tma_runs=False),
-              Sm90Config(shared_tiles=True)]
+              Sm90Config(short_batches=False), Sm90Config(tma_runs=False)]
 
 
 COMPOSED_SWEEP = [MergeConfig(chunks=0), MergeConfig(chunk_num_warps=4),
@@ -506,7 +505,7 @@ def sm90_config(text: str) -> Sm90Config:
 
 def sm90_tag(cfg: Sm90Config) -> str:
     return (f"mt{cfg.min_tiles} pdl{int(cfg.pdl)} ef{int(cfg.evict_first)} cs{cfg.combine_slices}"
-            f" sb{int(cfg.short_batches)} tma{int(cfg.tma_runs)} sh{int(cfg.shared_tiles)}")
+            f" sb{int(cfg.short_batches)} tma{int(cfg.tma_runs)}")
 
 
 RAGGED_5 = [1500, 9000, 31000, 77000, 120000]

@@ -15,7 +15,7 @@ from moeplace_kernels.mla_verify_api import Sm90Config  # noqa: E402
 
 
 @pytest.mark.parametrize("text,expected", [
-    ("shared_tiles=1", Sm90Config(shared_tiles=True)),
+    ("tma_runs=0", Sm90Config(tma_runs=False)),
     ("min_tiles=2, pdl=0", Sm90Config(min_tiles=2, pdl=False)),
     ("combine_slices=4,tma_runs=0,evict_first=1", Sm90Config(combine_slices=4, tma_runs=False)),
 ])
@@ -26,8 +26,8 @@ def test_fields_become_the_config(text, expected):
 
 
 @pytest.mark.parametrize("text,says", [
-    ("shared=1", "'shared=1' is not FIELD=VALUE"),
-    ("shared_tiles", "is not FIELD=VALUE"),
+    ("tma=1", "'tma=1' is not FIELD=VALUE"),
+    ("tma_runs", "is not FIELD=VALUE"),
     ("pdl=yes", "pdl must be an integer, got 'yes'"),
     ("tma_runs=2", "tma_runs must be 0 or 1, got 2"),
     ("combine_slices=3", "combine_slices must be 0 (by the batch), 1, 2 or 4"),

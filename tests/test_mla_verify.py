@@ -204,11 +204,6 @@ def test_scores_that_jump_mid_prefix(backend, growth):
     """Keys that grow along the prefix (and a few far larger ones late in it) move every row's running
     maximum again and again, far past the first tiles' maximum: the online softmax must rescale what
     it summed before, wherever in a split the jump falls."""
-    check(growing_keys(growth), 9, backend=backend)
-
-
-def growing_keys(growth: float) -> dict:
-    """Three requests whose keys grow along the prefix by ``growth``, a few far larger late."""
     case = make_case(3, [9, 9, 5], 8, [9000, 700, 40000], seed=int(growth))
     pool, ids, kvp = case["kv_pool"], case["kv_indices"], case["kv_indptr"].tolist()
     for b in range(3):
@@ -217,7 +212,7 @@ def growing_keys(growth: float) -> dict:
         pool[slots] = (pool[slots].float() * ramp[:, None, None]).to(pool.dtype)
         late = slots[int(0.8 * slots.numel()):][::997]
         pool[late] = (pool[late].float() * 8).to(pool.dtype)
-    return case
+    check(case, 9, backend=backend)
 
 
 @pytest.mark.gpu
@@ -248,27 +243,6 @@ def test_sm90_short_batch_layout(heads, short, ctx):
 
     op = make_op(heads, 9, 4, "sm90", sm90_config=Sm90Config(short_batches=short))
     check(make_case(4, [9, 4, 9, 1], heads, ctx, tree="random", seed=heads), 9, op=op)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("name", ["one request", "ragged", "boundaries", "jumps", "short"])
-def test_sm90_shared_tiles(name):
-    """Tiles shared between the consumer warpgroups (Sm90Config.shared_tiles): segments of one tile
-    and of odd and even counts, either warpgroup owning a segment's first tile, the reference maxima
-    moved mid-prefix (the handoff's factors), and a short batch, which keeps the row split."""
-    from moeplace_kernels.mla_verify_api import Sm90Config
-
-    cases = {"one request": lambda: make_case(1, [9], 8, [185000], seed=1),
-             "ragged": lambda: make_case(8, [9, 9, 4, 1, 9, 9, 2, 9], 8,
-                                         [1, 63, 64, 4097, 70001, 300, 31, 20000], seed=2),
-             "boundaries": lambda: make_case(12, [9] * 12, 8, [70000, 0, 65, 30000, 1, 12345, 64,
-                                                               50000, 129, 0, 40000, 9000], seed=3),
-             "jumps": lambda: growing_keys(30.0),
-             "short": lambda: make_case(4, [9, 4, 9, 1], 8, [1000, 63, 2500, 0], seed=4)}
-    case = cases[name]()
-    bs = case["kv_indptr"].numel() - 1
-    check(case, 9, op=make_op(8, 9, bs, "sm90", sm90_config=Sm90Config(shared_tiles=True)))
 
 
 @pytest.mark.gpu

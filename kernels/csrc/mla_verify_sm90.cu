@@ -20,9 +20,6 @@
 //          O^T [512, N]      += V^T [512, 64] P^T [64, N]   (V^T read from the same K blocks)
 //        The softmax runs over the token (M) dimension: a shuffle within each warp and a shared
 //        max across the warpgroup's 4 warps.
-//        With SplitParams.shared_tiles the 72-row variant shares the tiles out instead (consume_shared):
-//        the warpgroups take them in turn for S^T of all 72 rows (N = 72) and the softmax, and each
-//        multiplies every tile's P^T into its half of O^T (256 values of all 72 rows).
 // The prefix needs no mask (every draft row sees every prefix token), so the loop has none; the
 // D x D tree part is computed by the combine kernel and merged by log-sum-exp.
 //
@@ -36,8 +33,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
-
-#include <type_traits>
 
 namespace mlav {
 
@@ -60,19 +55,12 @@ constexpr int BOUNDARY_TILES = 3;
 constexpr int CONSUMER0_REGS = 240;
 constexpr int CONSUMER1_REGS = 216;
 constexpr int PRODUCER_REGS = 48;
-// Shared tiles (consume_shared, SplitParams.shared_tiles): the 72-row variant outside the short layout
-// alternates its tiles between the consumer warpgroups, each holding half of O^T for all 72 rows. At
-// 224 registers each ptxas spilled 148 bytes of their loop (running sums); at 232, with the producer
-// at 40, its kernel instance spills 72 bytes, mostly loop-invariant values (the row split's has none).
-constexpr int SHARED_REGS = 232;
-constexpr int SHARED_PRODUCER_REGS = 40;
 // A column's reference maximum moves once its running maximum passes it by this much (log2 units):
 // exponentials up to 2^RESCALE_GAP stay far inside bf16's and fp32's range.
 constexpr float RESCALE_GAP = 8.f;
 // setmaxnreg only moves registers within the CTA (launched with 384 x 168): what the two
 // consumer warpgroups take must not exceed what the producer gives back, or they wait forever.
 static_assert(CONSUMER0_REGS + CONSUMER1_REGS - 2 * 168 <= 168 - PRODUCER_REGS, "register budget");
-static_assert(2 * SHARED_REGS - 2 * 168 <= 168 - SHARED_PRODUCER_REGS, "register budget");
 
 struct SplitParams {
   const __nv_bfloat16* q;     // [T, H, 576]
@@ -92,7 +80,6 @@ struct SplitParams {
   float scale_log2;           // softmax scale * log2(e)
   int short_blocks;           // row blocks of SHORT_ROWS for a short batch (0: never; see Layout)
   int tma_runs;               // copy runs of RUN_TOKENS consecutive slot ids by TMA (1) or always gather (0)
-  int shared_tiles;           // the 72-row variant outside the short layout runs consume_shared (1)
   long long kv_rows;          // slots in the pool (the TMA map's extent)
 };
 
@@ -210,18 +197,6 @@ __device__ __forceinline__ void named_barrier(int id, int count) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
-// A named barrier that also tells every thread whether `pred` held for any of them.
-__device__ __forceinline__ bool named_barrier_any(int id, int count, bool pred) {
-  uint32_t any;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.cta.red.or.pred q, %2, %3, p;\n"
-      "selp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "r"(id), "r"(count)
-      : "memory");
-  return any != 0;
-}
-
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -231,25 +206,11 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(PENDING) : "memory");
 }
 
-template <int A, int B>
-__device__ __forceinline__ void fill(float (&r)[A][B], float v) {
-#pragma unroll
-  for (int a = 0; a < A; ++a)
-#pragma unroll
-    for (int b = 0; b < B; ++b) r[a][b] = v;
-}
-
 // Pin registers written by asynchronous wgmma: the compiler may not move their uses across.
 template <int K>
 __device__ __forceinline__ void fence_regs(float (&r)[K]) {
 #pragma unroll
   for (int i = 0; i < K; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
-
-template <int D, int K>
-__device__ __forceinline__ void fence_regs(float (&r)[D][K]) {
-#pragma unroll
-  for (int d = 0; d < D; ++d) fence_regs(r[d]);
 }
 
 template <int N>
@@ -364,12 +325,6 @@ struct Segment {
 // the rope block (8) first, so the QK products can start before the latent blocks land.
 __device__ __forceinline__ int block_column(int blk) { return blk == 0 ? 8 : blk - 1; }
 
-// The same for shared tiles (consume_shared): after the rope block, the 4 latent blocks of the
-// tile's owner's half of the values (warpgroup o holds blocks 4 o .. 4 o + 3), which free first.
-__device__ __forceinline__ int shared_column(int blk, int owner) {
-  return blk == 0 ? 8 : blk <= 4 ? 4 * owner + blk - 1 : 4 * (1 - owner) + blk - 5;
-}
-
 // Rows of a row block in the short layout: both consumer warpgroups take SHORT_ROWS / 2.
 constexpr int SHORT_ROWS = 48;
 
@@ -449,11 +404,7 @@ struct SmemPlan {
   static constexpr int FULL = BARS;                            // RING_BLOCKS x 8 B
   static constexpr int EMPTY = FULL + 8 * RING_BLOCKS;
   static constexpr int Q_FULL = EMPTY + 8 * RING_BLOCKS;      // one per consumer warpgroup
-  static constexpr int HANDOFF = Q_FULL + 16;                  // shared tiles: P^T written, per owner
-  static constexpr int PV_DONE = HANDOFF + 16;                 // shared tiles: P.V of own tile done
-  static constexpr int FLAG = PV_DONE + 16;                    // shared tiles: the reference moved
-  static constexpr int ROW_MAX = FLAG + 16;                    // [2 tiles][NR] ordered ints (shared tiles:
-                                                               // reference maxima, then their factors)
+  static constexpr int ROW_MAX = Q_FULL + 16;                  // [2 tiles][NR] ordered ints
   static constexpr int BYTES = ROW_MAX + 2 * NR * 4;
   // Tile t + 1 reuses the slots of tile t - 1's latent blocks and of tile t's rope block, which
   // are free before tile t + 1's QK is issued; with fewer blocks the loop would deadlock.
@@ -476,9 +427,7 @@ struct RingPos {
   }
   __device__ __forceinline__ RingPos plus(int k) const {
     RingPos r = *this;
-    r.slot += k;
-    r.phase ^= (r.slot / RING) & 1;
-    r.slot %= RING;
+    for (int i = 0; i < k; ++i) r.advance();
     return r;
   }
 };
@@ -487,10 +436,9 @@ struct RingPos {
 // Producer warpgroup
 // ---------------------------------------------------------------------------------------------
 
-// shared: the tiles' latent blocks in shared_column's order (the owner alternates with the CTA's tile count).
 template <int N0, int N1>
 __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t* smem, int total, const Layout& lay,
-                        int x, int y, bool shared) {
+                        int x, int y) {
   using L = SmemPlan<N0, N1>;
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int chunk16 = lane & 7;                   // 16-byte piece of a 128-byte block row
@@ -498,7 +446,6 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
   const uint32_t base = smem_addr(smem);
   const uint64_t policy = l2_policy(p.evict_first != 0 && !lay.is_short);  // short: two row blocks re-read
   RingPos<L::RING_BLOCKS> pos;
-  int count = 0;  // tiles of this CTA so far
   SegmentWalk walk(p, total, lay, x);
   Segment s;
   while (walk.next(y, lay.rows_per_block, s)) {
@@ -523,10 +470,8 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
     int ids[4];
     load_ids(s.t0, ids);
     int run = warp_run(s.t0, ids);
-    for (int tile = s.t0; tile < s.t1; ++tile, ++count) {
+    for (int tile = s.t0; tile < s.t1; ++tile) {
       const bool has_next = tile + 1 < s.t1;
-      const int owner = count & 1;
-      auto column = [&](int blk) { return shared ? shared_column(blk, owner) : block_column(blk); };
       int next_ids[4] = {-1, -1, -1, -1};
       if (has_next) load_ids(tile + 1, next_ids);
       if (run >= 0) {  // one lane copies the warp's 16 rows of each block and arrives for all 32
@@ -538,7 +483,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
             mbar_wait(base + L::EMPTY + 8 * at.slot, at.phase ^ 1);
             mbar_expect_tx(full, RUN_TOKENS * 128);
             tma_load_box(base + L::RING + at.slot * BLOCK_BYTES + warp * (RUN_TOKENS * 128), kv_map,
-                         column(blk) * 64, run, full, policy);
+                         block_column(blk) * 64, run, full, policy);
             mbar_arrive_count(full, 32);
             at.advance();
           }
@@ -548,7 +493,7 @@ __device__ void produce(const SplitParams& p, const CUtensorMap* kv_map, uint8_t
       } else {  // gathered: the loop of a warp whose control flow is uniform (its barrier addresses too)
 #pragma unroll 1
         for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-          const int col0 = column(blk) * 64 + chunk16 * 8;
+          const int col0 = block_column(blk) * 64 + chunk16 * 8;
           mbar_wait(base + L::EMPTY + 8 * pos.slot, pos.phase ^ 1);
           const uint32_t dst = base + L::RING + pos.slot * BLOCK_BYTES;
 #pragma unroll
@@ -578,16 +523,11 @@ __device__ __forceinline__ float tile_exp(float s_lo, float s_hi, float m) { ret
 // A warp's 16 x 8 piece of an accumulator (rows 8h + lane / 4, columns 2 (lane % 4) + e; a0 a1 for
 // h = 0, b0 b1 for h = 1) stored transposed as bf16 by stmatrix: column k becomes 16 bytes at the
 // address lane 8h + k gives (trans_row_addr), half h of them.
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(a, b);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-__device__ __forceinline__ void store_packed_trans(uint32_t addr, uint32_t lo, uint32_t hi) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr), "r"(lo), "r"(hi)
-               : "memory");
-}
 __device__ __forceinline__ void store_piece_trans(uint32_t addr, float a0, float a1, float b0, float b1) {
-  store_packed_trans(addr, pack_bf16(a0, a1), pack_bf16(b0, b1));
+  __nv_bfloat162 lo = __floats2bfloat162_rn(a0, a1), hi = __floats2bfloat162_rn(b0, b1);
+  asm volatile("stmatrix.sync.aligned.m8n8.x2.trans.shared.b16 [%0], {%1, %2};" ::"r"(addr),
+               "r"(*reinterpret_cast<uint32_t*>(&lo)), "r"(*reinterpret_cast<uint32_t*>(&hi))
+               : "memory");
 }
 
 // This lane's stmatrix address in a stack of 128-byte rows with the 128-byte swizzle (rows_base 8-row
@@ -614,152 +554,6 @@ __device__ __forceinline__ void exp_tile(const float* s_acc, const float (&m_use
     }
     store_piece_trans(pt_addr + j * 1024, p[0][0], p[0][1], p[1][0], p[1][1]);
   }
-}
-
-// Rows [r0, r1) of a row block (its first query row row_base) into the query buffer at q_buf (9 column
-// blocks of NR rows, 128-byte swizzle), zeros past the request's rows: a warp of the calling warpgroup per
-// row, a lane per 16 bytes, by cp.async.
-template <int NR>
-__device__ __forceinline__ void load_query_rows(const SplitParams& p, const Segment& s, int row_base, uint32_t q_buf,
-                                                int r0, int r1, uint64_t policy) {
-  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  for (int r = r0 + warp; r < r1; r += 4) {
-    const int qrow = row_base + r;
-    const bool ok = qrow < s.rows;
-    const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      const int c = lane + 32 * k;
-      if (c < KV_DIM / 8)
-        cp_async16(q_buf + (c >> 3) * (NR * 128) + sw128_offset(r, (c & 7) * 8), src + c * 8, ok ? 16 : 0, policy);
-    }
-  }
-}
-
-// S^T in log2 units (times scale_log2), -inf in the rows of tokens past the tile's `valid` (>= 1): this
-// thread's rows are 16 warp + lane / 4 and 8 more.
-template <int NV>
-__device__ __forceinline__ void scale_scores(float (&s_acc)[NV], int valid, float scale_log2, int warp, int lane) {
-  const int r_lo = 16 * warp + (lane >> 2);
-  const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
-#pragma unroll
-  for (int k = 0; k < NV; k += 4)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      s_acc[k + e] = ok_lo ? s_acc[k + e] * scale_log2 : -INFINITY;
-      s_acc[k + 2 + e] = ok_hi ? s_acc[k + 2 + e] * scale_log2 : -INFINITY;
-    }
-}
-
-// This warp's sums of l over its 16 tokens, per column (its columns 8 j + 2 (lane % 4) + e): lanes 0-3
-// write them to sums[column].
-template <int NJ>
-__device__ __forceinline__ void warp_column_sums(const float (&l)[NJ][2], float* sums) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float v = l[j][e];
-      v += __shfl_xor_sync(0xffffffffu, v, 4);
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (lane < 4) sums[8 * j + 2 * lane + e] = v;
-    }
-}
-
-// Each of this thread's columns' sum l over W warps' sums (stride floats apart in sums): 1 / l into inv_l,
-// and where `write`, the partial's log2-sum-exp ref(j, e, column) + log2(l) into l_part[column].
-template <int W, int NJ, typename Ref>
-__device__ __forceinline__ void column_totals(const float* sums, int stride, float (&inv_l)[NJ][2], bool write,
-                                              float* l_part, Ref ref) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int j = 0; j < NJ; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int c = 8 * j + 2 * (lane & 3) + e;
-      float l = 0.f;
-#pragma unroll
-      for (int w = 0; w < W; ++w) l += sums[w * stride + c];
-      inv_l[j][e] = 1.f / l;
-      if (write && lane < 4) l_part[c] = ref(j, e, c) + log2f(l);
-    }
-}
-
-// Normalised rows staged for the copy out: O^T block d times inv_l, transposed to bf16 rows of 64
-// values (128-byte swizzle) at stage + d * block_bytes (stage: trans_row_addr of the first row).
-template <int D, int NV, int NJ>
-__device__ __forceinline__ void stage_rows(const float (&o)[D][NV], const float (&inv_l)[NJ][2], uint32_t stage,
-                                           int block_bytes) {
-#pragma unroll
-  for (int d = 0; d < D; ++d)
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-      store_piece_trans(stage + d * block_bytes + j * 1024, o[d][4 * j] * inv_l[j][0], o[d][4 * j + 1] * inv_l[j][1],
-                        o[d][4 * j + 2] * inv_l[j][0], o[d][4 * j + 3] * inv_l[j][1]);
-}
-
-// Staged rows row0 .. row0 + rows (blocks of nr rows in the query buffer q) to out (a row every
-// V_DIM values), PIECES 16-byte pieces of each from piece0, 16 bytes per thread of the warpgroup.
-template <int PIECES>
-__device__ __forceinline__ void copy_rows_out(const uint8_t* q, int nr, int row0, int rows, int piece0,
-                                              __nv_bfloat16* out) {
-  for (int k = threadIdx.x & 127; k < rows * PIECES; k += 128) {
-    const int c = k / PIECES, piece = piece0 + k % PIECES;  // row c, values 8 piece ..
-    const uint4 v = *reinterpret_cast<const uint4*>(q + (piece >> 3) * (nr * 128) + (row0 + c) * 128 +
-                                                    ((((piece & 7) ^ c) & 7) << 4));
-    *reinterpret_cast<uint4*>(out + c * V_DIM + piece * 8) = v;
-  }
-}
-
-// This warp's arrival on the free barriers of blocks first .. first + n - 1 of the tile at ring position
-// `at` (each slot frees once every consumer warp has arrived).
-template <typename L, int RING>
-__device__ __forceinline__ void release_blocks(uint32_t base, RingPos<RING> at, int first, int n) {
-  at = at.plus(first);
-  for (int i = 0; i < n; ++i) {
-    if ((threadIdx.x & 31) == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
-    at.advance();
-  }
-}
-
-// S^T (+)= K Q^T over the 9 blocks of the tile from ring position `at`, each waited for as it lands: the
-// block against column block column(blk) of the query rows at q_rows (L::NR rows a column block).
-template <typename L, int NV, int RING, typename Column>
-__device__ __forceinline__ void issue_tile_qk(float (&s_acc)[NV], uint32_t base, RingPos<RING> at, uint32_t q_rows,
-                                              Column column) {
-#pragma unroll 1
-  for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
-    mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
-    fence_async_shared();
-    wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
-    const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
-    const uint32_t q_addr = q_rows + column(blk) * (L::NR * 128);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      Wgmma<2 * NV>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
-                                        blk > 0 || ks > 0);
-    at.advance();
-  }
-  wgmma_commit();
-}
-
-// O^T (+)= V^T P^T over D latent blocks from ring position `at` (V^T rows 64 d .. from block d), P^T at
-// p_addr (the accumulators' 2 NV columns).
-template <typename L, int D, int NV, int RING>
-__device__ __forceinline__ void issue_tile_pv(float (&o_acc)[D][NV], uint32_t base, RingPos<RING> at, uint32_t p_addr) {
-  fence_regs(o_acc);
-  wgmma_fence();
-#pragma unroll
-  for (int d = 0; d < D; ++d) {
-    const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      Wgmma<2 * NV>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_addr + ks * 32), 1);
-    at.advance();
-  }
-  wgmma_commit();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -796,9 +590,29 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
   int tile_count = 0;           // tiles done by this CTA: parity picks the row-max buffer
 
   auto issue_qk = [&](RingPos<L::RING_BLOCKS> at) {
-    issue_tile_qk<L>(s_acc, base, at, q_base, [](int blk) { return block_column(blk); });
+#pragma unroll 1
+    for (int blk = 0; blk < BLOCKS_PER_TILE; ++blk) {
+      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
+      fence_async_shared();
+      wgmma_fence();  // after every wait: ptxas serialises wgmma issued past a divergent path
+      const uint32_t k_addr = base + L::RING + at.slot * BLOCK_BYTES;
+      const uint32_t q_addr = q_base + block_column(blk) * (NR * 128);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        Wgmma<N>::template mma<0, 0>(s_acc, sw128_desc(k_addr + ks * 32), sw128_desc(q_addr + ks * 32),
+                                     blk > 0 || ks > 0);
+      }
+      at.advance();
+    }
+    wgmma_commit();
   };
-  auto release = [&](RingPos<L::RING_BLOCKS> at, int first, int count) { release_blocks<L>(base, at, first, count); };
+  auto release = [&](RingPos<L::RING_BLOCKS> at, int first, int count) {
+    at = at.plus(first);
+    for (int i = 0; i < count; ++i) {
+      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
+      at.advance();
+    }
+  };
 
   SegmentWalk walk(p, total, lay, x);
   Segment s;
@@ -806,14 +620,33 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
     // This warpgroup's query rows (zeros past the request's rows), loaded by itself while the producer
     // starts on the KV: a warp per row, a lane per 16 bytes. (Loaded by the producer, with its 40
     // registers, they took a third of a one-tile call: docs/verify-kernel.md.)
-    load_query_rows<NR>(p, s, y * lay.rows_per_block, base + L::Q, row0, row0 + N, q_policy);
+    for (int r = warp; r < N; r += 4) {
+      const int qrow = y * lay.rows_per_block + row0 + r;
+      const bool ok = qrow < s.rows;
+      const __nv_bfloat16* src = ok ? p.q + (s.q0 + qrow / p.heads) * p.q_stride_t + (qrow % p.heads) * p.q_stride_h : p.q;
+#pragma unroll
+      for (int k = 0; k < 3; ++k) {
+        const int c = lane + 32 * k;
+        if (c < KV_DIM / 8)
+          cp_async16(base + L::Q + (c >> 3) * (NR * 128) + sw128_offset(row0 + r, (c & 7) * 8), src + c * 8,
+                     ok ? 16 : 0, q_policy);
+      }
+    }
     cp_async_arrive(base + L::Q_FULL + 8 * wg);
     mbar_wait(base + L::Q_FULL + 8 * wg, q_phase);  // every warp's rows have landed (a named barrier
     q_phase ^= 1;                                   // here makes ptxas serialise the wgmma)
     fence_async_shared();
-    fill(o_acc, 0.f);
-    fill(m_use, -1e30f);
-    fill(l_run, 0.f);
+#pragma unroll
+    for (int d = 0; d < 8; ++d)
+#pragma unroll
+      for (int i = 0; i < NV; ++i) o_acc[d][i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        m_use[j][e] = -1e30f;
+        l_run[j][e] = 0.f;
+      }
     fence_regs(s_acc);
     issue_qk(pos);
     wgmma_wait<0>();
@@ -821,6 +654,9 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
 
     for (int tile = s.t0; tile < s.t1; ++tile) {
       release(pos, 0, 1);  // rope block: read by the QK just waited for
+      const int valid = s.n - tile * TILE;  // tokens of this tile (>= 1)
+      const int r_lo = 16 * warp + (lane >> 2);
+      const bool ok_lo = r_lo < valid, ok_hi = r_lo + 8 < valid;
       // Each column's maximum: tile t's warps push max(their tile maximum, m_use) into buffer t & 1
       // (reset only between segments: it may also hold tile t - 2's, which m_use passed then), read
       // back after barrier C. Buffer t & 1 was last read after barrier C of tile t - 2, before any
@@ -829,12 +665,17 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
       // Scaled scores (log2 units), masked past the prefix, and this warp's column maxima: every
       // column's shuffles side by side, then one branch for the atomics (a branch per column kept
       // each column's shuffles waiting for the previous column's atomic).
-      scale_scores(s_acc, s.n - tile * TILE, p.scale_log2, warp, lane);
       float wmax[NJ][2];
 #pragma unroll
       for (int j = 0; j < NJ; ++j)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) wmax[j][e] = fmaxf(s_acc[4 * j + e], s_acc[4 * j + 2 + e]);
+        for (int e = 0; e < 2; ++e) {
+          float lo = ok_lo ? s_acc[4 * j + e] * p.scale_log2 : -INFINITY;
+          float hi = ok_hi ? s_acc[4 * j + 2 + e] * p.scale_log2 : -INFINITY;
+          s_acc[4 * j + e] = lo;
+          s_acc[4 * j + 2 + e] = hi;
+          wmax[j][e] = fmaxf(lo, hi);
+        }
 #pragma unroll
       for (int o = 4; o < 32; o <<= 1)
 #pragma unroll
@@ -888,18 +729,30 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
         fence_async_shared();
         named_barrier(bar_id, 128);  // P^T rewritten against the new maxima
       }
+#pragma unroll
+      for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
+      wgmma_fence();
       // O^T += V^T P^T: V^T rows 64d.. come from latent block d (ring position pos + 1 + d).
       // (Issuing the 8 independent accumulators k step by k step instead measured no faster.)
       RingPos<L::RING_BLOCKS> at = pos;
-      at.advance();  // not pos.plus(1), which ptxas compiles to other (untimed) code than this loop had
-      issue_tile_pv<L>(o_acc, base, at, p_base);
+#pragma unroll
+      for (int d = 0; d < 8; ++d) {
+        at.advance();
+        const uint32_t v_addr = base + L::RING + at.slot * BLOCK_BYTES;
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) {
+          Wgmma<N>::template mma<1, 0>(o_acc[d], sw128_desc(v_addr + ks * 2048), sw128_desc(p_base + ks * 32), 1);
+        }
+      }
+      wgmma_commit();
       ++tile_count;
       // Free this tile's latent blocks as soon as its PV is done, before waiting for the next
       // tile's data, so tile t + 2 loads into them while tile t + 1 is computed. (Issuing
       // QK(t + 1) first, which holds them until all of tile t + 1 has arrived, measured the
       // same: the loop is not bound by its loads; BENCHMARKS.md.)
       wgmma_wait<0>();
-      fence_regs(o_acc);
+#pragma unroll
+      for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
       release(pos, 1, 8);
       const RingPos<L::RING_BLOCKS> next = pos.plus(BLOCKS_PER_TILE);
       if (tile + 1 < s.t1) {
@@ -918,17 +771,45 @@ __device__ void consume(const SplitParams& p, uint8_t* smem, int total, const La
       row_max[tid] = INT_MIN;
       row_max[NR + tid] = INT_MIN;
     }
-    warp_column_sums(l_run, scratch + warp * N);
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = l_run[j][e];
+        v += __shfl_xor_sync(0xffffffffu, v, 4);
+        v += __shfl_xor_sync(0xffffffffu, v, 8);
+        v += __shfl_xor_sync(0xffffffffu, v, 16);
+        if (lane < 4) scratch[warp * N + 8 * j + 2 * lane + e] = v;
+      }
     named_barrier(bar_id, 128);
     const int slot = x + s.b;
     const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * lay.rows_per_block + row0;
     float inv_l[NJ][2];
-    column_totals<4>(scratch, N, inv_l, warp == 0, p.l_part + part_row0, [&](int j, int e, int) { return m_use[j][e]; });
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int c = 8 * j + 2 * (lane & 3) + e;
+        const float l = scratch[c] + scratch[N + c] + scratch[2 * N + c] + scratch[3 * N + c];
+        inv_l[j][e] = 1.f / l;
+        if (warp == 0 && lane < 4) p.l_part[part_row0 + c] = m_use[j][e] + log2f(l);
+      }
     // Stage the normalised rows (512 values each, in 128-byte swizzled blocks of 64) in this WG's rows
     // of the query buffer: value 64 d + r of row c is O^T's row r of block d, column c.
-    stage_rows(o_acc, inv_l, trans_row_addr(base + L::Q + row0 * 128, warp, lane), NR * 128);
+    const uint32_t stage = trans_row_addr(base + L::Q + row0 * 128, warp, lane);
+#pragma unroll
+    for (int d = 0; d < 8; ++d)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        store_piece_trans(stage + d * (NR * 128) + j * 1024, o_acc[d][4 * j] * inv_l[j][0], o_acc[d][4 * j + 1] * inv_l[j][1],
+                          o_acc[d][4 * j + 2] * inv_l[j][0], o_acc[d][4 * j + 3] * inv_l[j][1]);
     named_barrier(bar_id, 128);
-    copy_rows_out<64>(smem + L::Q, NR, row0, N, 0, p.o_part + part_row0 * V_DIM);
+    for (int i = tid; i < N * 64; i += 128) {
+      const int c = i >> 6, piece = i & 63;  // row c, values 8 piece ..
+      const uint4 v = *reinterpret_cast<const uint4*>(
+          smem + L::Q + (piece >> 3) * (NR * 128) + (row0 + c) * 128 + ((((piece & 7) ^ c) & 7) << 4));
+      *reinterpret_cast<uint4*>(p.o_part + (part_row0 + c) * V_DIM + piece * 8) = v;
+    }
     named_barrier(bar_id, 128);  // the staged rows are read: the next segment's query rows may land there
   }
 }
@@ -947,252 +828,8 @@ __device__ __forceinline__ void consume_rows(const SplitParams& p, uint8_t* smem
   consume<N0, N1, N>(p, smem, total, lay, x, y, wg, row0);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Shared tiles (the 72-row variant outside the short layout): the consumer warpgroups take the CTA's
-// tiles in turn. A tile's owner computes S^T for all 72 rows (wgmma N = 72) and the softmax, writes
-// P^T and hands it over on an mbarrier; each warpgroup holds O^T of half the 512 values (latent
-// blocks 4 wg .. 4 wg + 3) for all 72 rows and multiplies every tile's P^T into it. Every K and V
-// block is read once from shared memory (consume reads each twice, at N = 40 and 32), and one
-// warpgroup's softmax runs while the other's products do (docs/verify-kernel.md#shared-tiles).
-//
-// Warpgroup wg's loop for its tile t (tile t - 1 is the other's):
-//   QK(t) issued; P^T(t - 1) waited for and P.V(t - 1) issued; QK(t) waited for; softmax(t);
-//   P.V(t - 1) and the other's P.V(t - 1) waited for (P^T has one buffer); P^T(t) written and handed
-//   over; P.V(t) issued and waited for.
-// The reference maxima (as in consume, moved only when a tile's scores pass them by RESCALE_GAP) live
-// in shared memory, one set for both warpgroups: a tile's owner moves them and says so with P^T, and
-// the other rescales its accumulators by the factors the owner left beside them.
-// ---------------------------------------------------------------------------------------------
-
 template <int N0, int N1>
-__device__ void consume_shared(const SplitParams& p, uint8_t* smem, int total, const Layout& lay, int x, int y,
-                               int wg) {
-  using L = SmemPlan<N0, N1>;
-  using Pos = RingPos<L::RING_BLOCKS>;
-  constexpr int NR = L::NR;      // columns of S^T, P^T and O^T
-  constexpr int NJ = NR / 8;
-  constexpr int NV = NR / 2;     // accumulator registers per 64-row block
-  constexpr int HALF = NR / 2;   // query rows each warpgroup loads
-  constexpr int BOTH = 3;        // named barrier of both consumer warpgroups
-  static_assert(NR == 72, "shared tiles are for the 72-row variant");
-  const int tid = threadIdx.x & 127, warp = tid >> 5, lane = tid & 31;
-  const int bar_id = 1 + wg;
-  const uint32_t base = smem_addr(smem);
-  const uint32_t p_base = base + L::P;
-  const uint32_t pt_addr = trans_row_addr(p_base, warp, lane);
-  int* m_buf = reinterpret_cast<int*>(smem + L::ROW_MAX);                // [NR] reference maxima, ordered
-  float* alpha_buf = reinterpret_cast<float*>(smem + L::ROW_MAX) + NR;  // [NR] factors of their last move
-  int* tile_max = reinterpret_cast<int*>(alpha_buf);                      // (the same space) a moving tile's maxima
-  volatile int* moved_flag = reinterpret_cast<volatile int*>(smem + L::FLAG);
-  const uint32_t handoff_mine = base + L::HANDOFF + 8 * wg, handoff_other = base + L::HANDOFF + 8 * (1 - wg);
-  const uint32_t pv_mine = base + L::PV_DONE + 8 * wg, pv_other = base + L::PV_DONE + 8 * (1 - wg);
-  const uint64_t q_policy = l2_policy(false);
-
-  float s_acc[NV];
-  float o_acc[4][NV];  // O^T rows of latent block 4 wg + d, all NR columns
-  float l_run[NJ][2] = {};  // this thread's sums of exp2(s - reference) over the warpgroup's own tiles
-  uint32_t q_phase = 0;
-  int others = 0;      // the other warpgroup's tiles taken so far: the phase of its two barriers
-  int count = 0;       // the CTA's tiles so far (tile owner: count & 1)
-  Pos pos;             // first block of tile `count`
-
-  auto arrive_empty = [&](Pos at, int first, int n) { release_blocks<L>(base, at, first, n); };
-  // Blocks 0-4 of the other's tile (its rope and its owner's half) are never read here: freed once landed.
-  auto release_unread = [&](Pos at) {
-    for (int i = 0; i < 5; ++i) {
-      mbar_wait(base + L::FULL + 8 * at.slot, at.phase);
-      if (lane == 0) mbar_arrive(base + L::EMPTY + 8 * at.slot);
-      at.advance();
-    }
-  };
-  auto issue_qk = [&](Pos at) {
-    issue_tile_qk<L>(s_acc, base, at, base + L::Q, [wg](int blk) { return shared_column(blk, wg); });
-  };
-  // O^T += V^T P^T over this warpgroup's 4 latent blocks of the tile at `at`, owned by `owner`.
-  auto issue_pv = [&](Pos at, int owner) { issue_tile_pv<L>(o_acc, base, at.plus(owner == wg ? 1 : 5), p_base); };
-  auto rescale = [&](int j, int e, float alpha) {
-    l_run[j][e] *= alpha;
-#pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      o_acc[d][4 * j + e] *= alpha;
-      o_acc[d][4 * j + 2 + e] *= alpha;
-    }
-  };
-  // The other's tile at `at` handed over: its move of the reference applied here too, then its P.V issued.
-  auto take_handoff = [&](Pos at) {
-    mbar_wait(handoff_other, others & 1);
-    fence_async_shared();
-    if (*moved_flag) {
-      fence_regs(o_acc);
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) rescale(j, e, alpha_buf[8 * j + 2 * (lane & 3) + e]);
-    }
-    issue_pv(at, 1 - wg);
-  };
-
-  SegmentWalk walk(p, total, lay, x);
-  Segment s;
-  while (walk.next(y, lay.rows_per_block, s)) {
-    // Half of the query rows each (zeros past the request's rows): a warp per row, a lane per 16 bytes.
-    load_query_rows<NR>(p, s, y * lay.rows_per_block, base + L::Q, HALF * wg, HALF * (wg + 1), q_policy);
-    cp_async_arrive(base + L::Q_FULL + 8 * wg);
-    mbar_wait(base + L::Q_FULL, q_phase);
-    mbar_wait(base + L::Q_FULL + 8, q_phase);
-    q_phase ^= 1;
-    fence_async_shared();
-    fill(o_acc, 0.f);
-    fill(l_run, 0.f);
-
-    const int tiles = s.t1 - s.t0;
-    int i = (count & 1) == wg ? 0 : 1;  // this warpgroup's first tile of the segment
-    Pos prv = pos, cur = pos.plus(BLOCKS_PER_TILE * i);
-    // This warpgroup's tile s.t0 + i; has_prev: tile i - 1, the other's, is in this segment. Two
-    // instances, so that no wgmma is issued on a path only some iterations take (ptxas then issues
-    // every wgmma one at a time: C7520).
-    auto own_tile = [&](int i, auto prev_flag) {
-      constexpr bool has_prev = decltype(prev_flag)::value;
-      if constexpr (has_prev) release_unread(prv);
-      fence_regs(s_acc);
-      issue_qk(cur);
-      if constexpr (has_prev) {
-        take_handoff(prv);
-        wgmma_wait<1>();
-      } else {
-        wgmma_wait<0>();
-      }
-      fence_regs(s_acc);
-      arrive_empty(cur, 0, 1);  // the rope block and the other's half: read by QK only
-      arrive_empty(cur, 5, 4);
-
-      // Scaled scores (log2 units), masked past the prefix; does any pass the reference by RESCALE_GAP?
-      scale_scores(s_acc, s.n - (s.t0 + i) * TILE, p.scale_log2, warp, lane);
-      bool pass = false;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-          pass |= fmaxf(s_acc[4 * j + e], s_acc[4 * j + 2 + e]) > order_float(m_buf[8 * j + 2 * (lane & 3) + e]) + RESCALE_GAP;
-      const bool moved = named_barrier_any(bar_id, 128, pass);
-      if (moved) {  // rare after a segment's first tile: the column maxima, then every column moved to them
-        wgmma_wait<0>();  // P.V(t - 1) accumulates into o_acc
-        fence_regs(o_acc);
-        if (tid < NR) tile_max[tid] = INT_MIN;  // every warp has taken tile t - 1's factors (before the vote)
-        named_barrier(bar_id, 128);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float w = fmaxf(s_acc[4 * j + e], s_acc[4 * j + 2 + e]);
-#pragma unroll
-            for (int o = 4; o < 32; o <<= 1) w = fmaxf(w, __shfl_xor_sync(0xffffffffu, w, o));
-            if (lane < 4) atomicMax(tile_max + 8 * j + 2 * lane + e, float_order(w));
-          }
-        named_barrier(bar_id, 128);
-#pragma unroll
-        for (int j = 0; j < NJ; ++j)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = 8 * j + 2 * (lane & 3) + e;
-            const float m_old = order_float(m_buf[c]);
-            rescale(j, e, exp2f(m_old - fmaxf(m_old, order_float(tile_max[c]))));
-          }
-        named_barrier(bar_id, 128);  // every thread has its factors: warp 0 moves the reference
-        if (warp == 0 && lane < 4) {
-#pragma unroll
-          for (int j = 0; j < NJ; ++j)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int c = 8 * j + 2 * lane + e;
-              const float m_old = order_float(m_buf[c]), m_new = fmaxf(m_old, order_float(tile_max[c]));
-              alpha_buf[c] = exp2f(m_old - m_new);
-              m_buf[c] = float_order(m_new);
-            }
-        }
-        named_barrier(bar_id, 128);
-      }
-      uint32_t pk[NJ][2];  // P^T pieces, bf16
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        float q[2][2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float m = order_float(m_buf[8 * j + 2 * (lane & 3) + e]);
-          q[0][e] = clamped_exp(s_acc[4 * j + e], m);
-          q[1][e] = clamped_exp(s_acc[4 * j + 2 + e], m);
-          l_run[j][e] += q[0][e] + q[1][e];
-        }
-        pk[j][0] = pack_bf16(q[0][0], q[0][1]);
-        pk[j][1] = pack_bf16(q[1][0], q[1][1]);
-      }
-      wgmma_wait<0>();
-      fence_regs(o_acc);
-      if constexpr (has_prev) {  // P^T's one buffer is free once both warpgroups' P.V(t - 1) are done
-        arrive_empty(prv, 5, 4);
-        mbar_wait(pv_other, others & 1);
-        ++others;
-      }
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) store_packed_trans(pt_addr + j * 1024, pk[j][0], pk[j][1]);
-      if (tid == 0) *moved_flag = moved;
-      fence_async_shared();
-      mbar_arrive(handoff_mine);
-      issue_pv(cur, wg);
-      wgmma_wait<0>();
-      fence_regs(o_acc);
-      arrive_empty(cur, 1, 4);
-      mbar_arrive(pv_mine);
-    };
-    auto next_pair = [&] {
-      prv = cur.plus(BLOCKS_PER_TILE);
-      cur = cur.plus(2 * BLOCKS_PER_TILE);
-    };
-    if (i == 0) {
-      own_tile(0, std::false_type{});
-      next_pair();
-      i = 2;
-    }
-    for (; i < tiles; i += 2) {
-      own_tile(i, std::true_type{});
-      next_pair();
-    }
-    if (((count + tiles - 1) & 1) != wg) {  // the segment's last tile is the other's: its P.V here
-      const Pos last = pos.plus(BLOCKS_PER_TILE * (tiles - 1));
-      release_unread(last);
-      take_handoff(last);
-      wgmma_wait<0>();
-      fence_regs(o_acc);
-      arrive_empty(last, 5, 4);
-      ++others;
-    }
-    count += tiles;
-    pos = pos.plus(BLOCKS_PER_TILE * tiles);
-
-    // Epilogue: row sums of both warpgroups, normalise, stage each half in the query rows' blocks
-    // (free: every QK is done), copy out 16 bytes per thread.
-    named_barrier(BOTH, 256);
-    float* scratch = reinterpret_cast<float*>(smem + L::Q + 8 * (NR * 128));  // [8 warps][NR], query rope block
-    warp_column_sums(l_run, scratch + (4 * wg + warp) * NR);
-    named_barrier(BOTH, 256);
-    const int slot = x + s.b;
-    const long long part_row0 = static_cast<long long>(slot) * p.rows_pad + y * lay.rows_per_block;
-    float inv_l[NJ][2];
-    column_totals<8>(scratch, NR, inv_l, wg == 0 && warp == 0, p.l_part + part_row0,
-                     [&](int, int, int c) { return order_float(m_buf[c]); });
-    stage_rows(o_acc, inv_l, trans_row_addr(base + L::Q, warp, lane) + 4 * wg * (NR * 128), NR * 128);
-    named_barrier(bar_id, 128);
-    if (wg == 0 && tid < NR) m_buf[tid] = float_order(-1e30f);  // the next segment sets its reference again
-    copy_rows_out<32>(smem + L::Q, NR, 0, NR, 32 * wg, p.o_part + part_row0 * V_DIM);
-    named_barrier(BOTH, 256);  // the staged rows are read: the next segment's query rows may land there
-  }
-}
-
-// SHARED: the instance that runs shared tiles (72 rows, SplitParams.shared_tiles); the row split
-// keeps its own instance, so its registers are not shared-tile registers (0 spills).
-template <int N0, int N1, bool SHARED>
 __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant__ SplitArgs a) {
-  static_assert(!SHARED || N0 + N1 == 72, "shared tiles are for the 72-row variant");
   using L = SmemPlan<N0, N1>;
   const SplitParams& p = a.p;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -1209,29 +846,14 @@ __global__ void __launch_bounds__(THREADS, 1) split_kernel(const __grid_constant
     }
     mbar_init(base + L::Q_FULL, 128);          // one cp.async arrival per consumer thread
     mbar_init(base + L::Q_FULL + 8, 128);
-    for (int i = 0; i < 2; ++i) {              // shared tiles: one arrival per thread of the warpgroup
-      mbar_init(base + L::HANDOFF + 8 * i, 128);
-      mbar_init(base + L::PV_DONE + 8 * i, 128);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  const bool shared = SHARED && !lay.is_short;
-  // Running maxima (consume), or the reference maxima of shared tiles (consume_shared), from scratch.
-  if (threadIdx.x < 2 * L::NR)
-    reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = shared ? float_order(-1e30f) : INT_MIN;
+  if (threadIdx.x < 2 * L::NR) reinterpret_cast<int*>(smem + L::ROW_MAX)[threadIdx.x] = INT_MIN;
   __syncthreads();
   const int wg = threadIdx.x / 128;
-  if (wg == 2 && shared) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(SHARED_PRODUCER_REGS));
-    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y, true);
-  } else if (wg == 2) {
+  if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(PRODUCER_REGS));
-    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y, false);
-  } else if (shared) {
-    if constexpr (SHARED) {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(SHARED_REGS));
-      consume_shared<N0, N1>(p, smem, total, lay, x, y, wg);
-    }
+    produce<N0, N1>(p, &a.kv_map, smem, total, lay, x, y);
   } else if (wg == 0) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(CONSUMER0_REGS));
     consume_rows<N0, N1, N0>(p, smem, total, lay, x, y, 0, 0);
@@ -1527,7 +1149,8 @@ __global__ void __launch_bounds__(128) probe_kernel(const __nv_bfloat16* k, cons
   wgmma_commit();
   wgmma_wait<0>();
   fence_regs(s_acc);
-  fence_regs(o_acc);
+#pragma unroll
+  for (int d = 0; d < 8; ++d) fence_regs(o_acc[d]);
 #pragma unroll
   for (int j = 0; j < N / 8; ++j)
 #pragma unroll
@@ -1562,13 +1185,8 @@ PFN_cuTensorMapEncodeTiled_v12000 g_encode_tiled = nullptr;
 
 template <int N0, int N1>
 cudaError_t set_split_attributes() {
-  cudaError_t err = cudaFuncSetAttribute(mlav::split_kernel<N0, N1, false>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, mlav::SmemPlan<N0, N1>::BYTES);
-  if constexpr (N0 + N1 == 72)
-    if (err == cudaSuccess)
-      err = cudaFuncSetAttribute(mlav::split_kernel<N0, N1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 mlav::SmemPlan<N0, N1>::BYTES);
-  return err;
+  return cudaFuncSetAttribute(mlav::split_kernel<N0, N1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              mlav::SmemPlan<N0, N1>::BYTES);
 }
 
 template <int N0, int N1>
@@ -1586,13 +1204,7 @@ cudaError_t launch_split(const mlav::SplitParams& p, cudaStream_t stream) {
       return cudaErrorInvalidValue;
   }
   const int smem = mlav::SmemPlan<N0, N1>::BYTES;
-  const int ctas = p.grid_x * p.row_blocks;
-  if constexpr (N0 + N1 == 72)
-    if (p.shared_tiles) {
-      mlav::split_kernel<N0, N1, true><<<ctas, mlav::THREADS, smem, stream>>>(a);
-      return cudaGetLastError();
-    }
-  mlav::split_kernel<N0, N1, false><<<ctas, mlav::THREADS, smem, stream>>>(a);
+  mlav::split_kernel<N0, N1><<<p.grid_x * p.row_blocks, mlav::THREADS, smem, stream>>>(a);
   return cudaGetLastError();
 }
 
