@@ -18,11 +18,17 @@ Builds must share this tree's parameter structs (the loader refuses others in on
     python3 scripts/bench_sm90_builds.py 46cd08d:one-wave 916773f HEAD
     python3 scripts/bench_sm90_builds.py HEAD /tmp/experiment.cu --cases "b1 16k,b8 1k"
     python3 scripts/bench_sm90_builds.py HEAD --composed   # the own kernel against the composed path
+    python3 scripts/bench_sm90_builds.py HEAD --held 3 --cases "b8 4k-185k"   # clock and power too
+
+With --held SECONDS each column's graph of 20 calls is replayed without a pause for that long while
+nvidia-smi samples the SM clock and the board power: what a busy server sees, where the card can sit
+at its power limit and the clock gives way, unlike the one-call replays at the idle card's boost clock.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,7 +38,7 @@ from pathlib import Path
 import torch
 
 from bench_verify import MIXED_8_WIDE, RAGGED_5_WIDE, load_flash_mla, make_problem, run_flash_mla, run_ours
-from cuda_timing import graph_time_us  # scripts/ is on sys.path when run as a script
+from cuda_timing import graph_time_us, held_us  # scripts/ is on sys.path when run as a script
 from moeplace_kernels import mla_verify_sm90
 from moeplace_kernels.mla_verify_api import MlaVerify, Sm90Config
 
@@ -122,6 +128,10 @@ def main() -> int:
     ap.add_argument("--composed", action="store_true",
                     help="also time the composed path (FlashMLA over the prefix, then our tree merge): "
                          "what 'auto' weighs the own kernel against at page 64")
+    ap.add_argument("--held", type=float, default=0.0, metavar="SECONDS",
+                    help="time each column held at it for SECONDS (a graph of 20 calls replayed without a "
+                         "pause) and show the SM clock and power nvidia-smi samples meanwhile (default: off, "
+                         "one-call replays)")
     args = ap.parse_args()
     try:
         columns = [parse_build(b) for b in args.builds]
@@ -133,6 +143,10 @@ def main() -> int:
             raise Refusal(f"unknown case {unknown[0]!r}; known: {', '.join(CASES)}")
         if args.rounds < 1:
             raise Refusal("--rounds must be at least 1")
+        if args.held < 0:
+            raise Refusal("--held must be 0 (off) or a number of seconds")
+        if args.held and shutil.which("nvidia-smi") is None:
+            raise Refusal("--held needs nvidia-smi on the PATH (it samples the clock and power)")
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             raise Refusal("needs an sm_90 GPU (H100 / H200)")
         nvcc = mla_verify_sm90.find_nvcc()
@@ -157,8 +171,10 @@ def main() -> int:
         lib.setup(device)
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     names = [f"{b}:{s}" for b, s in columns] + (["composed"] if args.composed else [])
+    timing = (f"held {args.held:g} s: µs a call (ratio to FlashMLA), SM MHz, W" if args.held
+              else "µs (ratio to FlashMLA)")
     print(f"{torch.cuda.get_device_name()}; {args.heads} heads x {args.drafts}-token binary tree, "
-          f"KV one token per shuffled 64-token page; µs (ratio to FlashMLA), median of {args.rounds} rounds\n")
+          f"KV one token per shuffled 64-token page; {timing}, median of {args.rounds} rounds\n")
     print("| case | FlashMLA | " + " | ".join(names) + " | max diff to the first |")
     print("| --- | ---: |" + " ---: |" * (len(names) + 1))
     for case in cases:
@@ -186,11 +202,15 @@ def main() -> int:
         times = {k: [] for k in fns}
         for _ in range(args.rounds):
             for k, fn in fns.items():
-                times[k].append(graph_time_us(fn, 30))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        ref = med.get("FlashMLA")
-        cell = lambda k: f"{med[k]:.1f}" + (f" ({med[k] / ref:.2f})" if ref else "")  # noqa: E731
-        print(f"| {case} | {f'{ref:.1f}' if ref else '-'} | " + " | ".join(cell(n) for n in names)
+                times[k].append(held_us(fn, args.held) if args.held else (graph_time_us(fn, 30),))
+        med = {k: [statistics.median(r[i] for r in v) for i in range(len(v[0]))] for k, v in times.items()}
+        ref = med["FlashMLA"][0] if "FlashMLA" in med else None
+
+        def cell(k: str) -> str:
+            text = f"{med[k][0]:.1f}" + (f" ({med[k][0] / ref:.2f})" if ref else "")
+            return text + (f", {med[k][1]:.0f} MHz, {med[k][2]:.0f} W" if args.held else "")
+
+        print(f"| {case} | {cell('FlashMLA') if ref else '-'} | " + " | ".join(cell(n) for n in names)
               + f" | {diff:.1e} |", flush=True)
     return 0
 
