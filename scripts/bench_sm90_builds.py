@@ -145,6 +145,8 @@ def main() -> int:
             raise Refusal("--rounds must be at least 1")
         if args.held < 0:
             raise Refusal("--held must be 0 (off) or a number of seconds")
+        if 0 < args.held < 1:
+            raise Refusal("--held needs at least 1 second (nvidia-smi samples every 100 ms)")
         if args.held and shutil.which("nvidia-smi") is None:
             raise Refusal("--held needs nvidia-smi on the PATH (it samples the clock and power)")
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -200,9 +202,13 @@ def main() -> int:
         torch.cuda.synchronize()
         diff = max((o.float() - outs[0].float()).abs().max().item() for o in outs)
         times = {k: [] for k in fns}
-        for _ in range(args.rounds):
-            for k, fn in fns.items():
-                times[k].append(held_us(fn, args.held) if args.held else (graph_time_us(fn, 30),))
+        try:
+            for _ in range(args.rounds):
+                for k, fn in fns.items():
+                    times[k].append(held_us(fn, args.held) if args.held else (graph_time_us(fn, 30),))
+        except RuntimeError as exc:  # nvidia-smi gave no samples (an unknown GPU name, a sampler that failed)
+            print(f"bench_sm90_builds: {case}: {exc}", file=sys.stderr)
+            return 2
         med = {k: [statistics.median(r[i] for r in v) for i in range(len(v[0]))] for k, v in times.items()}
         ref = med["FlashMLA"][0] if "FlashMLA" in med else None
 

@@ -5,15 +5,24 @@ from __future__ import annotations
 import statistics
 
 
-def graph_time_us(fn, reps: int = 50, warmup_replays: int = 1) -> float:
-    """Median µs of one replay of ``fn`` captured in a CUDA graph (compile and warm-up outside)."""
+def capture(fn, calls: int = 1):
+    """A CUDA graph of ``calls`` calls of ``fn``, run once before so that compilation stays outside."""
     import torch
 
     fn()
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def graph_time_us(fn, reps: int = 50, warmup_replays: int = 1) -> float:
+    """Median µs of one replay of ``fn`` captured in a CUDA graph (compile and warm-up outside)."""
+    import torch
+
+    g = capture(fn)
     for _ in range(warmup_replays):
         g.replay()
     torch.cuda.synchronize()
@@ -64,12 +73,7 @@ def held_us(fn, seconds: float, calls: int = 20, sample_ms: int = 100) -> tuple[
 
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture(fn, calls)
 
     def replay_for(duration: float) -> int:
         replays, t0 = 0, time.monotonic()

@@ -29,6 +29,7 @@ def test_slice_settings_of_earlier_rules():
     (["HEAD", "HEAD:rule"], "give each BUILD:SLICES once"),
     (["HEAD", "--rounds", "0"], "--rounds must be at least 1"),
     (["HEAD", "--held", "-1"], "--held must be 0 (off) or a number of seconds"),
+    (["HEAD", "--held", "0.5"], "--held needs at least 1 second (nvidia-smi samples every 100 ms)"),
 ])
 def test_bad_arguments_exit_2_with_one_line(argv, says, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["bench_sm90_builds.py", *argv])
