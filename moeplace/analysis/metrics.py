@@ -178,35 +178,51 @@ def accumulate_all(sums: list[LayerSums], steps: RoutingSteps, placements: list[
 def max_distinct_means(steps: RoutingSteps, placements: list[Placement], rules: list[str],
                        cost_models: list[CostModel], workers: int = 1) -> list[float]:
     """E[max distinct] of each placement under its dispatch rule on ``steps``, and nothing else
-    (optimize's fitted column).
-
-    Under balanced dispatch a placement with spare slots is given its per-step optimum
-    (``replica_optimum``), the figure the fast rule reaches wherever its cap on augmenting paths does
-    not bind (on every step measured: the held-out table shows both), at a fraction of the rule's cost.
-    """
+    (optimize's fitted column): ``layer_maxima`` averaged over steps, then over layers."""
     def layer_means(layer: int) -> list[float]:
-        activity = layer_activity(steps, layer)
-        active = None   # [S, E] 0/1 float32, made once for the placements with spare slots
-        out = []
-        for placement, rule, cost_model in zip(placements, rules, cost_models):
-            R, phy2log = placement.ranks, placement.phy2log[layer]
-            if placement.num_redundant == 0:
-                step_max = single_copy_loads(activity, phy2log, R, steps.count_steps)[0].max(axis=1)
-            elif rule == "balanced":
-                if active is None:
-                    active = (step_expert_counts(steps, layer) > 0).astype(np.float32)
-                step_max = replica_optimum(active, phy2log, R)
-            else:
-                table = (static_dispatch_table(phy2log, placement.model.num_experts, R, placement.nodes)
-                         if rule == "static" else None)
-                step_max = layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)[0].max(axis=1)
-            out.append(float(step_max.mean()))
-        return out
+        return [float(m.mean()) for m in layer_maxima(steps, layer, placements, rules, cost_models)]
 
     per_layer = np.zeros((steps.model.num_moe_layers, len(placements)))
     for layer, means in map_layers(layer_means, steps.model.num_moe_layers, workers):
         per_layer[layer] = means
     return per_layer.mean(axis=0).tolist()
+
+
+def step_max_distinct(steps: RoutingSteps, placements: list[Placement], rules: list[str],
+                      cost_models: list[CostModel], workers: int = 1) -> np.ndarray:
+    """[n, L, S] ``layer_maxima`` of the n placements in every layer: the step by step figures a paired comparison
+    needs."""
+    maxima = np.zeros((len(placements), steps.model.num_moe_layers, steps.num_steps))
+    job = lambda layer: layer_maxima(steps, layer, placements, rules, cost_models)   # noqa: E731
+    for layer, values in map_layers(job, steps.model.num_moe_layers, workers):
+        maxima[:, layer] = values
+    return maxima
+
+
+def layer_maxima(steps: RoutingSteps, layer: int, placements: list[Placement], rules: list[str],
+                 cost_models: list[CostModel]) -> list[np.ndarray]:
+    """[S] distinct experts on the busiest rank in each step of one layer, for each placement under its rule.
+
+    Under balanced dispatch a placement with spare slots is given its per-step optimum
+    (``replica_optimum``), the figure the fast rule reaches wherever its cap on augmenting paths does
+    not bind (on every step measured: the held-out table shows both), at a fraction of the rule's cost.
+    """
+    activity = layer_activity(steps, layer)
+    active = None   # [S, E] 0/1 float32, made once for the placements with spare slots
+    out = []
+    for placement, rule, cost_model in zip(placements, rules, cost_models):
+        R, phy2log = placement.ranks, placement.phy2log[layer]
+        if placement.num_redundant == 0:
+            out.append(single_copy_loads(activity, phy2log, R, steps.count_steps)[0].max(axis=1))
+        elif rule == "balanced":
+            if active is None:
+                active = (step_expert_counts(steps, layer) > 0).astype(np.float32)
+            out.append(replica_optimum(active, phy2log, R))
+        else:
+            table = (static_dispatch_table(phy2log, placement.model.num_experts, R, placement.nodes)
+                     if rule == "static" else None)
+            out.append(layer_rank_loads(steps, layer, phy2log, R, rule, table, cost_model)[0].max(axis=1))
+    return out
 
 
 def _totals(distinct: np.ndarray, tokens: np.ndarray, optimum: np.ndarray, lower_bound: np.ndarray,

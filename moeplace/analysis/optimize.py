@@ -8,7 +8,8 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.robust import Choice, robust_spares
+from moeplace.algorithms.fit import fit as fit_placement
+from moeplace.algorithms.robust import Choice
 from moeplace.algorithms.stepaware import search_moot
 from moeplace.analysis.metrics import max_distinct_means
 from moeplace.analysis.report import Evaluation, evaluate, steps_phrase
@@ -170,13 +171,12 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
     spares_chosen, capture_warnings = None, []
     fitted_problem = problem(fit, progress)
-    if algorithm == "stepaware" and placed_as == "balanced" and fitted_problem.spares_left:   # the best out of fold
-        maps[algorithm], spares_chosen = robust_spares(fitted_problem)
+    fitted_map = fit_placement(fitted_problem, algorithm)   # with balanced spares: the best out of fold
+    maps[algorithm], spares_chosen = fitted_map.phy2log, fitted_map.choice
+    if spares_chosen is not None:
         notes.append(spares_chosen.line)
         note = "; ".join(notes)
         capture_warnings = spare_warnings(fit, redundant, spares_chosen)
-    else:
-        maps[algorithm] = solve(algorithm, fitted_problem)
     placements = {name: Placement(model, ranks, phy2log, nodes=nodes, algorithm=name, trace=str(trace.path))
                   for name, phy2log in maps.items()}
     baseline = "deepseek"

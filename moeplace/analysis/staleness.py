@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeplace.algorithms import PlacementProblem, solve
-from moeplace.algorithms.robust import robust_spares
+from moeplace.algorithms import PlacementProblem
+from moeplace.algorithms.fit import fit as fit_placement
+from moeplace.algorithms.fit import naive as naive_layout
 from moeplace.analysis.metrics import max_distinct_means
+from moeplace.analysis.replace import MIN_GAIN
 from moeplace.cost.model import CostModel
-from moeplace.dispatch.by_cost import PLACED_AS
 from moeplace.files.placement import Placement
 from moeplace.trace.steps import RoutingSteps
 
@@ -40,8 +41,8 @@ class Staleness:
 
     @property
     def line(self) -> str:
-        verdict = (f"re-place: {100 * self.to_gain:.0f}% to gain" if self.to_gain >= 0.005
-                   else "keep: re-placing gains under 0.5%")
+        verdict = (f"re-place: {100 * self.to_gain:.0f}% to gain" if self.to_gain >= MIN_GAIN
+                   else f"keep: re-placing gains under {100 * MIN_GAIN:.1f}%")
         vs_naive = 100 * (self.current / self.naive - 1) if self.naive else 0.0
         return (f"{verdict} (E[max distinct] on the last {self.scored_steps:,} steps: this placement "
                 f"{self.current:.3f}, fitted now {self.refit:.3f}, naive layout {self.naive:.3f}, "
@@ -63,15 +64,9 @@ def staleness(steps: RoutingSteps, placement: Placement, dispatch: str, cost_mod
     fit, held = steps.slice(0, cut), steps.slice(cut, S)
     model, R = placement.model, placement.ranks
     spares = placement.num_redundant
-    placed_as = PLACED_AS.get(dispatch, dispatch)
-    problem = PlacementProblem(model, fit, R, nodes=placement.nodes, redundant=spares, dispatch=placed_as,
+    problem = PlacementProblem(model, fit, R, nodes=placement.nodes, redundant=spares, dispatch=dispatch,
                                cost_model=cost_model)
-    if placed_as == "balanced" and problem.spares_left:
-        problem.check()
-        refit = robust_spares(problem)[0]
-    else:
-        refit = solve("stepaware", problem)
-    naive = solve("naive-spares" if spares else "deepseek", problem)
+    refit, naive = fit_placement(problem).phy2log, naive_layout(problem)
     maps = [placement] + [Placement(model, R, phy2log, nodes=placement.nodes, algorithm=name)
                           for name, phy2log in (("refit", refit), ("naive", naive))]
     current, now, base = max_distinct_means(held, maps, [dispatch] * 3, [cost_model] * 3, workers)
