@@ -85,8 +85,9 @@ class StepTables:
 
 
 def exchange_masks(active: np.ndarray, weight: np.ndarray, masks: np.ndarray, ranks: int,
-                   budget: float) -> np.ndarray:
-    """Masks [E] after exchanges that lower sum_s weight[s] * optimum[s] on ``active [S, E]``.
+                   budget: float, min_gain: float = MIN_GAIN) -> np.ndarray:
+    """Masks [E] after exchanges that lower sum_s weight[s] * optimum[s] on ``active [S, E]`` by more than
+    ``min_gain`` each.
 
     budget: work allowed, in cells: a pass over all exchanges costs S * (K * (K + E) + E * E), an
     accepted exchange X * R for each step it touches. A pass takes exchanges in order of their gain,
@@ -109,7 +110,7 @@ def exchange_masks(active: np.ndarray, weight: np.ndarray, masks: np.ndarray, ra
         gain = _exchange_gains(tables, weighted, act, uniq, np.searchsorted(uniq, masks))
         changed = np.zeros(E, bool)
         accepted = 0
-        for k in np.argsort(gain, axis=None, kind="stable")[:np.count_nonzero(gain < -MIN_GAIN)]:
+        for k in np.argsort(gain, axis=None, kind="stable")[:np.count_nonzero(gain < -min_gain)]:
             a, b = divmod(int(k), E)
             if a > b or changed[a] or changed[b]:
                 continue
@@ -118,7 +119,7 @@ def exchange_masks(active: np.ndarray, weight: np.ndarray, masks: np.ndarray, ra
             # exact in float64 (the matrix is float32, and stale after the first exchange of the pass)
             delta = (weight[only_a] @ tables.change(only_a, masks[[a]], masks[[b]])[:, 0, 0].astype(np.float64)
                      + weight[only_b] @ tables.change(only_b, masks[[b]], masks[[a]])[:, 0, 0].astype(np.float64))
-            if delta >= -MIN_GAIN:
+            if delta >= -min_gain:
                 break                                            # evaluate every exchange again
             a_in = ((ids & masks[a]) == masks[a]).astype(np.int16)
             b_in = ((ids & masks[b]) == masks[b]).astype(np.int16)

@@ -38,6 +38,7 @@ TIE_BREAK = 2**-10          # weight of sum_r D^2 against the max: only decides 
                             # two keeps the float32 terms exact, so rank_deltas sums what swap_deltas does bit for
                             # bit (with 1e-3 the two orders of summing differed: tests/test_algorithms.py)
 MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number plus TIE_BREAK times one
+SWAP_GAIN = 1e-4            # a swap's float32 delta must be below -SWAP_GAIN to be tried
 MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
 STATIC_REPAIRS = 32         # and in the static rule's second search, from SGLang's table of the first
 PAIR_CELLS = 10_000         # one rank pair's numpy calls in swap_deltas (~10 us), in effort cells (~1 ns)
@@ -433,8 +434,9 @@ def _make_room(rank: np.ndarray, item_expert: np.ndarray, holds: np.ndarray, fil
 
 def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, rank: np.ndarray,
                 R: int, balance_floor: float, max_rounds: int,
-                max_repairs: int = MAX_REPAIRS) -> tuple[np.ndarray, int]:
-    """Best-improvement pair swaps on the exact objective sum_s max_r D + TIE_BREAK * sum D^2.
+                max_repairs: int = MAX_REPAIRS, min_swap: float = SWAP_GAIN) -> tuple[np.ndarray, int]:
+    """Best-improvement pair swaps on the exact objective sum_s max_r D + TIE_BREAK * sum D^2, each lowering it by
+    more than ``min_swap`` (a search that pays for what it moves asks more of a swap: ``refine``).
 
     While token balancedness is under ``balance_floor`` (greedy packing can leave it there), each
     round instead makes the cheapest swap that unloads the heaviest rank, at most ``max_repairs`` times.
@@ -463,7 +465,7 @@ def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nda
         if rounds_done >= max_rounds:
             return rank, rounds_done
         rounds_done += 1
-        if not _improve(X, D, rank, item_expert, item_tokens, load, R, balance_floor):
+        if not _improve(X, D, rank, item_expert, item_tokens, load, R, balance_floor, min_swap):
             return rank, rounds_done
     return rank, rounds_done
 
@@ -561,7 +563,8 @@ def move_changes(D: np.ndarray, a: np.ndarray | None = None, b: np.ndarray | Non
 
 
 def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray,
-             item_tokens: np.ndarray, load: np.ndarray, R: int, balance_floor: float) -> bool:
+             item_tokens: np.ndarray, load: np.ndarray, R: int, balance_floor: float,
+             min_swap: float = SWAP_GAIN) -> bool:
     """One round: apply the best improving swaps on disjoint rank pairs (their effects barely
     interact), keeping the token-balance floor; a batch that turns out worse is cut back to its
     best swap. Returns False when no swap improves the exact objective.
@@ -575,7 +578,7 @@ def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.nda
     top = top[np.argsort(flat[top], kind="stable")]
     chosen, used = [], set()
     for k in top:
-        if not flat[k] < -1e-4 or len(chosen) >= R // 2:
+        if not flat[k] < -min_swap or len(chosen) >= R // 2:
             break
         i, j = divmod(int(k), P)
         a, b = int(rank[i]), int(rank[j])
