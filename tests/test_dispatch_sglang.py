@@ -190,6 +190,43 @@ def test_output_buffers_alternate_and_are_reused(hooked, server):
     assert a != b and layer.out_for(ids).data_ptr() == a
 
 
+def test_tables_follow_a_re_placement_in_place(hooked, server):
+    """After SGLang's metadata update writes a new map in place (what its updater does on a re-placement),
+    ``refresh`` re-derives every cached layer's tables into the same tensors (CUDA graphs read their addresses)
+    and the rule picks the new map's slots."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.eplb import expert_location as el
+    from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
+
+    from moeplace.files.placement import sglang_physical_to_logical
+    from moeplace.sglang import balanced_dispatch as bd
+
+    state, topk, _ = hooked
+    placement, rc = server
+    rng = np.random.default_rng(5)
+    ids = np.stack([rng.choice(16, 4, replace=False) for _ in range(9)]).astype(np.int32)
+    infos = [ExpertLocationDispatchInfo.init_new(layer_id) for layer_id in placement.model.moe_layers]
+    for info in infos:
+        topk.topk_ids_logical_to_physical(torch.from_numpy(ids), info)      # tables cached
+    addresses = {key: (layer.slots.data_ptr(), layer.masks.data_ptr()) for key, layer in state.layers.items()}
+    meta = el.get_global_expert_location_metadata()
+    moved = Placement(placement.model, RANKS, np.roll(placement.phy2log, RANKS // 2 * 5, axis=1))   # ranks renamed
+    old_map = meta.physical_to_logical_map_cpu.clone()
+    config = ModelConfig.from_server_args(rc.get_server_args())
+    layers = list(range(placement.model.num_hidden_layers))
+    try:
+        meta.update(el.ExpertLocationMetadata.init_by_mapping(
+            config, torch.from_numpy(sglang_physical_to_logical(moved)), moe_ep_rank=0), update_layer_ids=layers)
+        bd.refresh()
+        assert {key: (layer.slots.data_ptr(), layer.masks.data_ptr()) for key, layer in state.layers.items()} == addresses
+        for moe_index, info in enumerate(infos):
+            out = topk.topk_ids_logical_to_physical(torch.from_numpy(ids), info)
+            np.testing.assert_array_equal(out.numpy(), expected(moved, moe_index, ids))
+    finally:
+        meta.update(el.ExpertLocationMetadata.init_by_mapping(config, old_map, moe_ep_rank=0), update_layer_ids=layers)
+        bd.refresh()
+
+
 def test_dp_attention_is_refused_with_one_line(hooked, server):
     from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
 

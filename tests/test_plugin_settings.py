@@ -29,7 +29,8 @@ def test_a_switch_takes_only_its_spellings(name: str, value: str) -> None:
 
 @pytest.mark.parametrize("name", SWITCHES)
 def test_every_switch_reads_every_spelling_alike(name: str) -> None:
-    field = {"MOEPLACE_TRACE": "trace", "MOEPLACE_KV_SORT": "kv_sort", "MOEPLACE_VERIFY_KERNEL": "verify_kernel"}[name]
+    field = {"MOEPLACE_TRACE": "trace", "MOEPLACE_KV_SORT": "kv_sort", "MOEPLACE_VERIFY_KERNEL": "verify_kernel",
+             "MOEPLACE_ONLINE": "online"}[name]
     for value in SWITCH_ON:
         for shown in (value, value.upper(), f" {value} "):
             assert getattr(check_settings({name: shown, "MOEPLACE_TRACE_DIR": ""}), field) is True
@@ -53,6 +54,13 @@ def test_the_verify_kernel_reads_its_switch_as_the_plugin_does(monkeypatch) -> N
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "many"}, "MOEPLACE_DISPATCH_MAX_TOKENS"),
     ({"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_SLOTS": "1e40"}, "MOEPLACE_TRACE_SLOTS"),
     ({"MOEPLACE_TRACE_DIR": "/tmp/t", "MOEPLACE_TRACE_FLUSH_SECONDS": "1e300"}, "MOEPLACE_TRACE_FLUSH_SECONDS"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_WINDOW": "0"}, "MOEPLACE_ONLINE_WINDOW"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_PERIOD": "1.5"}, "MOEPLACE_ONLINE_PERIOD"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_MIN_GAIN": "1"}, "MOEPLACE_ONLINE_MIN_GAIN"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_MOVE_GBPS": "inf"}, "MOEPLACE_ONLINE_MOVE_GBPS"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_HORIZON": "-3"}, "MOEPLACE_ONLINE_HORIZON"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_TRACE_SLOTS": "0"}, "MOEPLACE_TRACE_SLOTS"),   # the tracer keeps the window
+    ({"MOEPLACE_ONLINE_WINDOW": "500"}, "MOEPLACE_ONLINE_WINDOW"),   # set, but online re-placement is off
 ])
 def test_other_settings_are_checked_too(env: dict[str, str], named: str) -> None:
     with pytest.raises(SettingError, match=named):

@@ -23,7 +23,8 @@ to 16 moves or splits of an expert's tokens between its replicas where they pay.
   26% slower at 576 tokens, far more than the kernel's time; BENCHMARKS.md#the-rule-by-cost), or of more than the kernel's 8192 ids, go to SGLang's own rule, which balances tokens. The
   threshold is a host fact (the tensor's shape), so a CUDA graph captures one branch or the other.
 * CUDA-graph safe: the layer's replica tables are derived on the device on the first (eager) call,
-  with no host sync, and cached by the address of SGLang's per-layer map; the output goes to one of
+  with no host sync, and cached by the address of SGLang's per-layer map (which SGLang's updater writes in
+  place: after a re-placement ``refresh`` re-derives the tables into the same tensors); the output goes to one of
   two preallocated buffers per layer, alternated per call, so the two micro-batches of two-batch
   overlap never share one. Rows past the forward's ``num_token_non_padded`` are padding: the rule
   ignores them, and SGLang masks them afterwards.
@@ -115,8 +116,17 @@ class _Layer:
     """One MoE layer's replica tables on the device and its two output buffers."""
 
     def __init__(self, info: Any, ranks: int, max_tokens: int) -> None:
+        self.info, self.ranks = info, ranks
+        self.slots, self.masks = self.tables()
+        self.max_tokens = max_tokens
+        self.buffers: list = []
+        self.calls = 0
+
+    def tables(self) -> tuple[Any, Any]:
+        """(slots [E, R] int32, masks [E] int32) from the map SGLang holds now (``info``'s views of it)."""
         import torch
 
+        info, ranks = self.info, self.ranks
         l2p = info.partial_logical_to_all_physical_map                 # [E, X] slots by id, -1 padded
         per_rank = info.num_physical_experts // ranks
         valid = l2p >= 0
@@ -126,11 +136,14 @@ class _Layer:
         slots.scatter_reduce_(1, rank, torch.where(valid, l2p, big).to(torch.int64), reduce="amin")
         slots = slots[:, :ranks]
         has = slots < big
-        self.slots = torch.where(has, slots, -1).to(torch.int32).contiguous()
-        self.masks = (has.to(torch.int64) << torch.arange(ranks, device=l2p.device)).sum(dim=1).to(torch.int32)
-        self.max_tokens = max_tokens
-        self.buffers: list = []
-        self.calls = 0
+        return (torch.where(has, slots, -1).to(torch.int32).contiguous(),
+                (has.to(torch.int64) << torch.arange(ranks, device=l2p.device)).sum(dim=1).to(torch.int32))
+
+    def refresh(self) -> None:
+        """Re-derive the tables after SGLang moved experts, in place: CUDA graphs captured their addresses."""
+        slots, masks = self.tables()
+        self.slots.copy_(slots)
+        self.masks.copy_(masks)
 
     def out_for(self, topk_ids):
         """A preallocated [N, K] buffer for this call's output (two per layer, alternated)."""
@@ -208,6 +221,14 @@ def dispatch_on_host(topk_ids, layer: _Layer, num_rows=None, q: RuleWeights | in
     rank = np.where(valid, (position[:, None] >= ends[e]).sum(axis=1), first[e])
     out = np.where(ids.ravel() >= 0, slots[e, rank], -1).reshape(ids.shape)
     return torch.from_numpy(out).to(topk_ids.dtype)
+
+
+def refresh() -> None:
+    """Every cached layer's tables from the map SGLang holds now (online re-placement calls it between passes, after
+    SGLang's updater wrote the new map in place)."""
+    if _DISPATCH is not None:
+        for layer in _DISPATCH.layers.values():
+            layer.refresh()
 
 
 def configuration_problem(info: Any) -> str | None:

@@ -9,6 +9,7 @@ Each feature is off unless its variable is set; when all are off this module imp
     MOEPLACE_KV_STATS=FILE                        KV allocation runs   (moeplace.sglang.kv_stats)
     MOEPLACE_VERIFY_KERNEL=1                      verify attention     (moeplace.sglang.verify_backend)
     MOEPLACE_DISPATCH=balanced|cost               per-step replica choice (moeplace.sglang.balanced_dispatch)
+    MOEPLACE_ONLINE=1                             online re-placement  (moeplace.sglang.online)
 
 Every value is checked first (``moeplace.sglang.settings``, which lists what each variable takes; a
 switch is on for 1, true, yes, on and off for 0, false, no, off or unset): any other value stops the
@@ -32,6 +33,7 @@ SWITCHES = {
     "kv_stats": "MOEPLACE_KV_STATS",
     "verify_kernel": "MOEPLACE_VERIFY_KERNEL",
     "dispatch": "MOEPLACE_DISPATCH",
+    "online": "MOEPLACE_ONLINE",
 }
 
 
@@ -62,8 +64,11 @@ def _installer(feature: str) -> Callable[[], object]:
     if feature == "verify_kernel":
         from moeplace.sglang import verify_backend
         return verify_backend.install
-    from moeplace.sglang import balanced_dispatch
-    return balanced_dispatch.install
+    if feature == "dispatch":
+        from moeplace.sglang import balanced_dispatch
+        return balanced_dispatch.install
+    from moeplace.sglang import online
+    return online.install_with_tracer
 
 
 def stop(feature: str, why: str) -> None:

@@ -17,6 +17,9 @@ Every switch takes the same spellings, in any case and with spaces around them:
     MOEPLACE_VERIFY_KERNEL (switch)                       verify attention kernel
     MOEPLACE_DISPATCH=balanced|cost (or off/empty)        per-step replica choice, with
     MOEPLACE_DISPATCH_MAX_TOKENS, _Q, _WEIGHTS            the rule's batch limit and weights
+    MOEPLACE_ONLINE (switch)                              online re-placement, with
+    MOEPLACE_ONLINE_WINDOW, _PERIOD, _CHUNK, _HORIZON     positive integers (passes, layers)
+    MOEPLACE_ONLINE_MOVE_GBPS, _MIN_GAIN, _DIR            GB/s, a share, the control folder
 
 No torch or SGLang import: ``moeplace launch --dry-run`` checks them anywhere.
 """
@@ -30,7 +33,7 @@ from typing import Mapping
 SWITCH_ON = ("1", "true", "yes", "on")
 SWITCH_OFF = ("", "0", "false", "no", "off")
 SWITCH_VALUES = f"{', '.join(SWITCH_ON)} (on) or {', '.join(SWITCH_OFF[1:])}, or unset (off)"
-SWITCHES = ("MOEPLACE_TRACE", "MOEPLACE_KV_SORT", "MOEPLACE_VERIFY_KERNEL")
+SWITCHES = ("MOEPLACE_TRACE", "MOEPLACE_KV_SORT", "MOEPLACE_VERIFY_KERNEL", "MOEPLACE_ONLINE")
 DISPATCH_OFF = ("", "off", "none", "0", "false", "no")
 
 
@@ -69,6 +72,7 @@ class Settings:
     kv_stats: bool
     verify_kernel: bool
     dispatch: str | None
+    online: bool = False
 
 
 def check_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -81,11 +85,19 @@ def check_settings(env: Mapping[str, str] | None = None) -> Settings:
     on = {name: switch(name, env) for name in SWITCHES}
     trace = on["MOEPLACE_TRACE"] or bool(env.get("MOEPLACE_TRACE_DIR", "").strip())
     rule = dispatch_rule(env)
-    if trace:
+    online = on["MOEPLACE_ONLINE"]
+    if trace or online:
         from moeplace.sglang.tracer import check_env
 
         try:
             check_env(env)
+        except ValueError as e:
+            raise SettingError(str(e)) from None
+    if online:
+        from moeplace.sglang import online as online_settings
+
+        try:
+            online_settings.check_env(env)
         except ValueError as e:
             raise SettingError(str(e)) from None
     if rule is not None:
@@ -98,5 +110,8 @@ def check_settings(env: Mapping[str, str] | None = None) -> Settings:
     elif any(env.get(v, "").strip() for v in ("MOEPLACE_DISPATCH_Q", "MOEPLACE_DISPATCH_WEIGHTS")):
         raise SettingError("MOEPLACE_DISPATCH_Q / MOEPLACE_DISPATCH_WEIGHTS are set but MOEPLACE_DISPATCH is not "
                            "cost: set MOEPLACE_DISPATCH=cost or unset them")
+    stray = sorted(name for name, value in env.items() if name.startswith("MOEPLACE_ONLINE_") and value.strip())
+    if stray and not online:
+        raise SettingError(f"{stray[0]} is set but MOEPLACE_ONLINE is not on: set MOEPLACE_ONLINE=1 or unset it")
     return Settings(trace, on["MOEPLACE_KV_SORT"], bool(env.get("MOEPLACE_KV_STATS", "").strip()),
-                    on["MOEPLACE_VERIFY_KERNEL"], rule)
+                    on["MOEPLACE_VERIFY_KERNEL"], rule, online)

@@ -61,6 +61,7 @@ import numpy as np
 
 from moeplace.model.spec import ModelSpec
 from moeplace.trace.store import ShardWriter, TraceHeader
+from moeplace.trace.window import PassWindow, logical_ids
 
 logger = logging.getLogger("moeplace.tracer")
 
@@ -80,6 +81,8 @@ class TracerConfig:
     shard_bytes: int = 256 << 20
     prefix: str = "trace"
     poll_seconds: float = 0.5  # the drain thread's wake-up: idle flushes and stop requests
+    write_shards: bool = True  # False: the passes only feed the window (online re-placement without MOEPLACE_TRACE)
+    window: int = 0            # passes of decode and verify the host keeps for online re-placement (0: none)
 
     @property
     def stop_file(self) -> Path:
@@ -188,12 +191,17 @@ class RoutingTracer:
         self._cpos = 0  # count passes put in the count ring
         self._released = 0  # ring slots freed by the drain thread
         self._creleased = 0
-        self._pending: list[tuple] = []  # (kind, slot, mode, num_tokens, rows) not yet handed to the thread
+        self._pending: list[tuple] = []  # (kind, slot, mode, num_tokens, rows, map version) not yet handed over
+        self._maps: list[Any] = [None]  # the maps passes ran under, by version: [H, P] numpy (None: logical ids)
+        self._pass_version = -1  # the version the pass in progress runs under (-1: not noted, the latest)
+        self.live_map: Callable[[], Any] = _live_physical_to_logical_map   # the map in force now ([H, P])
+        self.window: PassWindow | None = None
+        self.listeners: list[Callable[[Any], None]] = []   # called with the model runner after every pass
         self._last_flush = time.monotonic()
         self._queue: queue.Queue = queue.Queue(maxsize=max(2, config.capacity // config.flush_steps))
         self._thread: threading.Thread | None = None
         self._writer: ShardWriter | None = None
-        self._writer_p2l: Any = None
+        self._writer_version = -1
         self._shard_seq = 0
         self._backoff_until = 0.0
         self._closed = False
@@ -220,6 +228,17 @@ class RoutingTracer:
             valid = flat >= 0
             self.stage_counts[layer].index_add_(0, flat.clamp(min=0), valid.int())
 
+    def begin_pass(self) -> None:
+        """Before the forward (outside any graph): note the map the pass runs under. A re-placement (SGLang's
+        rebalancer or moeplace's) changes the map between passes, at the end of ``ModelRunner.forward``, so the map
+        read here, not at ``end_pass``, is the one the pass's router ids were remapped with."""
+        if not self._ready or self._maps[0] is None:
+            return
+        live = self.live_map()
+        if live is not None and not np.array_equal(live, self._maps[-1]):
+            self._maps.append(np.array(live, copy=True))
+        self._pass_version = len(self._maps) - 1
+
     def end_pass(self, mode: int, batch_tokens: int) -> None:
         """After the forward returns (outside any CUDA graph). batch_tokens: tokens of the batch."""
         if not self._ready or self._stopping:
@@ -227,6 +246,9 @@ class RoutingTracer:
         torch = self._torch
         rows, self._rows = self._rows, -1
         count_pass, self._count_pass = self._count_pass, False
+        version, self._pass_version = self._pass_version, -1
+        if version < 0:
+            version = len(self._maps) - 1
         if self._moe_layers is None:
             if not self._seen:
                 return
@@ -241,7 +263,7 @@ class RoutingTracer:
             torch.index_select(self.stage_counts, 0, self._moe_idx, out=self.ring_counts[slot])
             self.stage_counts.zero_()
             self._cpos += 1
-            entry = ("c", slot, mode, n, 0)
+            entry = ("c", slot, mode, n, 0, version)
         else:
             if self._pos - self._released >= self.config.capacity:
                 self.dropped_steps += 1  # ring full: the drain is behind; never wait
@@ -251,7 +273,7 @@ class RoutingTracer:
             self._pos += 1
             kept = min(n, self.config.max_tokens)
             self.truncated_steps += kept < n
-            entry = ("t", slot, mode, n, kept)
+            entry = ("t", slot, mode, n, kept, version)
         if self._event is not None:
             self._event.record()  # on the forward's stream, after this pass's copies
         with self._lock:
@@ -269,6 +291,8 @@ class RoutingTracer:
             return False  # never allocate the persistent buffers inside a graph's private pool
         self._torch = torch
         self.layout = self._describe()
+        if self.layout.physical_to_logical_map is not None:
+            self._maps = [np.array(self.layout.physical_to_logical_map, copy=True)]
         H, M = self.layout.num_hidden_layers, self.config.max_tokens
         self._k = int(sample.shape[1])
         self.device = sample.device
@@ -279,7 +303,8 @@ class RoutingTracer:
         self._ccap = max(8, self.config.capacity // 16)
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._event = torch.cuda.Event() if self._side is not None else None
-        self._mark_live()
+        if self.config.write_shards:
+            self._mark_live()
         self._thread = threading.Thread(target=self._drain_loop, name="moeplace-tracer", daemon=True)
         self._thread.start()
         self._ready = True
@@ -295,6 +320,8 @@ class RoutingTracer:
         pin = self.device.type == "cuda"
         self._host_ids = torch.empty((self.config.flush_steps, L, M, self._k), dtype=torch.int16, pin_memory=pin)
         self._host_counts = torch.empty((self._ccap, L, self.layout.num_slots), dtype=torch.int32, pin_memory=pin)
+        if self.config.window:
+            self.window = PassWindow(self.model_spec(), self.config.window)
 
     # ------------------------------------------------------------ hand-over and drain
 
@@ -371,7 +398,10 @@ class RoutingTracer:
             self._release(batch)
             return
         self._release(batch)
-        self._write(arrays, len(batch))
+        if self.window is not None:
+            self._feed_window(arrays)
+        if self.config.write_shards:
+            self._write(arrays, len(batch))
 
     def _fetch(self, batch: list[tuple], event: Any) -> dict[str, np.ndarray]:
         """Copy the batch's ring slots to host and build one chunk's arrays (ids physical or logical)."""
@@ -397,7 +427,7 @@ class RoutingTracer:
         np.cumsum(rows, out=offsets[1:])
         parts = [ids[i, :, :r, :].transpose(1, 0, 2) for i, r in enumerate(rows[[b[0] == "t" for b in batch]])]
         topk = np.concatenate(parts) if parts else np.zeros((0, L, self._k), np.int16)
-        return dict(modes=modes, num_tokens=num_tokens,
+        return dict(modes=modes, num_tokens=num_tokens, versions=np.array([b[5] for b in batch], np.int64),
                     ranks=np.full(len(batch), self.layout.rank, np.int16), token_offsets=offsets,
                     topk_ids=topk.astype(np.int16),
                     count_steps=np.array([i for i, b in enumerate(batch) if b[0] == "c"], np.int64),
@@ -418,9 +448,30 @@ class RoutingTracer:
 
     # ------------------------------------------------------------ shards
 
+    def model_spec(self) -> ModelSpec:
+        """The served model as traces name it (known once the MoE layers were seen)."""
+        lay = self.layout
+        return ModelSpec(lay.model_name, lay.num_hidden_layers, self._moe_layers, lay.num_experts, self._k)
+
+    def _feed_window(self, arrays: dict[str, np.ndarray]) -> None:
+        """Hand the batch's token-row passes to the window, in logical ids (each through the map it ran under)."""
+        token = np.ones(arrays["modes"].shape[0], bool)
+        token[arrays["count_steps"]] = False
+        rows = np.diff(arrays["token_offsets"])[token]
+        ids = arrays["topk_ids"]
+        if self._maps[0] is not None and ids.size:
+            moe = list(self._moe_layers)
+            row_version = np.repeat(arrays["versions"][token], rows)
+            logical = np.empty_like(ids)
+            for version in np.unique(row_version):
+                mine = row_version == version
+                logical[mine] = logical_ids(ids[mine], self._maps[version][moe])
+            ids = logical
+        self.window.add(ids, rows, arrays["modes"][token], arrays["num_tokens"][token])
+
     def _header(self, p2l: Any) -> TraceHeader:
         lay = self.layout
-        model = ModelSpec(lay.model_name, lay.num_hidden_layers, self._moe_layers, lay.num_experts, self._k)
+        model = self.model_spec()
         physical = p2l is not None
         return TraceHeader(
             model=model, source="moeplace-tracer", id_space="physical" if physical else "logical",
@@ -435,31 +486,25 @@ class RoutingTracer:
             self.dropped_steps += n
             return
         try:
-            p2l = self._current_p2l()
-            if self._writer is not None and (self._writer.bytes_written >= self.config.shard_bytes
-                                             or not _same_map(p2l, self._writer_p2l)):
-                self._close_writer()
-            if self._writer is None:
-                name = f"{self.config.prefix}-r{self.layout.rank:03d}-{self._shard_seq:05d}"
-                self._shard_seq += 1
-                self._writer = ShardWriter(self.config.out_dir / name, self._header(p2l))
-                self._writer_p2l = p2l
-            self._writer.append_arrays(arrays)
-            self.written_steps += n
+            for run in _runs(arrays["versions"]):   # passes under one map each: a new map starts a new shard
+                part = _take_passes(arrays, run) if run.size < n else arrays
+                version = int(arrays["versions"][run[0]])
+                if self._writer is not None and (self._writer.bytes_written >= self.config.shard_bytes
+                                                 or not _same_map(self._maps[version], self._maps[self._writer_version])):
+                    self._close_writer()
+                if self._writer is None:
+                    name = f"{self.config.prefix}-r{self.layout.rank:03d}-{self._shard_seq:05d}"
+                    self._shard_seq += 1
+                    self._writer = ShardWriter(self.config.out_dir / name, self._header(self._maps[version]))
+                    self._writer_version = version
+                self._writer.append_arrays({k: v for k, v in part.items() if k != "versions"})
+                self.written_steps += run.size
         except OSError as e:  # ENOSPC, EIO, a removed folder: drop, count, back off; never raise
             self.write_errors += 1
             self.dropped_steps += n
             self._backoff_until = now + 5.0
             logger.warning("moeplace tracer: write failed (%s); %d passes dropped", e, n)
             self._close_writer()
-
-    def _current_p2l(self) -> Any:
-        """The map in force now (online EPLB may change it; a change starts a new shard)."""
-        lay = self.layout
-        if lay.physical_to_logical_map is None:
-            return None
-        fresh = _live_physical_to_logical_map()
-        return fresh if fresh is not None else lay.physical_to_logical_map
 
     def _close_writer(self) -> None:
         if self._writer is None:
@@ -534,6 +579,26 @@ def finish_shards(config: TracerConfig, wait: float = STOP_WAIT_SECONDS) -> list
     return left
 
 
+def _runs(versions: np.ndarray) -> list[np.ndarray]:
+    """Indices of the runs of equal values in ``versions [n]``, in order."""
+    cuts = np.flatnonzero(np.diff(versions)) + 1
+    return np.split(np.arange(versions.shape[0]), cuts)
+
+
+def _take_passes(arrays: dict[str, np.ndarray], run: np.ndarray) -> dict[str, np.ndarray]:
+    """The chunk arrays of the passes ``run`` (consecutive indices) alone."""
+    first, last = int(run[0]), int(run[-1]) + 1
+    offsets = arrays["token_offsets"]
+    is_count = np.isin(np.arange(arrays["modes"].shape[0]), arrays["count_steps"])
+    counts_before = int(is_count[:first].sum())
+    mine = arrays["count_steps"][(arrays["count_steps"] >= first) & (arrays["count_steps"] < last)]
+    return dict(modes=arrays["modes"][first:last], num_tokens=arrays["num_tokens"][first:last],
+                versions=arrays["versions"][first:last], ranks=arrays["ranks"][first:last],
+                token_offsets=offsets[first:last + 1] - offsets[first],
+                topk_ids=arrays["topk_ids"][offsets[first]:offsets[last]],
+                count_steps=mine - first, counts=arrays["counts"][counts_before:counts_before + mine.size])
+
+
 def _same_map(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is None and b is None
@@ -551,7 +616,7 @@ def _live_physical_to_logical_map() -> Any:
 
         meta = get_global_expert_location_metadata()
         return None if meta is None else meta.physical_to_logical_map_cpu.numpy()
-    except Exception:
+    except Exception:  # noqa: BLE001 (no SGLang context: nothing to follow)
         return None
 
 
@@ -623,12 +688,21 @@ def around_model_runner_forward(original: Callable, runner: Any, forward_batch: 
     if tracer is None or getattr(runner, "is_draft_worker", False):
         return original(runner, forward_batch, *args, **kwargs)
     tracer._rows, tracer._count_pass = -1, False
+    try:
+        tracer.begin_pass()
+    except Exception:  # never let tracing break serving
+        logger.exception("moeplace tracer: start of pass failed")
     output = original(runner, forward_batch, *args, **kwargs)
     try:
         ids = getattr(forward_batch, "input_ids", None)
         tracer.end_pass(int(forward_batch.forward_mode), int(ids.shape[0]) if ids is not None else 0)
     except Exception:  # never let tracing break serving
         logger.exception("moeplace tracer: end of pass failed")
+    for listener in tracer.listeners:   # online re-placement: between passes, on the scheduler's thread
+        try:
+            listener(runner)
+        except Exception:  # noqa: BLE001 (never let it break serving)
+            logger.exception("moeplace: after-pass work failed")
     return output
 
 
