@@ -49,11 +49,9 @@ from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.synthetic import synthetic_steps
 
-from bench_inputs import GPTOSS, VERIFY_TOKENS, example_steps, gptoss_steps, pct
+from bench_inputs import DATASETS, GPTOSS, VERIFY_TOKENS, example_steps, gptoss_steps, pct, relabel
 
 RANKS = 8
-DATASETS = {"MMLU": ("mmlu_test", "mmlu_validation", "mmlu_dev"), "MMLU-Pro": ("mmlu_pro_test", "mmlu_pro_validation"),
-            "GPQA": ("gpqa_extended", "gpqa_main", "gpqa_diamond"), "SORRY-Bench": ("sorry_bench_base",)}
 FIT_TOKENS = (1_000, 10_000, None)    # None: the whole dataset
 SCORED_STEPS = 2_000                  # each dataset is scored on its first whole examples up to this many steps
 SHAPES = (("SYNTHETIC 384/top-8", 384, 8), ("SYNTHETIC 128/top-8", 128, 8), ("SYNTHETIC 64/top-6", 64, 6))
@@ -120,13 +118,6 @@ def first_examples(examples: list[np.ndarray], num_steps: int) -> list[np.ndarra
     """The first whole examples (step index arrays) until about ``num_steps`` steps."""
     count = int(np.searchsorted(np.cumsum([e.size for e in examples]), num_steps)) + 1
     return examples[:count]
-
-
-def relabel(steps: RoutingSteps, perms: np.ndarray) -> RoutingSteps:
-    """``steps`` with expert e of layer l renamed perms[l, e]."""
-    ids = steps.topk_ids.astype(np.int64)
-    out = np.where(ids >= 0, perms[np.arange(ids.shape[1])[None, :, None], np.maximum(ids, 0)], -1)
-    return RoutingSteps.from_topk(steps.model, out, np.diff(steps.token_offsets), steps.modes)
 
 
 def drift_perms(fit: RoutingSteps, kind: str) -> np.ndarray:

@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GPTOSS = ROOT.parent / "shared/traces-real/gptoss20b-fingerprint/gptoss20b_routing_topk_ids.npz"
 SAMPLE = ROOT / "traces" / "gptoss20b-sample.mptrace"
 VERIFY_TOKENS = 9          # a request verifying 8 drafts
+# The GPT-OSS recording's datasets (the examples' ``dataset`` field), by benchmark
+DATASETS = {"MMLU": ("mmlu_test", "mmlu_validation", "mmlu_dev"), "MMLU-Pro": ("mmlu_pro_test", "mmlu_pro_validation"),
+            "GPQA": ("gpqa_extended", "gpqa_main", "gpqa_diamond"), "SORRY-Bench": ("sorry_bench_base",)}
 KIMI_MOE_LAYERS = 60
 
 
@@ -56,3 +59,12 @@ def kimi_shaped(layers: int, num_steps: int, tokens_per_step: int = VERIFY_TOKEN
 def pct(value: float, base: float) -> str:
     """``value`` against ``base`` as a signed percentage, e.g. "-20.0%"."""
     return f"{100 * (value / base - 1):+.1f}%"
+
+
+def relabel(steps: "RoutingSteps", perms: np.ndarray) -> "RoutingSteps":
+    """``steps`` with expert e of layer l renamed perms[l, e]."""
+    from moeplace.trace.steps import RoutingSteps
+
+    ids = steps.topk_ids.astype(np.int64)
+    out = np.where(ids >= 0, perms[np.arange(ids.shape[1])[None, :, None], np.maximum(ids, 0)], -1)
+    return RoutingSteps.from_topk(steps.model, out, np.diff(steps.token_offsets), steps.modes)
