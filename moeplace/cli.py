@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "capture": "moeplace.commands.capture:capture",
     "launch": "moeplace.commands.launch:launch",
     "advise": "moeplace.commands.advise:advise",
+    "online": "moeplace.commands.online:online",
 }
 
 # Commands whose work is numpy, set up for it before numpy loads, unless the environment says otherwise
@@ -33,7 +34,7 @@ COMMANDS: dict[str, str] = {
 #   compacts memory to find them at each first touch (THP defrag "madvise"), every new large array
 #   stalled: `optimize` on 20,000 Kimi-shaped steps took 12.3 s wall, 4.3 s of it in the kernel, against
 #   8.4-9.8 s and 1 s without (BENCHMARKS.md#optimizer-and-cli-speed).
-NUMPY_COMMANDS = ("report", "optimize", "compare", "advise", "trace")
+NUMPY_COMMANDS = ("report", "optimize", "compare", "advise", "trace", "online")
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 HUGEPAGE_VARIABLE = "NUMPY_MADVISE_HUGEPAGE"
 

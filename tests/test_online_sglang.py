@@ -246,3 +246,21 @@ def test_a_server_online_re_placement_cannot_run_on_stops_at_start(server, capsy
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "MOEPLACE_ONLINE" in err[0] and "--init-expert-location" in err[0]
+
+
+def test_the_request_command_is_answered_by_the_server_s_worker(server, online, capsys):
+    from moeplace.cli import main
+    from moeplace.files.placement import save_placement
+
+    replacer = online.replacer
+    replacer.on_pass_end(online.runner)
+    main(["online", "request", str(replacer.config.folder), "--dry-run", "--wait", "120"])
+    assert capsys.readouterr().out.startswith("keep")
+    spares = np.concatenate([np.tile(np.arange(16), (3, 1)), np.tile([0, 1], (3, 1))], axis=1)
+    save_placement(replacer.config.folder / "other.json", Placement(server.spec, 2, spares))   # 18 slots, not 16
+    with pytest.raises(SystemExit) as refused:
+        main(["online", "request", str(replacer.config.folder), "--placement",
+              str(replacer.config.folder / "other.json"), "--wait", "60"])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "refused" in err[0] and "16 slots" in err[0]

@@ -198,6 +198,7 @@ class Replacer:
             self.config.folder.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             logger.warning("moeplace online: cannot write to %s (%s): no status or requests", self.config.folder, e)
+        self._write_status()   # also tells `moeplace online request` a server answers here
         self._thread = threading.Thread(target=self._work_loop, name="moeplace-online", daemon=True)
         self._thread.start()
         logger.info("moeplace online re-placement on: a decision every %d passes on the last %d decode and verify "
