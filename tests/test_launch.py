@@ -448,3 +448,46 @@ def test_launch_split_refusals_and_warnings(tmp_path: Path, model_dir: Path, spl
     assert sglang_parse(shlex.split(stdout)[3:]).ep_size == 4
     assert ("warning: the placement was made for 4 EP groups x MoE TP 2 on 8 GPUs; --tp-size 4 runs MoE TP 1"
             in stderr)
+
+
+def test_enable_eplb_makes_moeplace_the_rebalancer(model_dir: Path, placement_file: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MOEPLACE_ONLINE", raising=False)
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, "--tp 4 --ep 4 --ep-num-redundant-experts 4 --enable-eplb")])
+    assert code == 0, stderr
+    assert stdout.startswith("MOEPLACE_ONLINE=1 ") and "--enable-eplb" in shlex.split(stdout)
+
+
+def test_online_at_ep_2_or_more_adds_enable_eplb(model_dir: Path, placement_file: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEPLACE_ONLINE", "1")
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir)])
+    assert code == 0, stderr
+    assert shlex.split(stdout).count("--enable-eplb") == 1
+
+
+def test_online_at_ep_1_runs_without_enable_eplb(tmp_path: Path, model_dir: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MOEPLACE_ONLINE", "1")
+    save_placement(tmp_path / "one.json", round_robin(SPEC, ranks=1, redundant=0))
+    code, stdout, stderr = run_cli(["launch", "--placement", str(tmp_path / "one.json"), "--dry-run", "--",
+                                    "--model-path", str(model_dir)])
+    assert code == 0, stderr
+    assert "--enable-eplb" not in shlex.split(stdout)
+
+
+@pytest.mark.parametrize("env, extra, expect", [
+    ({"MOEPLACE_ONLINE": "0"}, "--tp 4 --ep 4 --ep-num-redundant-experts 4 --enable-eplb", "MOEPLACE_ONLINE=0"),
+    ({}, "--ep-num-redundant-experts 4 --enable-eplb", "2 or more EP ranks"),
+    ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_WINDOW": "lots"}, "--tp 4 --ep 4 --ep-num-redundant-experts 4",
+     "MOEPLACE_ONLINE_WINDOW"),
+])
+def test_online_refusals(tmp_path: Path, model_dir: Path, placement_file: Path, monkeypatch: pytest.MonkeyPatch,
+                         env: dict, extra: str, expect: str) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, stdout, stderr = run_cli(["launch", "--placement", str(placement_file), "--dry-run", "--",
+                                    *sglang_args(model_dir, extra)])
+    assert_refused(tmp_path, code, stdout, stderr, expect)

@@ -25,18 +25,25 @@ def launch(placement_path: str, model: str | None, sglang_out: str | None, dry_r
     Everything after `--` goes to `python -m sglang.launch_server`, plus
     `--init-expert-location` (which must not be given there). The placement must
     match the model's MoE layers and experts, --ep-size (SGLang's default is 1),
-    and --ep-num-redundant-experts (slots = experts + redundant). --enable-eplb is
-    refused (SGLang's rebalancer would replace the placement), and a placement whose
+    and --ep-num-redundant-experts (slots = experts + redundant). A placement whose
     spare slots were placed for another replica choice than SGLang's for the given
     --moe-a2a-backend / --ep-dispatch-algorithm is warned about. A placement made by
     `optimize --ep-size G` (G EP groups with MoE TP inside) adds --ep-size G and
     --tp-size where the arguments leave them out.
+
+    Online re-placement (the placement kept fresh while serving, see `moeplace online`):
+    MOEPLACE_ONLINE=1 in the environment; at EP 2 or more launch adds --enable-eplb, and
+    moeplace serves as SGLang's rebalancer (its period --eplb-rebalance-num-iterations).
+    --enable-eplb given alone turns MOEPLACE_ONLINE on, so the rebalancer that runs is
+    moeplace's, not SGLang's token-balancing one.
 
     \b
     Example:
       moeplace launch --placement placement.json -- \\
           --model-path openai/gpt-oss-20b --tp 8 --ep 8 --ep-num-redundant-experts 8
       moeplace launch --placement placement.json --dry-run -- \\
+          --model-path /models/DeepSeek-V3 --tp 8 --ep 8 --ep-num-redundant-experts 32
+      MOEPLACE_ONLINE=1 moeplace launch --placement placement.json -- \\
           --model-path /models/DeepSeek-V3 --tp 8 --ep 8 --ep-num-redundant-experts 32
     """
     from moeplace.files.placement import save_sglang

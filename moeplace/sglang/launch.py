@@ -216,10 +216,6 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     if layout.init_expert_location is not None:
         raise MoeplaceError("the SGLang arguments already set --init-expert-location "
                             f"({layout.init_expert_location}); moeplace launch sets it from --placement")
-    if layout.enable_eplb:
-        raise MoeplaceError("--enable-eplb: SGLang's online rebalancer would replace the placement with its own "
-                            "token-balanced layout every --eplb-rebalance-num-iterations passes (default 1000); "
-                            "drop it to keep the placement")
     ref = model or layout.model_path
     if ref is None:
         raise MoeplaceError("no model: give --model (a folder or Hugging Face id) or --model-path in the SGLang "
@@ -233,6 +229,9 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
     check_outputs({"--sglang-out": target}, inputs={"--placement": placement_path, "--model": folder / "config.json"})
     read = read_placement(placement_path, spec, layout)
     added = split_flags(read, layout)
+    layout_after = parse_sglang_args([*sglang_args, *added]) if added else layout
+    online, eplb_flag = online_settings(layout_after)
+    added += eplb_flag
     if added:
         sglang_args = [*sglang_args, *added]
         layout = parse_sglang_args(sglang_args)
@@ -241,9 +240,36 @@ def plan_launch(placement_path: str | os.PathLike, sglang_args: Sequence[str], m
                "--init-expert-location", str(target)]
     warnings = [line for line in [dispatch_mismatch(placement, layout), cost_rule_note(placement),
                                   split_mismatch(placement, layout)] if line]
-    env = dispatch_env(placement, sglang_args)
+    env = {**dispatch_env(placement, sglang_args), **online}
     check_plugin_settings(env)
     return LaunchPlan(placement, target, command, env, warnings)
+
+
+def online_settings(layout: SglangLayout) -> tuple[dict[str, str], list[str]]:
+    """(environment, SGLang flags) for online re-placement: ``--enable-eplb`` makes moeplace SGLang's rebalancer
+    (``moeplace.sglang.online``: its trigger and algorithm, SGLang's schedule and updater), so it turns
+    MOEPLACE_ONLINE on; MOEPLACE_ONLINE at EP 2 or more needs ``--enable-eplb``, which is added. SGLang refuses
+    ``--enable-eplb`` at EP 1, where MOEPLACE_ONLINE runs without it."""
+    from moeplace.sglang.settings import SWITCH_OFF, SettingError, switch
+
+    raw = os.environ.get("MOEPLACE_ONLINE", "").strip().lower()
+    try:
+        on = switch("MOEPLACE_ONLINE")
+    except SettingError as e:
+        raise MoeplaceError(f"{e} (SGLang's moeplace plugin would stop at start)") from None
+    ep = layout.effective_ep_size
+    if layout.enable_eplb:
+        if raw and raw in SWITCH_OFF:
+            raise MoeplaceError(f"--enable-eplb with MOEPLACE_ONLINE={raw}: SGLang's own rebalancer would replace the "
+                                "placement with its token-balanced layout; unset MOEPLACE_ONLINE (moeplace then serves "
+                                "as the rebalancer) or drop --enable-eplb")
+        if ep < 2:
+            raise MoeplaceError(f"--enable-eplb needs 2 or more EP ranks ({layout.ep_size_reason()}); at EP 1 "
+                                "MOEPLACE_ONLINE=1 re-places online without it")
+        return ({} if on else {"MOEPLACE_ONLINE": "1"}), []
+    if on and ep >= 2:
+        return {}, ["--enable-eplb"]
+    return {}, []
 
 
 def check_plugin_settings(added: Mapping[str, str]) -> None:
