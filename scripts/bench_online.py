@@ -100,7 +100,7 @@ def kimi_trace(phases: int, phase_steps: int, seed: int = 0) -> Trace:
                 cold = rng.choice(order[E // 2:], int(DRIFT * E), replace=False)
                 names[layer, hot], names[layer, cold] = names[layer, cold], names[layer, hot].copy()
         parts.append(relabel(steps.slice(phase * phase_steps, (phase + 1) * phase_steps), names))
-    return Trace(f"SYNTHETIC kimi-k2-shaped, hot experts moving", concat_steps(parts), (8, 64))
+    return Trace("SYNTHETIC kimi-k2-shaped, hot experts moving", concat_steps(parts), (8, 64))
 
 
 def spare_counts(experts: int, ranks: int) -> list[int]:

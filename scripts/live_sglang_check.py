@@ -29,6 +29,12 @@ operators do (SIGTERM, SIGINT) and checks, in the servers themselves:
   dispatch  MOEPLACE_DISPATCH=balanced on one GPU (EP 1: no replica to choose) stops the server with
             one line
   hooks     a feature whose hook SGLang cannot apply stops the server with one line naming it
+  replace   MOEPLACE_ONLINE=1 (launched with the reversed map, so SGLang remaps): under NGRAM verify traffic
+            switched between two prompt sets, two re-placements asked for through `moeplace online request`
+            move real weights between slots; no request fails; greedy outputs equal a server without
+            re-placement; the stall per re-placement and tokens per second before, during and after; the
+            tracer's shards carry the maps in turn; one decision run to its end (`request --dry-run`) against
+            the same batch with none in flight; SGLang's /metrics shows the gauges (--enable-metrics)
 
 With ``--gpus 2`` (two GPUs of one host, the Kimi-expert-shaped model): expert parallelism (TP 2, EP 2,
 ``--moe-a2a-backend none``, NGRAM) with DeepSeek EPLB, stepaware and balanced-with-spares placements
@@ -567,6 +573,138 @@ def check_refused_start(name: str, server: Server, rc: int | None, needle: str) 
     return Check(name, ok, detail if ok else f"exit {rc}: {detail}", figures)
 
 
+REPLACE_BATCH = 8             # requests of a timed batch (the CUDA-graph batch size)
+REPLACE_TOKENS = 96           # new tokens each
+STALL_LINE = re.compile(r"moeplace online: re-placed (\d+) layers.*moved (\d+) expert replicas \(([\d.]+) GB\), "
+                        r"stall ([\d.]+) ms")
+
+
+def replace_placements(work: Path) -> list[Path]:
+    """Two other maps of ``placement.json``'s experts to move to: slots reversed back, then shuffled per layer."""
+    data = json.loads((work / "placement.json").read_text())
+    rng = np.random.default_rng(0)
+    moves = [[row[::-1] for row in data["physical_to_logical_map"]],
+             [list(map(int, rng.permutation(row))) for row in data["physical_to_logical_map"]]]
+    paths = []
+    for i, rows in enumerate(moves):
+        paths.append(work / f"replace-{i}.json")
+        paths[-1].write_text(json.dumps({**data, "physical_to_logical_map": rows}))
+    return paths
+
+
+def timed_batch(server: Server, batch: list[list[int]]) -> tuple[float, list[dict]]:
+    """(seconds, answers) of one greedy batch, all at once."""
+    t0 = time.monotonic()
+    answers = server.generate_all(batch, [REPLACE_TOKENS] * len(batch), workers=len(batch))
+    return time.monotonic() - t0, answers
+
+
+def exercise_replace(server: Server, work: Path, rng: random.Random) -> dict:
+    """Traffic switched between two prompt sets on the server with online re-placement, two re-placements asked for
+    through ``moeplace online request`` while a batch runs, a dry run timed against the same batch without one."""
+    folder = work / "online"
+    sets = {"A": prompts(rng, REPLACE_BATCH, 48, 96, vocab=8000), "B": prompts(rng, REPLACE_BATCH, 200, 400)}
+    out: dict[str, Any] = {"answers": [], "tokens_per_s": {}, "requests": []}
+
+    def tps(label: str, batch: list[list[int]]) -> float:
+        seconds, answers = timed_batch(server, batch)
+        out["answers"] += answers
+        out["tokens_per_s"][label] = round(REPLACE_TOKENS * len(batch) / seconds, 1)
+        return seconds
+
+    def ask(*args: str) -> subprocess.CompletedProcess:
+        answer = moeplace("online", "request", str(folder), *args, "--wait", "300", cwd=work)
+        out["requests"].append({"args": list(args), "rc": answer.returncode, "out": answer.stdout.strip()[-300:],
+                                "err": answer.stderr.strip()[-300:]})
+        return answer
+
+    tps("before (A)", sets["A"])
+    for label, placement, batch in (("during 1st (A)", 0, sets["A"]), ("during 2nd (B)", 1, sets["B"])):
+        with ThreadPoolExecutor(1) as pool:
+            asked = pool.submit(ask, "--placement", str(work / f"replace-{placement}.json"))
+            tps(label, batch)
+            asked.result()
+        tps(label.replace("during", "after"), batch)
+    # a decision run to its end, against the same batch run with none in flight
+    idle, during = [], []
+    for _ in range(2):
+        idle.append(timed_batch(server, sets["B"])[0])
+    with ThreadPoolExecutor(1) as pool:
+        t0 = time.monotonic()
+        decided = pool.submit(ask, "--dry-run", "--json")
+        while not decided.done():
+            during.append(timed_batch(server, sets["B"])[0])
+        out["decision_wall_s"] = round(time.monotonic() - t0, 1)
+        answer = decided.result()
+    idle.append(timed_batch(server, sets["B"])[0])
+    out["dry_run"] = json.loads(answer.stdout) if answer.returncode == 0 else {"error": answer.stderr[-300:]}
+    out["batch_s_idle"] = [round(x, 3) for x in idle]
+    out["batch_s_deciding"] = [round(x, 3) for x in during]
+    try:
+        with urllib.request.urlopen(server.url + "/metrics", timeout=30) as r:
+            out["metrics"] = [line for line in r.read().decode().splitlines() if line.startswith("moeplace:")]
+    except (urllib.error.URLError, OSError) as e:
+        out["metrics"] = [f"error: {e}"]
+    return out
+
+
+def check_replace(server: Server, baseline: Server, exercise: dict, stop: tuple[int | None, float],
+                  work: Path) -> Check:
+    """Two re-placements while serving, no request failed, greedy outputs those of the server that never
+    re-placed, the stall and tokens per second around each, the tracer's shards in the maps applied in turn, a
+    decision's cost to the passes that ran beside it, the /metrics gauges."""
+    from moeplace.files.placement import load_placement
+    from moeplace.trace.store import TraceReader
+
+    problems = []
+    figures: dict[str, Any] = {k: exercise[k] for k in ("tokens_per_s", "requests", "batch_s_idle",
+                                                        "batch_s_deciding", "metrics") if k in exercise}
+    figures["stop_exit_code"], figures["stop_s"] = stop[0], round(stop[1], 1)
+    applied = [m.groups() for m in STALL_LINE.finditer(server.log())]
+    figures["re_placements"] = [{"layers": int(a), "moved": int(b), "gb": float(c), "stall_ms": float(d)}
+                                for a, b, c, d in applied]
+    if len(applied) < 2:
+        problems.append(f"{len(applied)} re-placements logged, not 2")
+    if any(r["rc"] != 0 for r in exercise["requests"]):
+        problems.append("a control request failed: " + "; ".join(r["err"] for r in exercise["requests"] if r["rc"]))
+    failed = [a for a in exercise["answers"] + server.greedy if not a.get("output_ids")]
+    if failed:
+        problems.append(f"{len(failed)} requests answered without output")
+    share, first = equal_token_share(server.greedy, baseline.greedy)
+    figures["greedy_equal_share_after"] = share
+    if share < 1.0:
+        problems.append(f"greedy outputs after the re-placements equal the server without them on {share:.1%} "
+                        f"of tokens (first differences {first})")
+    dry = exercise.get("dry_run", {})
+    figures["decision"] = {k: dry.get(k) for k in ("line", "seconds", "steps", "replace")}
+    if "line" not in dry:
+        problems.append(f"the dry run gave no decision: {dry}")
+    idle, busy = exercise["batch_s_idle"], exercise["batch_s_deciding"]
+    if busy and idle:
+        figures["pass_time_while_deciding"] = round(float(np.median(busy)) / float(np.median(idle)), 3)
+    maps = []
+    for shard in sorted((work / "traces-replace").glob("*.mptrace")):
+        header = TraceReader(shard).headers[0]
+        if header.physical_to_logical_map and (not maps or maps[-1] != header.physical_to_logical_map):
+            maps.append(header.physical_to_logical_map)
+    wanted = [load_placement(work / name).phy2log.tolist()
+              for name in ("placement.json", "replace-0.json", "replace-1.json")]
+    figures["shard_maps_in_turn"] = [next((i for i, w in enumerate(wanted) if w == m), -1) for m in maps]
+    if figures["shard_maps_in_turn"] != [0, 1, 2]:
+        problems.append(f"the shards' maps are {figures['shard_maps_in_turn']} of (start, 1st, 2nd), not in turn")
+    if not any(line.startswith("moeplace:replacements ") and line.split()[-1] in ("2", "2.0")
+               for line in exercise.get("metrics", [])):
+        problems.append("/metrics has no moeplace:replacements 2")
+    stalls = ", ".join(f"{a['stall_ms']:.0f} ms ({a['moved']} replicas, {a['gb']:.2f} GB)"
+                       for a in figures["re_placements"])
+    return Check("replace", not problems, "; ".join(problems) or
+                 f"re-placed twice while serving (stalls {stalls}); greedy outputs equal the server without "
+                 f"re-placement on every token; tokens/s {figures['tokens_per_s']}; a decision "
+                 f"({dry.get('seconds', 0):.1f} s) left the passes beside it at "
+                 f"{figures.get('pass_time_while_deciding', float('nan')):.3f}x their time; shards in the maps "
+                 f"applied, in turn", figures)
+
+
 # ----------------------------------------------------------------------------------------- run
 
 def versions(head: str | None) -> dict:
@@ -601,6 +739,57 @@ def guarded(checks: list[Check], name: str, fn: Callable[[], Check]) -> None:
     print(f"check {c.name}: {'ok' if c.ok else 'FAIL'}: {c.detail[:400]}", flush=True)
 
 
+def make_placement(model: Path, work: Path) -> None:
+    """``placement.json`` for `launch`: this model's, its slot order reversed so that SGLang's map is visibly the
+    file's."""
+    if (work / "placement.json").exists():
+        return
+    synth = moeplace("trace", "synth", "--model", str(model / "config.json"), "--steps", "2000",
+                     "-o", "synth.mptrace", cwd=work)
+    assert synth.returncode == 0, synth.stderr
+    fit = moeplace("optimize", "synth.mptrace", "--ranks", "1", "--mode", "verify", "-o", "fitted.json", cwd=work)
+    assert fit.returncode == 0, fit.stderr
+    data = json.loads((work / "fitted.json").read_text())
+    data["physical_to_logical_map"] = [row[::-1] for row in data["physical_to_logical_map"]]
+    (work / "placement.json").write_text(json.dumps(data))
+
+
+def run_replace(model: Path, work: Path, port: int, startup: float) -> list[Check]:
+    """Online re-placement at EP 1: a server launched with the reversed map and MOEPLACE_ONLINE (a decision only
+    when asked, so that the timed batches meet none by chance; tracer on, /metrics on) beside the same server
+    without online re-placement."""
+    rng = random.Random(1)
+    make_placement(model, work)
+    replace_placements(work)
+    trees = ["--speculative-ngram-max-bfs-breadth", "4"]
+    launch = ["--placement", "placement.json"]
+    baseline = Server("replace-baseline", port, server_argv(model, port, trees, launch=launch), {}, work)
+    server = Server("replace", port + 1, server_argv(model, port + 1, trees + ["--enable-metrics"], launch=launch),
+                    {"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_DIR": str(work / "online"),
+                     "MOEPLACE_ONLINE_PERIOD": "1000000", "MOEPLACE_ONLINE_WINDOW": "400",
+                     "MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / "traces-replace")}, work)
+    checks: list[Check] = []
+    try:
+        for s in (baseline, server):
+            s.start()
+            time.sleep(2.0)
+        for s in (baseline, server):
+            s.wait_ready(startup)
+        print(f"servers ready: {[(s.name, round(s.ready_s, 1)) for s in (baseline, server)]}", flush=True)
+        greedy_prompts = prompts(rng, 8, 64, 256)
+        baseline.greedy = baseline.generate_all(greedy_prompts, [128] * 8)
+        exercise = exercise_replace(server, work, rng)
+        server.greedy = server.generate_all(greedy_prompts, [128] * 8)
+        print(f"re-placement traffic done: {json.dumps({k: exercise[k] for k in ('tokens_per_s', 'requests')})[:800]}",
+              flush=True)
+        stop = server.stop(signal.SIGTERM)
+        guarded(checks, "replace", lambda: check_replace(server, baseline, exercise, stop, work))
+    finally:
+        for s in (baseline, server):
+            s.kill()
+    return checks
+
+
 def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
     rng = random.Random(0)
     config = json.loads((model / "config.json").read_text())
@@ -612,16 +801,7 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
     # verify step's own shapes against SGLang's Triton kernel and fp32.
     agree = attention_outputs_agree(heads, [300, 517, 64, 1200, 900, 33, 410, 250])
 
-    # Placements for `launch`: this model's (reversed slot order, so SGLang's map is visibly the file's)
-    # and another model's.
-    synth = moeplace("trace", "synth", "--model", str(model / "config.json"), "--steps", "2000",
-                     "-o", "synth.mptrace", cwd=work)
-    assert synth.returncode == 0, synth.stderr
-    fit = moeplace("optimize", "synth.mptrace", "--ranks", "1", "--mode", "verify", "-o", "fitted.json", cwd=work)
-    assert fit.returncode == 0, fit.stderr
-    data = json.loads((work / "fitted.json").read_text())
-    data["physical_to_logical_map"] = [row[::-1] for row in data["physical_to_logical_map"]]
-    (work / "placement.json").write_text(json.dumps(data))
+    make_placement(model, work)
     other = moeplace("trace", "synth", "--shape", "gpt-oss-20b", "--steps", "300", "-o", "other.mptrace", cwd=work)
     assert other.returncode == 0, other.stderr
     assert moeplace("optimize", "other.mptrace", "--ranks", "1", "-o", "other.json", cwd=work).returncode == 0
@@ -731,7 +911,7 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
     finally:
         for s in everyone:
             s.kill()
-    return checks
+    return checks + run_replace(model, work, port + 8, startup)
 
 
 # ----------------------------------------------------------------------------------------- 2 GPUs (EP)
@@ -943,11 +1123,13 @@ def main() -> int:
                     help="a DeepSeek-V3-architecture model folder (config.json; weights are dummy)")
     ap.add_argument("--out", type=Path, default=Path("result.json"), help="where to write the JSON result")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temp folder)")
-    ap.add_argument("--port", type=int, default=31000, help="first of the 8 ports the servers take")
+    ap.add_argument("--port", type=int, default=31000, help="first of the 10 ports the servers take")
     ap.add_argument("--startup-timeout", type=float, default=360.0, help="seconds a server may take to start")
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=1,
                     help="1: every feature on one GPU; 2: expert parallelism on two (--model: the Kimi-expert-shaped "
                          "model, .sgl-device/models/kimi-k2-shaped-2moe)")
+    ap.add_argument("--only", choices=("replace",), default=None,
+                    help="run one check alone: replace (online re-placement, two servers)")
     ap.add_argument("--head", default=None,
                     help="the project's commit, where the copy has no .git (default: git rev-parse)")
     args = ap.parse_args()
@@ -959,8 +1141,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        checks = (run if args.gpus == 1 else run_two_gpus)(args.model.resolve(), work.resolve(), args.port,
-                                                            args.startup_timeout)
+        runner = run_replace if args.only == "replace" else run if args.gpus == 1 else run_two_gpus
+        checks = runner(args.model.resolve(), work.resolve(), args.port, args.startup_timeout)
     except Exception as e:  # noqa: BLE001 (the result says what broke)
         checks = [Check("setup", False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-3000:]})]
     result = {**versions(args.head), "model": str(args.model), "seconds": round(time.monotonic() - started, 1),
