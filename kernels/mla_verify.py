@@ -17,8 +17,8 @@ Two launches:
      plus its log2-sum-exp. Split 0 also attends to the draft tokens themselves under the
      tree mask. A row block is a 64-row main tile plus an optional small tail tile (72 rows =
      64 + 16); the tail runs as its own program next to the main one, which reads the same
-     chunk, mostly from L2 (BENCHMARKS.md#verify-attention-against-flashmla: fusing it as a transposed tile spilled and was
-     slower; launching it apart was slower still).
+     chunk, mostly from L2 (fusing it as a transposed tile spilled and was slower; launching it
+     apart was slower still: docs/verify-kernel-log.md#triton-and-composed-trials).
   2. ``_verify_merge_kernel``, grid (B * D_max, H, 512 / BLOCK_DV): log-sum-exp merge of the
      partials into the output.
 
@@ -180,7 +180,7 @@ def _attend(Q, K_ext, V_ext, KV, kv_indices, Mask, mask_indptr, O_part, L_part,
         # The slot ids of step n + 1 are loaded during step n and carried in a loop variable,
         # so a KV gather's address never waits on a load of the same iteration (that wait is
         # the loop's main stall). The default wherever there is no tail tile: with one, the
-        # tail's registers make it slower (BENCHMARKS.md#verify-attention-against-flashmla).
+        # tail's registers make it slower (docs/verify-kernel-log.md#triton-and-composed-trials).
         offs_b = tl.arange(0, BLOCK_N)
         slot = tl.load(kv_indices + kv_start + lo + offs_b, mask=lo + offs_b < hi, other=0)
         for start in range(lo, hi, BLOCK_N):

@@ -116,10 +116,10 @@ def default_config(num_heads: int, max_draft: int, arch_major: int = 9) -> TileC
         return TileConfig(block_m, tail_m, row_blocks, block_n=16, num_warps=4, num_stages=2)
     block_m, tail_m, row_blocks = choose_rows(num_heads * max_draft)
     # Hopper: 64-token KV steps, 2 stages, one wave of programs (see _split_plan). The sweep of
-    # HOPPER_CANDIDATES (BENCHMARKS.md#verify-attention-against-flashmla, H200) found deeper KV pipelines (32/16-token steps with
-    # 3-7 stages, slot ids prefetched or loaded asynchronously) slower at 16k+ contexts.
-    # Without a tail tile, carrying the next step's slot ids is 1.1-1.7x faster (the loop waits
-    # on that load otherwise); with one, the tail's registers make it slower (BENCHMARKS.md#verify-attention-against-flashmla).
+    # HOPPER_CANDIDATES (H200) found deeper KV pipelines (32/16-token steps with 3-7 stages, slot ids
+    # prefetched or loaded asynchronously) slower at 16k+ contexts. Without a tail tile, carrying the
+    # next step's slot ids is 1.1-1.7x faster (the loop waits on that load otherwise); with one, the
+    # tail's registers make it slower (docs/verify-kernel-log.md#triton-and-composed-trials).
     return TileConfig(block_m, tail_m, row_blocks, block_n=64, programs_per_sm=1,
                       idx_prefetch=tail_m == 0)
 
@@ -152,7 +152,7 @@ def hopper_candidates(num_heads: int = 8, max_draft: int = 9) -> list[TileConfig
 class Sm90Config:
     """Launch settings of the Hopper kernel (the tile shapes are fixed in its source).
 
-    The defaults are the sweep's choice (BENCHMARKS.md#the-own-sm90-kernel-page-size-1; 8 heads x
+    The defaults are the sweep's choice (docs/verify-kernel-log.md#the-own-sm90-kernel-page-size-1; 8 heads x
     9 drafts): the setting whose worst ratio to FlashMLA's time over the benchmark's rows is lowest.
     min_tiles: fewest 64-token KV tiles per CTA; the batch's tiles are spread evenly over one
     CTA per SM (per row block), so this only matters for short contexts. 1 and 2 tie from 16k
@@ -201,7 +201,7 @@ def combine_slices(rows: int, num_sms: int) -> int:
     A row's splits are merged by its CTAs' threads in parallel: one request (few rows, a split per
     SM) wants 4 and two requests 2, but from four requests on a slice per row is as fast or faster,
     since each CTA computes the row's tree scores again, and the kernel then loads three draft keys
-    at a time while the grid fits 5 CTAs per SM (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+    at a time while the grid fits 5 CTAs per SM (docs/verify-kernel-log.md#the-own-sm90-kernel-page-size-1).
     """
     return next((s for s in (4, 2) if rows * s <= COMBINE_SLICE_CTAS_PER_SM * num_sms), 1)
 
@@ -278,7 +278,7 @@ def prefer_composed(num_heads: int, max_draft: int, own_backend: str = "sm90") -
     several row blocks (more than 72 query rows, each block re-reading the KV) or cannot run. At 8
     heads x 9 drafts the own kernel is at or under the composed path's time on one request and on
     the mixed long batches, and within 1.5 µs either way on short ones
-    (BENCHMARKS.md#segment-cost-in-the-split-plan)."""
+    (docs/verify-kernel-log.md#segment-cost-in-the-split-plan)."""
     if max_draft > mla_verify_composed.MAX_TREE:
         return False
     one_block = num_heads * max_draft <= mla_verify_sm90.ROWS_PER_BLOCK[-1]

@@ -238,7 +238,7 @@ def _load_prefix_chunks(O_pre, L_pre, ChunkStart, ChunkTail, b, h, offs_i, offs_
     a batch: the first UNROLL steps unrolled (masked past the request's chunks), then a loop over
     the request's chunks left, if any. Each step ends in a reduction over its CB chunks, a
     barrier: the steps run one after another (one sum reduced once at the end was measured
-    slower at batch 1, BENCHMARKS.md#verify-attention-against-flashmla)."""
+    slower at batch 1, docs/verify-kernel-log.md#triton-and-composed-trials)."""
     c0 = tl.load(ChunkStart + b)
     count = tl.load(ChunkStart + b + 1) - c0
     tail = tl.load(ChunkTail + b)
@@ -517,7 +517,7 @@ class MergeConfig:
     warps, batch_chunk_block chunks per step, the first batch_chunk_unroll steps unrolled, then a
     loop over the request's chunks left); off by
     default: FlashMLA's own split and combine serve batches, 1.01-1.12x FlashMLA's time where
-    the chunked layout took 1.07-1.20x (H200, BENCHMARKS.md#verify-attention-against-flashmla).
+    the chunked layout took 1.07-1.20x (H200, docs/verify-kernel-log.md#batches).
     """
 
     dv_split: int = 4

@@ -273,7 +273,7 @@ __device__ __forceinline__ int plan_chunk(int total, int grid_x, int min_tiles) 
 
 // Tiles a boundary between requests counts in the plan: BOUNDARY_TILES, unless that lengthens every
 // chunk by more than a sixteenth (short calls: one more tile a CTA costs more than the boundaries
-// save) or the short layout spreads single tiles (BENCHMARKS.md#segment-cost-in-the-split-plan).
+// save) or the short layout spreads single tiles (docs/verify-kernel-log.md#segment-cost-in-the-split-plan).
 __device__ __forceinline__ int boundary_cost(int total, int batch, int grid_x, int min_tiles, bool is_short) {
   if (is_short) return 0;
   const int plain = plan_chunk(total, grid_x, min_tiles);
@@ -331,7 +331,7 @@ constexpr int SHORT_ROWS = 48;
 // The split grid's shape for a batch of `total` tiles. A short batch (no more tiles than CTAs
 // along x, so each would get at most one) is spread over short_blocks row blocks of SHORT_ROWS
 // instead: twice the CTAs for 72 rows, each computing fewer rows, which shortens a one-tile
-// call (BENCHMARKS.md#the-own-sm90-kernel-page-size-1). The combine kernel takes the same
+// call (docs/verify-kernel-log.md#the-own-sm90-kernel-page-size-1). The combine kernel takes the same
 // decision from the same total, so it finds the partials where this layout put them.
 struct Layout {
   bool is_short;
@@ -939,7 +939,7 @@ __device__ __forceinline__ float dot8(const uint4& a, const uint4& b) {
 // wait is on the call's critical path too: no load there waits on another that need not. The
 // split plan (warp 3) and the mask offset are read with the request's indices, and the mask by
 // thread j while the warps compute the tree scores (read after each draft's score by lane 0, they
-// cost about 1 µs a call at batches of 8-16: BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+// cost about 1 µs a call at batches of 8-16: docs/verify-kernel-log.md#the-own-sm90-kernel-page-size-1).
 //
 // Three instances, picked at launch by the grid's CTAs per SM (mlav_forward): PASS drafts' keys are
 // loaded at a time (one round trip for a warp's drafts at 9 drafts where PASS = 3), and with
@@ -1296,8 +1296,8 @@ int mlav_forward(int variant, const mlav::SplitParams* sp, const mlav::CombinePa
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  // Four slices (by combine_slices, only grids of at most 3 CTAs per SM): the wide instance; else
-  // <0, 3> while its CTAs fit one wave, else the lean one (BENCHMARKS.md#the-own-sm90-kernel-page-size-1).
+  // Four slices (by combine_slices, only grids of at most 3 CTAs per SM): the wide instance; else <0, 3>
+  // while its CTAs fit one wave, else the lean one (docs/verify-kernel-log.md#the-own-sm90-kernel-page-size-1).
   const long long ctas = static_cast<long long>(cfg.gridDim.x) * cfg.gridDim.y * cfg.gridDim.z;
   if (cp->slices == 4)
     err = cudaLaunchKernelEx(&cfg, mlav::combine_kernel<4, 3>, *cp);
