@@ -81,7 +81,7 @@ def test_balanced_where_experts_do_not_split_over_ranks(tmp_path, capsys, redund
     placement = load_placement(out)
     check_placement(placement)
     assert placement.phy2log.shape == (2, 12 + redundant)
-    assert ("spare slots: '" in stdout + err) == (redundant > 4)   # the out-of-fold choice, where slots are left
+    assert ("ways tried on the fitted steps" in stdout + err) == (redundant > 4)   # the out-of-fold choice, where slots are left
 
 
 def test_report_and_compare_under_balanced_dispatch(tmp_path, capsys):
