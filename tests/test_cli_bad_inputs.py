@@ -27,6 +27,7 @@ from moeplace.trace.load import open_trace
 from moeplace.trace import modes as M
 from moeplace.trace.steps import RoutingSteps
 from moeplace.trace.store import TraceHeader, write_trace
+from test_trace_store import write_float_chunk
 
 SAMPLE = Path(__file__).resolve().parents[1] / "traces" / "gptoss20b-sample.mptrace"
 # A DeepSeek-V3-shaped toy for launch: 4 layers (layer 0 dense), 16 routed experts, top-4.
@@ -67,6 +68,7 @@ def write_inputs(root: Path) -> None:
     np.savez(root / "negative.npz", topk_ids=ids, num_experts=np.int64(16))
     np.savez(root / "padding.npz", topk_ids=np.full((90, 2, 4), -1, np.int16))
     np.savez(root / "floats.npz", topk_ids=np.zeros((90, 2, 4), np.float32), num_experts=np.int64(16))
+    write_float_chunk(root / "floats.mptrace", "topk_ids")
     # trace headers of every wrong shape and type (header-only shards: the header is read first)
     good = TraceHeader(TOY, "synthetic").to_json()
     bad_headers = {
@@ -92,7 +94,8 @@ def write_inputs(root: Path) -> None:
     # placement files whose fields disagree or overflow
     for name, change in {"p_float_ranks": {"ranks": 8.0}, "p_inf_ranks": {"ranks": float("inf")},
                          "p_inf_nodes": {"nodes": float("inf")}, "p_nodes": {"nodes": 3},
-                         "p_physical": {"num_physical_experts": 40}, "p_list": None}.items():
+                         "p_physical": {"num_physical_experts": 40}, "p_list": None,
+                         "p_rule": {"metrics": {"dispatch": "bogus"}}}.items():
         (root / f"{name}.json").write_text(json.dumps([1, 2] if change is None else {**p, **change}))
     os.mkfifo(root / "fifo")
     os.link(root / "t.mptrace", root / "hardlink.mptrace")
@@ -145,6 +148,10 @@ CASES = [
     (["optimize", "{in}/negative.npz", "-o", "{out}/p.json"], "holds id -5"),
     (["optimize", "{in}/padding.npz", "-o", "{out}/p.json"], "holds no expert id"),
     (["optimize", "{in}/floats.npz", "-o", "{out}/p.json"], "integer expert ids"),
+    (["optimize", "{in}/floats.mptrace", "-o", "{out}/p.json", "--ranks", "4", "--cost-model", "{in}/cost_ok.json"],
+     "topk_ids must hold integers, not float32"),
+    (["report", "{in}/floats.mptrace", "--ranks", "4", "--cost-model", "{in}/cost_ok.json"],
+     "topk_ids must hold integers, not float32"),
     # advise
     (["advise", "{in}/t.mptrace", "--effort", "-5"], "--effort"),
     (["advise", "{in}/t.mptrace", "--effort", "0"], "--effort"),
@@ -241,6 +248,8 @@ CASES = [
     (["report", "{in}/t.mptrace", "--placement", "{in}/p_nodes.json"], "nodes 3 does not divide ranks 8"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/p_physical.json"], "num_physical_experts 40 disagrees"),
     (["compare", "{in}/t.mptrace", "{in}/p_physical.json"], "num_physical_experts 40 disagrees"),
+    (["compare", "{in}/t.mptrace", "{in}/p_rule.json"], "made for dispatch 'bogus'"),
+    (["report", "{in}/t.mptrace", "--placement", "{in}/p_rule.json"], "made for dispatch 'bogus'"),
     (["report", "{in}/t.mptrace", "--placement", "{in}/p_list.json"], "not a placement"),
     (["launch", "--placement", "{in}/p_inf_ranks.json", "--dry-run", *TOY_LAUNCH], "ranks must be a whole number"),
     (["launch", "--placement", "{in}/p_physical.json", "--dry-run", *TOY_LAUNCH], "num_physical_experts 40 disagrees"),

@@ -81,7 +81,7 @@ def test_balanced_where_experts_do_not_split_over_ranks(tmp_path, capsys, redund
     placement = load_placement(out)
     check_placement(placement)
     assert placement.phy2log.shape == (2, 12 + redundant)
-    assert ("spare slots: '" in stdout + err) == (redundant > 4)   # the out-of-fold choice, where slots are left
+    assert ("ways tried on the fitted steps" in stdout + err) == (redundant > 4)   # the out-of-fold choice, where slots are left
 
 
 def test_report_and_compare_under_balanced_dispatch(tmp_path, capsys):
@@ -102,6 +102,55 @@ def test_report_and_compare_under_balanced_dispatch(tmp_path, capsys):
     assert e_max < dynamic["e_max_distinct"]
     assert dynamic["optimum"] == pytest.approx(balanced["metrics"]["optimum"])
     assert e_max == pytest.approx(balanced["metrics"]["optimum"])
+
+
+def test_report_and_compare_score_a_placement_under_the_rule_it_was_made_for(tmp_path, capsys):
+    """No --dispatch: the rule recorded in the file, as if it had been given; --dispatch overrides it; compare
+    scores each placement under its own rule."""
+    balanced, plain = tmp_path / "b.json", tmp_path / "d.json"
+    for out, rule in ((balanced, "balanced"), (plain, "dynamic")):
+        assert run_main(capsys, "optimize", SAMPLE, "--ranks", "8", "--mode", "verify", "--dispatch", rule,
+                        "--redundant", "8", *FAST, "-o", out)[0] == 0
+    report = ["report", SAMPLE, "--placement", balanced, "--mode", "verify", "--max-steps", "300"]
+    runs = {}
+    for given in ((), ("--dispatch", "balanced"), ("--dispatch", "dynamic")):
+        code, stdout, err = run_main(capsys, *report, *given, "--json")
+        assert code == 0, err
+        runs[given] = json.loads(stdout)
+    read, given_same, given_other = runs.values()
+    assert (read["dispatch"], read["dispatch_from"]) == ("balanced", "placement")
+    assert given_same["dispatch_from"] == "--dispatch" == given_other["dispatch_from"]
+    assert read["metrics"] == given_same["metrics"] and read["staleness"] == given_same["staleness"]
+    assert read["metrics"]["e_max_distinct"] < given_other["metrics"]["e_max_distinct"]
+    code, stdout, _ = run_main(capsys, *report)
+    assert code == 0 and f"dispatch balanced (the rule {balanced} was made for)" in stdout
+    code, stdout, _ = run_main(capsys, *report, "--dispatch", "dynamic")
+    assert code == 0 and f"dispatch dynamic (--dispatch; {balanced} was made for balanced)" in stdout
+
+    compare = ["compare", SAMPLE, plain, balanced, "--mode", "verify", "--max-steps", "300"]
+    code, stdout, _ = run_main(capsys, *compare)
+    assert code == 0
+    assert stdout.splitlines()[0].endswith(f"each placement under the rule it was made for: {plain} dynamic, "
+                                           f"{balanced} balanced")
+    rows = json.loads(run_main(capsys, *compare, "--json")[1])["rows"]
+    for row, (path, rule) in zip(rows, ((plain, "dynamic"), (balanced, "balanced"))):
+        alone = json.loads(run_main(capsys, "compare", SAMPLE, path, "--mode", "verify", "--max-steps", "300",
+                                    "--dispatch", rule, "--json")[1])["rows"][0]
+        assert row["e_max_distinct"] == alone["e_max_distinct"] and row["moe_us_per_step"] == alone["moe_us_per_step"]
+
+
+def test_a_placement_recording_an_unknown_rule_is_one_line_unless_dispatch_is_given(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert run_main(capsys, "optimize", SAMPLE, "--ranks", "8", *FAST, "-o", out)[0] == 0
+    data = json.loads(out.read_text())
+    data["metrics"]["dispatch"] = "round-robin"
+    out.write_text(json.dumps(data))
+    code, _, err = run_main(capsys, "report", SAMPLE, "--placement", out, "--max-steps", "50")
+    assert code == 2
+    assert_one_line_error(err, "made for dispatch 'round-robin'", "give --dispatch")
+    code, stdout, err = run_main(capsys, "report", SAMPLE, "--placement", out, "--max-steps", "50",
+                                 "--dispatch", "static")
+    assert code == 0 and "dispatch static (--dispatch)" in stdout, err
 
 
 def test_balanced_table_is_on_a_sample_of_held_out_steps_and_says_so(tmp_path, capsys, monkeypatch):

@@ -164,7 +164,7 @@ def test_compare_says_what_it_scores_and_takes_holdout(tmp_path, capsys):
     assert code == 0
     assert out.startswith("scored on all 3,007 verify steps (no --holdout: a placement fitted on this trace is "
                           "scored on its fitted steps too)")
-    assert f"note: {placement} was fitted on this trace" in out and "--holdout 0.3 scores only" in out
+    assert f"note: {placement} was fitted on this trace" in out and "`moeplace compare --holdout 0.3` does" in out
     code, out, _ = run_main(capsys, "compare", SAMPLE, placement, "--mode", "verify", "--holdout", "0.3", "--json")
     data = json.loads(out)
     assert code == 0 and data["steps"] == 902 and data["trace_steps"] == 3007

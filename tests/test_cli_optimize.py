@@ -164,7 +164,8 @@ def test_compare_moeplace_and_sglang_files(optimized, tmp_path):
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert lines[0].startswith("scored on the first 600 steps (all modes) of 3,007 (no --holdout")
-    assert lines[0].endswith("; 8 ranks, dispatch dynamic")
+    assert lines[0].endswith(f"; 8 ranks, dispatch dynamic (the rule each placement was made for; the default for "
+                             f"{out / 'sglang.json'}, which records none)")
     assert "vs baseline" in next(line for line in lines if line.startswith("placement "))
     head = next(i for i, line in enumerate(lines) if line.startswith("placement "))
     names = [line.split()[0] for line in lines[head + 2:head + 5]]

@@ -52,6 +52,8 @@ def test_the_verify_kernel_reads_its_switch_as_the_plugin_does(monkeypatch) -> N
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "1,2"}, "MOEPLACE_DISPATCH_WEIGHTS"),
     ({"MOEPLACE_DISPATCH_Q": "4"}, "MOEPLACE_DISPATCH_Q"),     # set, but the rule that reads it is off
     ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "many"}, "MOEPLACE_DISPATCH_MAX_TOKENS"),
+    ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "1" + "0" * 29}, "up to 8,192"),
+    ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_Q": "4", "MOEPLACE_DISPATCH_MAX_TOKENS": "8193"}, "up to 8,192"),
     ({"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_SLOTS": "1e40"}, "MOEPLACE_TRACE_SLOTS"),
     ({"MOEPLACE_TRACE_DIR": "/tmp/t", "MOEPLACE_TRACE_FLUSH_SECONDS": "1e300"}, "MOEPLACE_TRACE_FLUSH_SECONDS"),
     ({"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_WINDOW": "0"}, "MOEPLACE_ONLINE_WINDOW"),
@@ -65,6 +67,34 @@ def test_the_verify_kernel_reads_its_switch_as_the_plugin_does(monkeypatch) -> N
 def test_other_settings_are_checked_too(env: dict[str, str], named: str) -> None:
     with pytest.raises(SettingError, match=named):
         check_settings(env)
+
+
+def test_the_dispatch_batch_limit_takes_every_batch_the_kernel_can() -> None:
+    from moeplace.sglang.balanced_dispatch import DispatchConfig
+
+    config = DispatchConfig.from_env({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "8192"})
+    assert config.max_tokens == 8192   # 8192 rows of top-1: the kernel's 8192 ids
+
+
+@pytest.mark.parametrize("variable, switch", [("MOEPLACE_TRACE_DIR", "MOEPLACE_TRACE"),
+                                              ("MOEPLACE_ONLINE_DIR", "MOEPLACE_ONLINE")])
+def test_a_folder_the_plugin_cannot_write_stops_the_start(tmp_path, variable, switch) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("kept\n")
+    for folder, why in ((afile, f"{afile} is a file, not a folder"),
+                        (afile / "traces", f"{afile} is a file, not a folder"),
+                        ("/proc/moeplace-traces", "cannot write in /proc")):
+        with pytest.raises(SettingError) as e:
+            check_settings({switch: "1", variable: str(folder)})
+        assert str(e.value).startswith(f"{variable}={str(folder)!r}: {why}")
+    assert afile.read_text() == "kept\n" and [p.name for p in tmp_path.iterdir()] == ["afile"]
+
+
+def test_a_trace_dir_that_can_be_made_or_written_is_taken_and_nothing_is_left(tmp_path) -> None:
+    (tmp_path / "there").mkdir()
+    for folder in (tmp_path / "there", tmp_path / "new" / "deeper"):
+        assert check_settings({"MOEPLACE_TRACE_DIR": str(folder)}).trace
+    assert [p.name for p in tmp_path.iterdir()] == ["there"] and not list((tmp_path / "there").iterdir())
 
 
 def test_the_plugin_stops_with_one_line(monkeypatch, capsys) -> None:
@@ -89,6 +119,9 @@ TOY_CONFIG = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepsee
     ({"MOEPLACE_DISPATCH_Q": "abc"}, "MOEPLACE_DISPATCH_Q"),
     ({"MOEPLACE_DISPATCH": "cost", "MOEPLACE_DISPATCH_WEIGHTS": "1,2"}, "MOEPLACE_DISPATCH_WEIGHTS"),
     ({"MOEPLACE_TRACE": "enable"}, "MOEPLACE_TRACE"),
+    ({"MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": "/proc/moeplace-traces"}, "MOEPLACE_TRACE_DIR='/proc/moeplace-traces'"),
+    ({"MOEPLACE_TRACE_DIR": "/proc/self/status"}, "is a file, not a folder"),
+    ({"MOEPLACE_DISPATCH": "balanced", "MOEPLACE_DISPATCH_MAX_TOKENS": "1" + "0" * 29}, "MOEPLACE_DISPATCH_MAX_TOKENS"),
 ])
 def test_launch_checks_the_plugin_settings_before_sglang(tmp_path, monkeypatch, capsys, env, named) -> None:
     (tmp_path / "toy").mkdir()

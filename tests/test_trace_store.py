@@ -23,7 +23,8 @@ from moeplace.model.spec import ModelSpec
 from moeplace.trace import modes as M
 from moeplace.trace import steps as steps_module
 from moeplace.trace.steps import RoutingSteps, concat_steps
-from moeplace.trace.store import UNFINISHED, CHUNK_ARRAYS, ShardWriter, TraceHeader, TraceReader, write_chunks, write_trace
+from moeplace.trace.store import (UNFINISHED, CHUNK_ARRAYS, WHOLE_ARRAYS, ShardWriter, TraceHeader, TraceReader,
+                                  write_chunks, write_trace)
 
 CHUNK_HEAD = 16  # b"MPCK", u32 length, u32 crc, u32 num_steps
 
@@ -341,6 +342,30 @@ def test_garbage_chunk_with_good_crc_is_format_error(tmp_path):
     path.write_bytes(data)
     with pytest.raises(FormatError, match="g.mptrace"):
         list(TraceReader(path))
+
+
+def write_float_chunk(path, name: str) -> None:
+    """A shard of one chunk laid out as our writers lay it out, but with ``name`` stored as float32."""
+    model = ModelSpec("m", 2, (0, 1), 8, 2)
+    steps = _mixed_steps(model, np.random.default_rng(4), 6, 2)
+    arrays = {k: getattr(steps, k) for k in CHUNK_ARRAYS}
+    arrays[name] = arrays[name].astype(np.float32)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    payload = zlib.compress(buf.getvalue())
+    with ShardWriter(path, TraceHeader(model, "synthetic")) as w:
+        w._write(struct.pack("<4sIII", b"MPCK", len(payload), zlib.crc32(payload), steps.num_steps) + payload)
+
+
+@pytest.mark.parametrize("name", WHOLE_ARRAYS)
+def test_float_ids_sizes_or_offsets_are_a_format_error(tmp_path, name):
+    """Ids, sizes and offsets stored as floats are refused, as in an .npz, never cast to integers: by a full read,
+    and by the passes that read a chunk's first arrays only where they read that one."""
+    write_float_chunk(tmp_path / "f", name)
+    passes = {"modes": lambda r: list(r.modes()), "num_tokens": lambda r: list(r.step_tokens())}
+    for read in (list, passes.get(name, list)):
+        with pytest.raises(FormatError, match=f"f.mptrace: {name} must hold integers, not float32"):
+            read(TraceReader(tmp_path / "f.mptrace"))
 
 
 # ----------------------------------------------------------------------------- streaming

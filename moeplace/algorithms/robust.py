@@ -93,6 +93,16 @@ WHY = {"fitted": "the capture's hot and co-active experts recur in steps the fit
        "even": "which experts are hot changes between parts of the capture; where co-active ones sit does not",
        "naive": "the capture's statistics did not carry over to steps the fit did not see"}
 
+# Each candidate in plain words, for the note that names the one written.
+DESCRIPTION = {"fitted": "stepaware's search",
+               "replicas": "DeepSeek EPLB's layout plus replicas by their gain on the fitted steps",
+               "prior 1/3": "DeepSeek EPLB's layout plus replicas by their gain on the fitted steps blended one third "
+                            "with random steps",
+               "prior 2/3": "DeepSeek EPLB's layout plus replicas by their gain on the fitted steps blended two thirds "
+                            "with random steps",
+               "even": "the naive layout's replica counts with each replica on the rank where it gains most",
+               "naive": "the naive layout (DeepSeek EPLB plus a replica of each of the hottest experts)"}
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -106,11 +116,16 @@ class Choice:
 
     @property
     def line(self) -> str:
-        """One line: which layout, and why (its out-of-fold figure against the fitted search and the naive layout)."""
+        """One line: which layout, how it was chosen, its out-of-fold figure against the fitted search and the
+        naive layout, and what that says of the capture."""
+        if not self.layers:
+            return f"spare slots: {DESCRIPTION[self.name]} (too few fitted steps to try other ways to place them)"
         lo = self.losses
-        return (f"spare slots: '{self.name}' layout, best on {self.folds} held-out blocks of steps, "
-                f"{self.layers} layers ({lo[self.name]:.3f} against fitted {lo['fitted']:.3f}, naive {lo['naive']:.3f}): "
-                f"{WHY[self.name]}")
+        others = [f"{lo[name]:.3f} for {what}" for name, what in (("fitted", DESCRIPTION["fitted"]),
+                                                                    ("naive", "the naive layout")) if name != self.name]
+        return (f"spare slots: {DESCRIPTION[self.name]}, the best of {len(lo)} ways tried on the fitted steps (each "
+                f"fitted on part of them and scored on the rest, {self.folds} blocks in turn, {self.layers} layers: "
+                f"E[max distinct] {lo[self.name]:.3f} against {' and '.join(others)}), so {WHY[self.name]}")
 
     def to_json(self) -> dict:
         return {"name": self.name, "folds": self.folds, "layers": self.layers, "out_of_fold": dict(self.losses)}

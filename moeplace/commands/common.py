@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import click
 import numpy as np
+from click.core import ParameterSource
 
+from moeplace.dispatch.loads import DISPATCH_RULES
+from moeplace.errors import MoeplaceError
+from moeplace.files.placement import Placement
 from moeplace.trace import modes as M
 from moeplace.trace.load import Trace, open_trace
 from moeplace.trace.steps import RoutingSteps
@@ -122,3 +128,70 @@ def check_ranks(trace: Trace, ranks: int, redundant: int | None = None) -> None:
 def echo_json(data: Any) -> None:
     json.dump(data, sys.stdout, indent=1)
     sys.stdout.write("\n")
+
+
+@dataclass(frozen=True)
+class ScoringRule:
+    """The dispatch rule a placement is scored under and where it comes from: ``source`` is "--dispatch" (the
+    user gave it), "placement" (the rule the file says it was made for) or "default" (neither);
+    ``made_for``: the rule the file records, if any."""
+
+    rule: str
+    source: str
+    made_for: str | None = None
+
+    def why(self, name: str) -> str:
+        """Where the rule comes from, in words, for the placement called ``name``."""
+        if self.source == "--dispatch":
+            return "--dispatch" + (f"; {name} was made for {self.made_for}"
+                                   if self.made_for and self.made_for != self.rule else "")
+        if self.source == "placement":
+            return f"the rule {name} was made for"
+        return f"the default; {name} records no rule"
+
+
+def scoring_rule(placement: Placement, name: str, dispatch: str) -> ScoringRule:
+    """The rule to score ``placement`` (the file ``name``) under: ``dispatch`` where the user gave --dispatch,
+    else the rule the file records it was made for (``optimize`` writes ``metrics["dispatch"]``, which
+    ``moeplace launch`` reads too), else --dispatch's default. A recorded rule moeplace does not know is one
+    line, unless --dispatch overrides it."""
+    made_for = placement.metrics.get("dispatch")
+    known = made_for if made_for in DISPATCH_RULES else None
+    if click.get_current_context().get_parameter_source("dispatch") not in (None, ParameterSource.DEFAULT):
+        return ScoringRule(dispatch, "--dispatch", known)
+    if made_for is not None and known is None:
+        raise MoeplaceError(f"{name} says it was made for dispatch {made_for!r}, not one of "
+                            f"{', '.join(DISPATCH_RULES)}: give --dispatch")
+    return ScoringRule(known, "placement", known) if known else ScoringRule(dispatch, "default")
+
+
+def rules_phrase(scoring: dict[str, ScoringRule]) -> str:
+    """Which dispatch rule each placement (by file name) is scored under, and why; once where they agree."""
+    rules = list(scoring.items())
+    path, first = rules[0]
+    if len(rules) == 1:
+        return f"dispatch {first.rule} ({first.why(path)})"
+    if first.source == "--dispatch":
+        other = [f"{p} for {r.made_for}" for p, r in rules if r.made_for and r.made_for != r.rule]
+        return f"dispatch {first.rule} (--dispatch" + (f"; made for another rule: {', '.join(other)}" if other else "") + ")"
+    unrecorded = [p for p, r in rules if r.source == "default"]
+    if any(r.rule != first.rule for _, r in rules):
+        return "each placement under the rule it was made for: " + ", ".join(
+            f"{p} {r.rule}" + (" (the default: it records none)" if r.source == "default" else "") for p, r in rules)
+    if len(unrecorded) == len(rules):
+        return f"dispatch {first.rule} (the default; no placement records a rule)"
+    return (f"dispatch {first.rule} (the rule each placement was made for"
+            + (f"; the default for {', '.join(unrecorded)}, which record{'s' if len(unrecorded) == 1 else ''} none"
+               if unrecorded else "") + ")")
+
+
+def fitted_here_note(name: str, placement: Placement, trace: str) -> str | None:
+    """A line where ``optimize`` fitted ``placement`` on ``trace`` (the same file or folder): figures on every
+    step include the steps it was fitted on, which optimize's table left out."""
+    made_from = placement.trace
+    if not (made_from and os.path.exists(made_from) and os.path.samefile(made_from, trace)):
+        return None
+    share = placement.metrics.get("holdout")
+    return (f"note: {name} was fitted on this trace; its figures include its fitted steps"
+            + (f" (optimize's table scored only the steps it did not see, as `moeplace compare --holdout {share:g}` "
+               f"does)" if isinstance(share, (int, float)) and share else ""))

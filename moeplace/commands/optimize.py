@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
-from moeplace.commands.common import Progress, check_ranks, echo_json, mode_chunks, open_source, trace_inputs
+from moeplace.commands.common import (Progress, check_ranks, echo_json, fitted_here_note, mode_chunks, open_source,
+                                      rules_phrase, scoring_rule, trace_inputs)
 from moeplace.files.atomic import all_or_nothing
 from moeplace.commands.costing import (Costing, cost_model_line, memory_warning, resolve_costing, slot_gb,
                                       trace_batch)
@@ -219,6 +218,8 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | N
     The first placement is the baseline for the "vs baseline" and "gap closed" columns. The first
     line says which steps are scored: all of them unless --holdout keeps only the last share, as a
     placement fitted on the same trace by optimize (whose default holds out the last 30%) did not see.
+    Each placement is scored under the dispatch rule it was made for (recorded in its file by
+    `optimize --dispatch`), unless --dispatch is given; the first line says which.
 
     \b
     Example:
@@ -233,37 +234,33 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | N
         if path in loaded:
             raise MoeplaceError(f"{path} is given twice")
         loaded[path] = p
+    scoring = {path: scoring_rule(p, path, dispatch) for path, p in loaded.items()}
     costing = resolve_costing(src.model, cost_model_path, model_ref)
     costs = {path: costing.ep(p.phy2log.shape[1] // ranks) for path, p in loaded.items()}
     total = src.count(mode)
     if total == 0:
         raise src.no_steps_error(mode)
     skip = holdout_cut(total, holdout) if holdout else 0
-    evals = evaluate(loaded, mode_chunks(src, mode, max_steps, skip=skip, total=total), costs, dispatch)
+    evals = evaluate(loaded, mode_chunks(src, mode, max_steps, skip=skip, total=total), costs,
+                     {path: rule.rule for path, rule in scoring.items()})
     rows = comparison_rows(evals, placements[0])
     steps = evals[0].summary["steps"]
     scored = (f"the last {steps:,} of the trace's {steps_phrase(total, mode)} (--holdout {holdout:g})" if holdout
               else f"{'the first ' if steps < total else 'all '}{steps_phrase(steps, mode)}"
                    + (f" of {total:,}" if steps < total else "")
                    + " (no --holdout: a placement fitted on this trace is scored on its fitted steps too)")
-    fitted_here = [path for path, p in loaded.items() if not holdout and _fitted_on(p, trace)]
+    notes = [] if holdout else [note for path, p in loaded.items() if (note := fitted_here_note(path, p, trace))]
     plots = write_plots(evals, plot_dir, plot_context(trace, mode, steps, "held-out" if holdout else "", ranks)) \
         if plot_dir else []
     if as_json:
         echo_json({"steps": steps, "trace_steps": total, "holdout": holdout, "scored_on": scored,
+                   "dispatch": {path: {"rule": r.rule, "from": r.source} for path, r in scoring.items()},
                    "baseline": placements[0], "rows": rows,
                    "cost_models": {k: c.to_json() for k, c in costs.items()}, "plots": plots})
         return
-    click.echo(f"scored on {scored}; {ranks} ranks, dispatch {dispatch}")
-    for path in fitted_here:
-        share = loaded[path].metrics.get("holdout")
-        click.echo(f"note: {path} was fitted on this trace; its figures include its fitted steps"
-                   + (f" (--holdout {share:g} scores only the steps it did not see)" if share else ""))
+    click.echo(f"scored on {scored}; {ranks} ranks, {rules_phrase(scoring)}")
+    for note in notes:
+        click.echo(note)
     click.echo(format_table(rows, placements[0]))
     click.echo(cost_model_line(costs))
 
-
-def _fitted_on(placement: Placement, trace: str) -> bool:
-    """Whether ``placement`` says optimize fitted it on ``trace`` (the same file or folder)."""
-    made_from = placement.trace
-    return bool(made_from) and os.path.exists(made_from) and os.path.samefile(made_from, trace)

@@ -6,7 +6,8 @@ import click
 
 from moeplace.algorithms import PlacementProblem
 from moeplace.algorithms.baselines import contiguous
-from moeplace.commands.common import check_ranks, echo_json, mode_chunks, open_source
+from moeplace.commands.common import (check_ranks, echo_json, fitted_here_note, mode_chunks, open_source,
+                                      scoring_rule)
 from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import trace_options
 from moeplace.files.outputs import check_outputs
@@ -35,6 +36,9 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     TRACE is a moeplace trace (file or folder of shards), an SGLang expert-distribution dump (.pt),
     an SGLang logical_count .json, or a per-token top-k ids .npz.
 
+    A placement is scored under the dispatch rule it was made for (`optimize --dispatch`, recorded in its
+    file), unless --dispatch is given; the placement line says which rule and why.
+
     With --placement (one in service) on a newer capture, one line says whether it has gone stale: its
     E[max distinct] on the capture's last 30% of steps against a placement fitted now on the first 70%
     (same ranks and spare slots) and against the naive layout, e.g. "re-place: 7% to gain"; --json puts it
@@ -58,12 +62,15 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
         empty = PlacementProblem(model, RoutingSteps.empty(model), ranks)
         placement = Placement(model, ranks, contiguous(empty), algorithm="contiguous")
         name = "contiguous"
+    scoring = scoring_rule(placement, placement_path or name, dispatch)
+    dispatch = scoring.rule
     cost_model = costing.ep(placement.phy2log.shape[1] // ranks)
     ev = evaluate({name: placement}, mode_chunks(src, mode, max_steps), cost_model, dispatch)[0]
     s = ev.summary
     hot = hottest_experts(ev.sums.expert_tokens, model.moe_layers)
     result = {"trace": trace, "source": src.header.source, "model": model.to_json(), "mode": mode,
-              "ranks": ranks, "dispatch": dispatch, "placement": name, "aggregate_only": src.header.aggregate_only,
+              "ranks": ranks, "dispatch": dispatch, "dispatch_from": scoring.source, "placement": name,
+              "aggregate_only": src.header.aggregate_only,
               "cost_model": cost_model.to_json(), "metrics": s, "hottest_experts": hot}
     stale = None
     if placement_path and not no_stale_check and not src.header.aggregate_only:
@@ -75,10 +82,15 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     if as_json:
         echo_json(result)
         return
-    click.echo(f"trace     {trace}  ({src.header.source}; {steps_phrase(s['steps'], mode)})")
+    scored = f"{'the first' if max_steps and s['steps'] >= max_steps else 'all'} {steps_phrase(s['steps'], mode)}"
+    click.echo(f"trace     {trace}  ({src.header.source}; scored on {scored})")
     click.echo(f"model     {model.name}: {model.num_moe_layers} MoE layers, {model.num_experts} experts, "
                f"top-{model.top_k}")
-    click.echo(f"placement {name} on {ranks} ranks, dispatch {dispatch}")
+    click.echo(f"placement {name} on {ranks} ranks, dispatch {dispatch}"
+               + (f" ({scoring.why(placement_path)})" if placement_path else ""))
+    note = fitted_here_note(placement_path, placement, trace) if placement_path else None
+    if note:
+        click.echo(note)
     click.echo("")
     if src.header.aggregate_only:
         click.echo("aggregate counts only (no per-step information): per-step metrics cannot be measured")

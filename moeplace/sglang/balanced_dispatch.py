@@ -56,6 +56,9 @@ RULES = ("balanced", "cost")
 DEFAULT_MAX_TOKENS = {"balanced": 64, "cost": 1024}
 MAX_KERNEL_RANKS = 32
 MAX_BLOCK_M = 8192   # rows of a row block at most: the kernel's ids (moeplace_kernels.balanced_dispatch.MAX_ENTRIES)
+# MOEPLACE_DISPATCH_MAX_TOKENS at most: a batch of more rows holds more than the kernel's 8192 ids at any top-k, so it
+# keeps SGLang's rule anyway, and each layer preallocates two buffers of this many rows
+MAX_TOKENS_SETTING = 8192
 
 
 @dataclass(frozen=True)
@@ -77,8 +80,9 @@ class DispatchConfig:
             raise ValueError(f"MOEPLACE_DISPATCH must be one of {', '.join(RULES)}, got {rule!r}")
         raw = env.get("MOEPLACE_DISPATCH_MAX_TOKENS", str(DEFAULT_MAX_TOKENS[rule])).strip()
         max_tokens = _int_or_zero(raw)
-        if max_tokens < 1:
-            raise ValueError(f"MOEPLACE_DISPATCH_MAX_TOKENS must be a positive integer, got {raw!r}")
+        if not 1 <= max_tokens <= MAX_TOKENS_SETTING:
+            raise ValueError(f"MOEPLACE_DISPATCH_MAX_TOKENS must be a positive integer up to {MAX_TOKENS_SETTING:,} "
+                             f"(a larger batch holds more ids than the kernel takes), got {raw!r}")
         return cls(rule, max_tokens, _weights_from_env(env) if rule == "cost" else None)
 
 

@@ -120,8 +120,12 @@ def _number(env: Mapping[str, str], name: str, default: float, kind: type, top: 
 
 
 def check_env(env: Mapping[str, str]) -> None:
-    """Every ``MOEPLACE_ONLINE_*`` value in ``env`` (ValueError names the first bad one)."""
-    OnlineConfig.from_env(env)
+    """Every ``MOEPLACE_ONLINE_*`` value in ``env`` (ValueError names the first bad one); the control folder must be
+    one the server can write."""
+    from moeplace.sglang.tracer import check_writable
+
+    folder = OnlineConfig.from_env(env).folder
+    check_writable("MOEPLACE_ONLINE_DIR", str(folder))
 
 
 @dataclass(frozen=True)

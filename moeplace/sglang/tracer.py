@@ -51,6 +51,7 @@ import atexit
 import logging
 import os
 import queue
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -126,9 +127,32 @@ MAX_SETTING = {"MOEPLACE_TRACE_MAX_TOKENS": 1 << 20, "MOEPLACE_TRACE_SLOTS": 1 <
 
 
 def check_env(env: Mapping[str, str]) -> None:
-    """Every ``MOEPLACE_TRACE_*`` number in ``env``; ValueError names the first bad one and what it takes."""
+    """Every ``MOEPLACE_TRACE_*`` number in ``env``, then the folder; ValueError names the first bad one and what
+    it takes."""
     for name, (default, kind) in NUMBER_SETTINGS.items():
         _env_number(name, default, kind, env)
+    check_trace_dir(env)
+
+
+def check_trace_dir(env: Mapping[str, str]) -> None:
+    """``MOEPLACE_TRACE_DIR`` (default DEFAULT_DIR) must be a folder the tracer can write (``check_writable``), so
+    that a tracer that cannot write stops the server at start rather than at its first shard."""
+    check_writable("MOEPLACE_TRACE_DIR", env.get("MOEPLACE_TRACE_DIR") or DEFAULT_DIR)
+
+
+def check_writable(variable: str, raw: str) -> None:
+    """``raw`` must be a folder this process can write, or one it can make in the nearest folder above that exists:
+    a file is written there and removed (nothing else is made). ValueError names ``variable`` and says why not."""
+    out = Path(raw).absolute()
+    existing = next(folder for folder in (out, *out.parents) if folder.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{variable}={raw!r}: {existing} is a file, not a folder")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".moeplace-write-check-", dir=existing)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as e:
+        raise ValueError(f"{variable}={raw!r}: cannot write in {existing} ({e.strerror or e})") from None
 
 
 def _env_number(name: str, default: float, kind: type, env: Mapping[str, str] | None = None) -> Any:

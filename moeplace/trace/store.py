@@ -96,6 +96,7 @@ class TraceHeader:
 UNFINISHED = "never finished by its writer (a server killed hard, or one still writing); its whole chunks are read"
 
 CHUNK_ARRAYS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
+WHOLE_ARRAYS = CHUNK_ARRAYS[:-1]   # ids, sizes and offsets: a float there is a bad file, never cast to an integer
 
 
 # zlib level 1: on Kimi-K2-shaped ids it packs to 0.69 of the raw size at 35 MB/s, level 6 to 0.68 at
@@ -402,6 +403,9 @@ class TraceReader:
     def _decode(path: Path, header: TraceHeader, payload: bytes, p2l: np.ndarray | None) -> RoutingSteps:
         try:
             a = _chunk_arrays(payload)
+            floats = next((name for name in WHOLE_ARRAYS if a[name].dtype.kind not in "iu"), None)
+            if floats:
+                raise FormatError(path, f"{floats} must hold integers, not {a[floats].dtype}")
             ids = a["topk_ids"]
             counts = a["counts"]
             if p2l is not None:
@@ -437,8 +441,8 @@ def _leading_arrays(payload: bytes, num_steps: int, names: tuple[str, ...]) -> t
     except zlib.error:
         return None
     arrays = _npz_arrays(head, len(names))
-    if arrays is None or tuple(arrays) != names:
-        return None
+    if arrays is None or tuple(arrays) != names or any(a.dtype.kind not in "iu" for a in arrays.values()):
+        return None   # the caller decodes the whole chunk, which refuses non-integer arrays
     out = [a.copy() for a in arrays.values()]   # not views of the decompressed bytes, most of them unused
     out[0] = out[0].astype(np.uint8, copy=False) if names[0] == "modes" else out[0]
     return tuple(out)
