@@ -33,7 +33,8 @@ from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.loads import balancedness
 from moeplace.parallel import layer_workers, map_layers
 
-EXCHANGE_CELLS = 2e7   # a layer's exchange budget (cells of ``exchange_masks``): a few passes at GPT-OSS and Kimi K2 sizes
+EXCHANGE_STEPS = 500   # steps a layer's exchanges are scored on, at most (a sample: each pass reads them all)
+EXCHANGE_PASSES = 3    # passes over every exchange a layer's search may make
 
 
 def refine(problem: PlacementProblem, current: np.ndarray, min_step_gain: float = 0.0) -> np.ndarray:
@@ -93,10 +94,12 @@ def exchange_layer(problem: PlacementProblem, layer: int, current: np.ndarray,
     """One layer's ``current [P]`` after exchanges of two experts' replica sets (balanced dispatch)."""
     R, E = problem.ranks, problem.model.num_experts
     active = step_expert_counts(problem.steps, layer) > 0
-    sample = sample_size(problem)
+    sample = min(sample_size(problem), EXCHANGE_STEPS)
     if active.shape[0] > sample:
         active = active[np.sort(rng.choice(active.shape[0], sample, replace=False))]
-    masks = exchange_masks(active, np.ones(active.shape[0]), replica_layout(current, E, R).masks, R, EXCHANGE_CELLS,
+    masks = replica_layout(current, E, R).masks
+    passes = EXCHANGE_PASSES * active.shape[0] * (len(np.unique(masks)) * (len(np.unique(masks)) + E) + E * E)
+    masks = exchange_masks(active, np.ones(active.shape[0]), masks, R, passes,
                            min_gain=max(MIN_GAIN, min_step_gain * active.shape[0]))
     return masks_to_phy2log(masks, R, problem.num_physical // R)
 
