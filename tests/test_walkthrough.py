@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from moeplace.cli import cli
+from moeplace.errors import MoeplaceError
 
 torch = pytest.importorskip("torch")
 
@@ -30,7 +31,8 @@ KIMI_K2 = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", 
 
 
 def commands() -> list[tuple[dict[str, str], list[str]]]:
-    """(environment, argv) of every command in the page's ``sh`` blocks, in order; exports carry on."""
+    """(environment, argv) of every command in the page's ``sh`` blocks, in order; exports carry on, and a
+    command's own ``NAME=value`` prefix is in its environment alone."""
     env: dict[str, str] = {}
     out = []
     for block in re.findall(r"```sh\n(.*?)```", DOC.read_text(), re.S):
@@ -39,8 +41,13 @@ def commands() -> list[tuple[dict[str, str], list[str]]]:
             if words[:1] == ["export"]:
                 key, value = words[1].split("=", 1)
                 env[key] = value
-            elif words:
-                out.append((dict(env), words))
+                continue
+            own = {}
+            while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+                key, value = words.pop(0).split("=", 1)
+                own[key] = value
+            if words:
+                out.append(({**env, **own}, words))
     return out
 
 
@@ -52,8 +59,7 @@ def localise(words: list[str], root: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def page():
     cmds = commands()
-    assert [w[0] for _, w in cmds] == ["python", "python", "moeplace", "moeplace", "moeplace", "moeplace", "moeplace",
-                                       "moeplace"]
+    assert [w[0] for _, w in cmds] == ["python", "python"] + ["moeplace"] * 11
     return cmds
 
 
@@ -67,7 +73,7 @@ def test_server_flags_are_sglangs(page):
     ServerArgs.add_cli_args(parser)
     server = [w for _, w in page if w[:3] == ["python", "-m", "sglang.launch_server"]]
     launched = [w[w.index("--") + 1:] for _, w in page if w[:2] == ["moeplace", "launch"]]
-    assert len(server) == 2 and len(launched) == 1
+    assert len(server) == 2 and len(launched) == 2
     for argv in [w[3:] for w in server] + launched:
         args, unknown = parser.parse_known_args(argv)
         assert not unknown, unknown
@@ -119,13 +125,23 @@ def test_walkthrough_runs(page, tmp_path, monkeypatch):
     assert shard_dir == tmp_path / "data" / "moeplace-traces"
     assert len(list(shard_dir.glob("trace-*-r00?-00000.mptrace"))) == RANKS
 
-    for _, words in page:
+    for command_env, words in page:
         if words[0] != "moeplace":
             continue
         argv = [x for w in localise(words[1:], tmp_path) for x in (sorted(glob.glob(w)) if "*" in w else [w])]
         if "run2.mptrace" in argv:   # the newer capture of the last step: the same routing here
             shutil.copyfile(tmp_path / "run1.mptrace", tmp_path / "run2.mptrace")
-        result = CliRunner().invoke(cli, argv)
+        if words[1] == "launch" and "--dry-run" not in argv:   # here SGLang is not started: the check and the command
+            argv.insert(argv.index("--"), "--dry-run")
+        own = {k: localise([v], tmp_path)[0] for k, v in command_env.items() if k.startswith("MOEPLACE_ONLINE")}
+        if words[1:3] == ["online", "request"]:   # a running server answers these; without one: one line, exit 2
+            if "--placement" in argv and not Path(argv[argv.index("--placement") + 1]).exists():
+                continue   # `online decide` kept the placement: there is nothing to move to
+            Path(argv[2]).mkdir(parents=True, exist_ok=True)
+            result = CliRunner().invoke(cli, argv + ["--wait", "1"])   # main() makes the error one line, exit 2
+            assert isinstance(result.exception, MoeplaceError) and "no status" in str(result.exception), result.output
+            continue
+        result = CliRunner().invoke(cli, argv, env=own)
         assert result.exit_code == 0, (words, result.output)
         if words[1:3] == ["trace", "merge"]:
             assert result.stdout.startswith("wrote run1.mptrace: 131 steps from 1 shard(s), ranks [0]")
@@ -140,5 +156,8 @@ def test_walkthrough_runs(page, tmp_path, monkeypatch):
         if words[1] == "launch":
             assert (tmp_path / "placement.sglang.json").is_file()
             assert result.stdout.split()[-2:] == ["--init-expert-location", str(tmp_path / "placement.sglang.json")]
+            assert ("--enable-eplb" in result.stdout.split()) == ("MOEPLACE_ONLINE" in own)
+        if words[1:3] == ["online", "decide"]:
+            assert re.match(r"(keep|re-place \d+ layers)", result.stdout), result.stdout
     for made in ("run1.mptrace", "placement.json", "plots/step_max_by_layer.png"):
         assert (tmp_path / made).is_file(), made
