@@ -29,8 +29,13 @@ does not align its new map to the old one, moeplace's decision does, ``algorithm
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")   # before numpy loads: the row jobs are the parallelism
+
 import argparse
 import json
+import multiprocessing
 import platform
 import sys
 import time
@@ -148,6 +153,20 @@ def run_policy(policy: str, steps: RoutingSteps, ranks: int, redundant: int, cos
             "scored_steps": s["steps"], "decision_seconds": float(np.mean(seconds)) if seconds else 0.0}
 
 
+TRACES: list[Trace] = []   # made once in main(), read by the forked row jobs
+
+
+def run_row(job: tuple[int, int, int, str]) -> dict:
+    """One row of the table: trace ``TRACES[t]`` on ``ranks`` with ``redundant`` spare slots under ``policy``."""
+    t, ranks, redundant, policy = job
+    trace = TRACES[t]
+    model = trace.steps.model
+    costing = resolve_costing(model, None, None)
+    cost_model = costing.ep((model.num_experts + redundant) // ranks)
+    return {"trace": trace.name, "ranks": ranks, "redundant": redundant,
+            **run_policy(policy, trace.steps, ranks, redundant, cost_model, costing.shape.bytes, WINDOW, PERIOD)}
+
+
 def goals(rows: list[dict]) -> list[str]:
     """One line per goal broken (empty: every goal met)."""
     broken = []
@@ -174,27 +193,27 @@ def main() -> None:
     parser.add_argument("--gptoss", type=Path, default=GPTOSS, help="per-token GPT-OSS-20B routing (.npz)")
     parser.add_argument("--quick", action="store_true",
                         help="a shorter run: 2,000 steps of each dataset, 3 Kimi-shaped phases of 3,000 steps")
+    parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                        help="rows run at once, each in a process of its own (default: the usable CPUs)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    traces = [gptoss_trace(args.gptoss, 2000 if args.quick else None),
+    global TRACES
+    TRACES = [gptoss_trace(args.gptoss, 2000 if args.quick else None),
               kimi_trace(3 if args.quick else 6, 3000 if args.quick else 4000)]
-    rows = []
+    jobs = [(t, ranks, redundant, policy) for t, trace in enumerate(TRACES) for ranks in trace.ranks
+            for redundant in spare_counts(trace.steps.model.num_experts, ranks) for policy in POLICIES]
+    jobs.sort(key=lambda job: job[3] != "moeplace-online")   # the long ones first
     t0 = time.perf_counter()
-    for trace in traces:
-        model = trace.steps.model
-        costing = resolve_costing(model, None, None)
-        for ranks in trace.ranks:
-            for redundant in spare_counts(model.num_experts, ranks):
-                cost_model = costing.ep((model.num_experts + redundant) // ranks)
-                for policy in POLICIES:
-                    row = {"trace": trace.name, "ranks": ranks, "redundant": redundant,
-                           **run_policy(policy, trace.steps, ranks, redundant, cost_model, costing.shape.bytes,
-                                        WINDOW, PERIOD)}
-                    rows.append(row)
-                    print(f"{trace.name:36s} {ranks:3d} ranks {redundant:4d} spare  {policy:16s} "
-                          f"E[max distinct] {row['e_max_distinct']:.3f}  MoE {row['moe_us_per_step']:8.0f} µs/step  "
-                          f"re-placed {row['replacements']:3d}x  moved {row['moved_experts']:7,d}  "
-                          f"decision {row['decision_seconds']:.1f} s  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    rows = []
+    with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+        for row in pool.imap_unordered(run_row, jobs):
+            rows.append(row)
+            print(f"{row['trace']:36s} {row['ranks']:3d} ranks {row['redundant']:4d} spare  {row['policy']:16s} "
+                  f"E[max distinct] {row['e_max_distinct']:.3f}  MoE {row['moe_us_per_step']:8.0f} µs/step  "
+                  f"re-placed {row['replacements']:3d}x  moved {row['moved_experts']:7,d}  "
+                  f"decision {row['decision_seconds']:.1f} s  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    order = {job: i for i, job in enumerate((TRACES[t].name, r, s, p) for t, r, s, p in sorted(jobs))}
+    rows.sort(key=lambda r: order[(r["trace"], r["ranks"], r["redundant"], r["policy"])])
     broken = goals(rows)
     print("\ngoals: " + ("every goal met" if not broken else "; ".join(broken)))
     if args.json:

@@ -33,6 +33,7 @@ from moeplace.dispatch.balanced import replica_layout, step_expert_counts
 from moeplace.dispatch.loads import balancedness
 from moeplace.parallel import layer_workers, map_layers
 
+REFINE_EFFORT = 0.25   # share of a fit's swap budget the swaps from the map in force may spend: they start near it
 EXCHANGE_STEPS = 500   # steps a layer's exchanges are scored on, at most (a sample: each pass reads them all)
 EXCHANGE_PASSES = 3    # passes over every exchange a layer's search may make
 
@@ -80,7 +81,8 @@ def swap_layer(problem: PlacementProblem, layer: int, current: np.ndarray, refer
     floor = min(problem.balance_floor * _balance(reference, weight, R),
                 float(balancedness(np.bincount(rank, weights=item_tokens, minlength=R)[None])[0]))
     rows = search_rows(problem.steps.num_steps, P, rng, R)
-    rounds = max(1, int(problem.effort / problem.model.num_moe_layers // round_cost(rows.size, P, R)))
+    budget = REFINE_EFFORT * problem.effort / problem.model.num_moe_layers
+    rounds = max(1, int(budget // round_cost(rows.size, P, R)))
     rank, _ = swap_search(active[rows], item_tokens, item_expert, rank, R, floor, rounds,
                           min_swap=max(SWAP_GAIN, min_step_gain * rows.size))
     out = np.empty(P, np.int64)
