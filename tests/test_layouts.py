@@ -18,7 +18,7 @@ from moeplace.cost.model import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.model.expert_shape import ExpertShape
 from moeplace.analysis.layouts import (Layout, LayoutCosts, candidate_layouts, check_split, fastest, layout_flips,
-                              layout_step_costs)
+                              layer_counts, layout_step_costs)
 from test_cli_optimize import SAMPLE, run_main
 from test_cost_dispatch import kimi_shaped
 
@@ -62,10 +62,10 @@ def test_ep_and_tp_layouts_cost_what_advise_costs(steps):
     model = steps.model
     phy2log = solve("deepseek", PlacementProblem(model, steps, 8))
     cost = CostModel(19.0, 0.04, 50.0)
-    ep = layout_step_costs(steps, {"p": phy2log}, Layout(8, 8), cost)["p"]
+    ep = layout_step_costs(layer_counts(steps), {"p": phy2log}, Layout(8, 8), cost)["p"]
     np.testing.assert_allclose(ep, sum(ep_layer_cost(steps, layer, phy2log[layer], 8, cost) for layer in range(2)))
     everything = np.broadcast_to(np.arange(384), (2, 384))
-    tp = layout_step_costs(steps, {"all": everything}, Layout(8, 1), cost)["all"]
+    tp = layout_step_costs(layer_counts(steps), {"all": everything}, Layout(8, 1), cost)["all"]
     np.testing.assert_allclose(tp, sum(tp_layer_cost(steps, layer, cost) for layer in range(2)))
 
 
@@ -74,7 +74,7 @@ def test_group_layout_against_brute_force(steps):
     model = steps.model
     phy2log = solve("contiguous", PlacementProblem(model, steps, 4))
     cost = CostModel(10.0, 0.5, 20.0)
-    got = layout_step_costs(steps, {"p": phy2log}, Layout(8, 4), cost)["p"]
+    got = layout_step_costs(layer_counts(steps), {"p": phy2log}, Layout(8, 4), cost)["p"]
     want = np.zeros(steps.num_steps)
     for s in range(steps.num_steps):
         rows = steps.topk_ids[steps.token_offsets[s]:steps.token_offsets[s + 1]]

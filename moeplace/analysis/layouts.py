@@ -25,11 +25,13 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.analysis.advise import crossing, ep_layer_cost
+from moeplace.analysis.advise import counts_work, crossing, work_cost
 from moeplace.cost.model import CostModel
+from moeplace.dispatch.balanced import step_expert_counts
 from moeplace.dispatch.by_cost import PLACED_AS
 from moeplace.errors import MoeplaceError
 from moeplace.model.spec import ModelSpec
+from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps
 
 SPARE_RULE = "cost"
@@ -111,14 +113,19 @@ def fit_layout(model: ModelSpec, fit: RoutingSteps, layout: Layout, cost: CostMo
     return {name: place(name, 0, "dynamic") for name in ("deepseek", "stepaware")}
 
 
-def layout_step_costs(steps: RoutingSteps, placements: dict[str, np.ndarray], layout: Layout,
+def layer_counts(steps: RoutingSteps) -> list[np.ndarray]:
+    """[L] of [S, E]: each MoE layer's ``step_expert_counts``, all that a layout's cost reads (``counts_work``),
+    counted once for every layout and placement."""
+    return [step_expert_counts(steps, layer) for layer in range(steps.model.num_moe_layers)]
+
+
+def layout_step_costs(counts: list[np.ndarray], placements: dict[str, np.ndarray], layout: Layout,
                       cost: CostModel) -> dict[str, np.ndarray]:
-    """[S] µs per step (all MoE layers) of each of a layout's placements: its slowest group's GPU per layer."""
-    out = {}
-    for name, phy2log in placements.items():
-        out[name] = sum(ep_layer_cost(steps, layer, phy2log[layer], layout.ep, cost, layout.rule)
-                        for layer in range(steps.model.num_moe_layers))
-    return out
+    """[S] µs per step (all MoE layers) of each of a layout's placements: its slowest group's GPU per layer.
+    counts: ``layer_counts`` of the steps."""
+    return {name: sum(work_cost(counts_work(layer_steps, phy2log[layer], layout.ep, layout.rule, cost), cost)
+                      for layer, layer_steps in enumerate(counts))
+            for name, phy2log in placements.items()}
 
 
 @dataclass(frozen=True)
@@ -134,25 +141,41 @@ class LayoutCosts:
     at_trace_placement: str = ""
 
 
+def fitting_order(layout: Layout) -> int:
+    """A rough rank of a layout's fitting work, dearest highest: the spare search enumerates the 2^G rank sets
+    of its G groups; stepaware's swaps without spares grow with G."""
+    return 1 << layout.ep if layout.spares else layout.ep
+
+
 def compare_layouts(model: ModelSpec, fit: RoutingSteps, at_trace: RoutingSteps, grid: dict[int, RoutingSteps],
                     layouts: list[Layout], cost: Callable[[Layout, int], CostModel], trace_batch: int,
-                    effort: float, progress: Callable[[str], None] = lambda name: None) -> list[LayoutCosts]:
+                    effort: float, progress: Callable[[int], None] = lambda done: None) -> list[LayoutCosts]:
     """Fit every layout's placements on ``fit`` (costed at ``trace_batch``) and cost them on ``at_trace``
-    and on the batches of ``grid`` (batch tokens -> steps), each with its cost model ``cost(layout, batch)``."""
-    out = []
-    for layout in layouts:
-        progress(layout.name)
+    and on the batches of ``grid`` (batch tokens -> steps), each with its cost model ``cost(layout, batch)``.
+
+    The layouts are independent jobs: they run on the machine's CPUs (``parallel.map_layers``), the dearest
+    first (``fitting_order``); ``progress(1)`` as each one ends. Results in the order of ``layouts``."""
+    here_counts = layer_counts(at_trace)
+    grid_counts = {batch: layer_counts(steps) for batch, steps in grid.items()}
+    order = sorted(range(len(layouts)), key=lambda i: fitting_order(layouts[i]), reverse=True)
+
+    def fit_and_cost(job: int) -> LayoutCosts:
+        layout = layouts[order[job]]
         placements = fit_layout(model, fit, layout, cost(layout, trace_batch), effort)
 
-        def best(steps: RoutingSteps, batch: int) -> tuple[float, str]:
-            costs = layout_step_costs(steps, placements, layout, cost(layout, batch))
+        def best(counts: list[np.ndarray], batch: int) -> tuple[float, str]:
+            costs = layout_step_costs(counts, placements, layout, cost(layout, batch))
             name = min(costs, key=lambda k: costs[k].mean())
             return float(costs[name].mean()), name
-        here = best(at_trace, trace_batch)
-        per_batch = {batch: best(steps, batch) for batch, steps in grid.items()}
-        out.append(LayoutCosts(layout, here[0], {b: v[0] for b, v in per_batch.items()},
-                               {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}, trace_batch, here[1]))
-    return out
+        here = best(here_counts, trace_batch)
+        per_batch = {batch: best(counts, batch) for batch, counts in grid_counts.items()}
+        return LayoutCosts(layout, here[0], {b: v[0] for b, v in per_batch.items()},
+                           {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}, trace_batch, here[1])
+    out: dict[int, LayoutCosts] = {}
+    for job, result in map_layers(fit_and_cost, len(layouts), layer_workers(PARALLEL_CELLS)):
+        out[order[job]] = result
+        progress(1)
+    return [out[i] for i in range(len(layouts))]
 
 
 def fastest(results: list[LayoutCosts], batch: int | None = None) -> LayoutCosts:

@@ -8,7 +8,7 @@ import numpy as np
 from moeplace.trace.resample import resample_batches
 
 from moeplace.analysis.advise import BATCH_GRID, BatchVerdict, flip_batch, flip_batches, model_check
-from moeplace.commands.common import check_ranks, echo_json, open_source
+from moeplace.commands.common import Progress, check_ranks, echo_json, open_source
 from moeplace.commands.costing import memory_warning, resolve_costing
 from moeplace.commands.options import effort_option, holdout_option, slots_count, trace_options
 from moeplace.cost.model import CostModel, load_cost_model
@@ -89,9 +89,10 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
         if layout.ep == 1 and tp_file:
             return tp_file
         return costing.layout(layout, model.num_experts, batch)
-    layouts = compare_layouts(steps.model, fit, sample, samples,
-                              candidates,
-                              layout_cost, trace_batch, effort, lambda n: click.echo(f"placing: {n}", err=True))
+    progress = Progress(len(candidates), "placing and costing", "layouts")
+    progress(0)   # a line at once: the first layout takes seconds
+    layouts = compare_layouts(steps.model, fit, sample, samples, candidates, layout_cost, trace_batch, effort,
+                              progress)
     layouts = [scaled(r, layer_factor) for r in layouts]
     flips = layout_flips(layouts)
     ep_row = next((r for r in layouts if r.layout == Layout(ranks, ranks, redundant)), layouts[0])

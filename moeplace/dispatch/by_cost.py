@@ -410,8 +410,13 @@ PLACED_AS = {"cost": "balanced"}    # the cost rule's spare slots are placed as 
 
 def layer_dispatch(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> CostDispatch:
     """The fast rule on every step of ``steps`` at one layer (``phy2log [P]`` its map)."""
-    masks = replica_layout(phy2log, steps.model.num_experts, ranks).masks
-    return cost_rule(step_expert_counts(steps, layer), masks, ranks, rule_weights(cost))
+    return counts_dispatch(step_expert_counts(steps, layer), phy2log, ranks, cost)
+
+
+def counts_dispatch(counts: np.ndarray, phy2log: np.ndarray, ranks: int, cost: CostModel) -> CostDispatch:
+    """The fast rule on every step of one layer's ``counts [S, E]`` (``step_expert_counts``), ``phy2log [P]`` its map."""
+    masks = replica_layout(phy2log, counts.shape[1], ranks).masks
+    return cost_rule(counts, masks, ranks, rule_weights(cost))
 
 
 def pair_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:
