@@ -183,17 +183,31 @@ def fastest(results: list[LayoutCosts], batch: int | None = None) -> LayoutCosts
     return min(results, key=lambda r: r.at_trace if batch is None else r.grid[batch])
 
 
+def fastest_column(results: list[LayoutCosts]) -> dict[int, LayoutCosts]:
+    """The layouts table's fastest column: batch -> layout. At the smallest batch the fastest (``fastest``); at
+    each larger one the layout of the batch before while it stays within EVEN of the fastest there, else the
+    fastest. So a difference of EVEN or less never changes the column, and every change is a real flip."""
+    column: dict[int, LayoutCosts] = {}
+    kept = None
+    for batch in sorted(results[0].grid):
+        best = fastest(results, batch)
+        if kept is None or kept.grid[batch] > best.grid[batch] * (1 + EVEN):
+            kept = best
+        column[batch] = kept
+    return column
+
+
 def layout_flips(results: list[LayoutCosts]) -> list[tuple[float, str, str]]:
-    """(batch where it flips, fastest below, fastest above) for each change of the fastest layout over
-    the grid, the batch interpolated where the two layouts' costs cross (``advise.crossing``). Two
-    layouts within ``EVEN`` of each other at both batches are even: no flip."""
-    batches = sorted(results[0].grid)
+    """(batch where it flips, fastest below, fastest above) for each change of ``fastest_column``: between the
+    two batches where it changes, the batch where the layout above becomes more than EVEN faster than the one
+    below (their cost ratio interpolated as ``advise.crossing`` does)."""
+    column = fastest_column(results)
+    batches = sorted(column)
     flips = []
     for lo, hi in zip(batches, batches[1:]):
-        a, b = fastest(results, lo), fastest(results, hi)
-        even = all(abs(a.grid[x] / b.grid[x] - 1) <= EVEN for x in (lo, hi))
-        if a.layout != b.layout and not even:
-            at = crossing(lo, hi, a.grid[lo] / b.grid[lo], a.grid[hi] / b.grid[hi])
+        a, b = column[lo], column[hi]
+        if a.layout != b.layout:
+            at = crossing(lo, hi, a.grid[lo] / b.grid[lo] / (1 + EVEN), a.grid[hi] / b.grid[hi] / (1 + EVEN))
             flips.append((at, a.layout.name, b.layout.name))
     return flips
 

@@ -100,6 +100,13 @@ def rule_weights(cost: CostModel) -> RuleWeights | None:
     return None
 
 
+def acts_as_balanced(weights: RuleWeights | None, step_tokens: int, top_k: int) -> bool:
+    """Whether the fast rule keeps the balanced rule's choice on every step of at most ``step_tokens`` tokens of
+    ``top_k`` experts each (its step 2): fewer pairs than one read costs, and no expert past its first row block."""
+    return weights is None or (weights.pair * step_tokens * top_k < weights.read
+                               and (not weights.block or step_tokens <= weights.block_m))
+
+
 def as_weights(weights: RuleWeights | int | None) -> RuleWeights | None:
     """A plain q is ``RuleWeights(q)``: reads and pairs only."""
     return RuleWeights(weights) if isinstance(weights, (int, np.integer)) else weights
