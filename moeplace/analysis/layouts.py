@@ -28,7 +28,7 @@ from moeplace.algorithms import PlacementProblem, solve
 from moeplace.analysis.advise import counts_work, crossing, work_cost
 from moeplace.cost.model import CostModel
 from moeplace.dispatch.balanced import step_expert_counts
-from moeplace.dispatch.by_cost import PLACED_AS
+from moeplace.dispatch.by_cost import PLACED_AS, rule_weights
 from moeplace.errors import MoeplaceError
 from moeplace.model.spec import ModelSpec
 from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
@@ -123,9 +123,30 @@ def layout_step_costs(counts: list[np.ndarray], placements: dict[str, np.ndarray
                       cost: CostModel) -> dict[str, np.ndarray]:
     """[S] µs per step (all MoE layers) of each of a layout's placements: its slowest group's GPU per layer.
     counts: ``layer_counts`` of the steps."""
-    return {name: sum(work_cost(counts_work(layer_steps, phy2log[layer], layout.ep, layout.rule, cost), cost)
-                      for layer, layer_steps in enumerate(counts))
-            for name, phy2log in placements.items()}
+    return sets_step_costs([counts], placements, layout, [cost])[0]
+
+
+def sets_step_costs(sets: list[list[np.ndarray]], placements: dict[str, np.ndarray], layout: Layout,
+                    costs: list[CostModel]) -> list[dict[str, np.ndarray]]:
+    """``layout_step_costs`` of several sets of steps (``layer_counts`` each), each with its cost model. The sets
+    whose cost models give the rule the same weights are dispatched in one call: the cost rule chooses each
+    step's dispatch from that step's counts and the weights alone (the other rules from the counts alone)."""
+    groups: dict[object, list[int]] = {}
+    for i, cost in enumerate(costs):
+        groups.setdefault(rule_weights(cost) if layout.rule == "cost" else None, []).append(i)
+    out: list[dict[str, np.ndarray]] = [{} for _ in sets]
+    for members in groups.values():
+        bounds = np.cumsum([0, *(sets[i][0].shape[0] for i in members)])
+        stacked = [np.concatenate([sets[i][layer] for i in members]) for layer in range(len(sets[members[0]]))]
+        for name, phy2log in placements.items():
+            totals = [0] * len(members)
+            for layer, counts in enumerate(stacked):
+                work = counts_work(counts, phy2log[layer], layout.ep, layout.rule, costs[members[0]])
+                for j, i in enumerate(members):
+                    totals[j] = totals[j] + work_cost(work[bounds[j]:bounds[j + 1]], costs[i])
+            for j, i in enumerate(members):
+                out[i][name] = totals[j]
+    return out
 
 
 @dataclass(frozen=True)
@@ -155,22 +176,21 @@ def compare_layouts(model: ModelSpec, fit: RoutingSteps, at_trace: RoutingSteps,
 
     The layouts are independent jobs: they run on the machine's CPUs (``parallel.map_layers``), the dearest
     first (``fitting_order``); ``progress(1)`` as each one ends. Results in the order of ``layouts``."""
-    here_counts = layer_counts(at_trace)
-    grid_counts = {batch: layer_counts(steps) for batch, steps in grid.items()}
+    batches = [trace_batch, *grid]                          # the trace's steps first, then the grid's
+    counts = [layer_counts(steps) for steps in (at_trace, *grid.values())]
     order = sorted(range(len(layouts)), key=lambda i: fitting_order(layouts[i]), reverse=True)
 
     def fit_and_cost(job: int) -> LayoutCosts:
         layout = layouts[order[job]]
         placements = fit_layout(model, fit, layout, cost(layout, trace_batch), effort)
-
-        def best(counts: list[np.ndarray], batch: int) -> tuple[float, str]:
-            costs = layout_step_costs(counts, placements, layout, cost(layout, batch))
-            name = min(costs, key=lambda k: costs[k].mean())
-            return float(costs[name].mean()), name
-        here = best(here_counts, trace_batch)
-        per_batch = {batch: best(counts, batch) for batch, counts in grid_counts.items()}
-        return LayoutCosts(layout, here[0], {b: v[0] for b, v in per_batch.items()},
-                           {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}, trace_batch, here[1])
+        best = []                                            # (mean µs, placement) of each set of steps
+        for step_costs in sets_step_costs(counts, placements, layout, [cost(layout, b) for b in batches]):
+            name = min(step_costs, key=lambda k: step_costs[k].mean())
+            best.append((float(step_costs[name].mean()), name))
+        (here, here_name), per_batch = best[0], dict(zip(batches[1:], best[1:]))
+        return LayoutCosts(layout, here, {b: v[0] for b, v in per_batch.items()},
+                           {trace_batch: here_name, **{b: v[1] for b, v in per_batch.items()}}, trace_batch,
+                           here_name)
     out: dict[int, LayoutCosts] = {}
     for job, result in map_layers(fit_and_cost, len(layouts), layer_workers(PARALLEL_CELLS)):
         out[order[job]] = result
