@@ -39,8 +39,9 @@ HOLDOUT = 0.3         # --holdout's default, as optimize's: the pick's optimize 
               help="TP-MoE cost model (one rank, 1/R of every expert) to use instead of the one derived for "
                    "the model's experts.")
 @click.option("--redundant", type=slots_count(), default=0, show_default=True,
-              help="Spare slots of the layouts with spares (default: E/4, rounded down to a multiple of --ranks); "
-                   "given, the EP-vs-TP verdict is for EP R with them.")
+              help="Spare slots of the layouts with spares (default: E/4, rounded down to a multiple of --ranks, or "
+                   "the most the GPU holds beside the experts where fewer); given, the EP-vs-TP verdict is for EP R "
+                   "with them, where they load.")
 @effort_option(2e8, "2e8")
 @holdout_option(HOLDOUT, "Share of the trace's last steps held out: the placements are fitted on the rest and every "
                      "cost is measured on the held-out steps (0: all steps for both).")
@@ -61,6 +62,11 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     --tp-cost-model give files. Communication is not counted. The placements are fitted on up to 2,000
     steps of the trace's first part, every cost is measured on up to 256 of its last --holdout share, and
     batches of other sizes are built from those held-out steps.
+
+    The fastest column keeps a layout until another is more than 1% faster; the flips are its changes. The
+    spare slots, where --redundant is not given, are as many as fit the GPU beside the experts, up to a quarter
+    of the experts; a --redundant that cannot load is costed but never picked. The last lines are the commands
+    that run the pick: `moeplace optimize` for its placement, then `moeplace launch` with SGLang's flags.
 
     \b
     Example:
