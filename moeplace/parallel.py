@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 # ~0.1 s, a Kimi-K2-sized placement (14,000 x 384 x 60 = 3e8) seconds.
 PARALLEL_CELLS = 50_000_000
 _PR_SET_PDEATHSIG = 1
+_in_worker = False   # set in a forked worker (``layer_workers``)
 
 
 def usable_cpus() -> int:
@@ -40,7 +41,10 @@ def usable_cpus() -> int:
 def layer_workers(cells: int) -> int:
     """Workers worth starting for ``cells`` of work (steps x slots x layers): every usable CPU where the
     work passes PARALLEL_CELLS and numpy's BLAS was asked for one thread (the CLI does so), else 1, as
-    each worker's BLAS threads would fight the other workers for the CPUs."""
+    each worker's BLAS threads would fight the other workers for the CPUs; 1 inside a worker (a job of one
+    pool, say one of ``advise``'s layouts, that runs a pooled search)."""
+    if _in_worker:
+        return 1   # a worker's jobs run in it: a pool of its own would fight its siblings for the CPUs
     asked = next((os.environ[v] for v in ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
                   if v in os.environ), None)
     return usable_cpus() if asked == "1" and cells >= PARALLEL_CELLS else 1
@@ -85,10 +89,12 @@ def map_layers(job: Callable[[int], Any], layers: int, workers: int) -> Iterator
 
 def _fork_worker(job: Callable[[int], Any], siblings: list[Connection]) -> tuple[Connection, int]:
     """Fork one worker running ``job`` on each layer the parent sends; (parent's end of its pipe, pid)."""
+    global _in_worker
     parent_end, child_end = Pipe()
     parent = os.getpid()
     pid = os.fork()
     if pid == 0:   # the worker: never returns into the caller's code
+        _in_worker = True
         code = 0
         try:
             signal.signal(signal.SIGINT, signal.SIG_IGN)    # Ctrl-C is the parent's to handle

@@ -8,7 +8,10 @@ Output: a table on stdout; --json FILE writes every run; --work DIR keeps the tr
     python scripts/bench_cli_speed.py [--work DIR] [--baseline-tree DIR] [--repeat 2] [--baseline-timeout 300]
                                       [--cases kimi,kimi-balanced,...] [--json out.json]
 
-Cases: the README's main command (the shipped GPT-OSS-20B sample, verify steps, plots); ``trace synth
+Cases: the README's main command (the shipped GPT-OSS-20B sample, verify steps, plots); on the same sample
+``optimize --dispatch balanced --replica-memory 3`` (a help example: the spare-slot search) and ``advise --ranks 8
+--mode verify`` (its quality column: the layout it picks and that layout's MoE ms per step at the trace's batch);
+``trace synth
 --shape kimi-k2 --steps 20000`` and ``optimize`` on that trace with its defaults
 (``--ranks 8``; the README's "at most 10 s" is this one), with ``--redundant 96 --dispatch balanced`` and
 with ``--max-steps 10000``; stepaware alone on the same steps (the search, in a fresh process, for the
@@ -24,7 +27,8 @@ that changed a placement shows there.
 
 Each command runs as ``python -c "from moeplace.cli import main; main()" ...`` with PYTHONPATH set to the
 tree. CPU seconds are user + system of the command and every process it waited for (its forked
-workers); "peak MB" is the largest single process's peak RSS, and "tree MB" the peak of the summed RSS
+workers); "first s" is when its first line on stderr (a progress line, mostly) came, from its start;
+"peak MB" is the largest single process's peak RSS, and "tree MB" the peak of the summed RSS
 of the command and its workers, sampled every 50 ms (psutil; pages the workers share with the parent
 count twice there). The machine's load average is printed beside each run: on a shared machine CPU
 seconds are the steadier figure. A baseline run that passes ``--baseline-timeout`` is stopped and
@@ -101,6 +105,8 @@ CASES: dict[str, tuple[str, list[str]]] = {
     "kimi-search-alone": ("kimi", []),
     "kimi-phases": ("kimi", []),
     "sample-readme": ("sample", ["--ranks", "8", "--mode", "verify"]),   # + --sglang-out and --plot-dir
+    "sample-balanced": ("sample", ["--ranks", "8", "--mode", "verify", "--dispatch", "balanced", "--replica-memory", "3"]),
+    "sample-advise": ("sample", ["--ranks", "8", "--mode", "verify"]),   # advise, not optimize
     "sample-r16": ("sample", ["--ranks", "16"]),
     "sample-r16-300": ("sample", ["--ranks", "16", "--max-steps", "300"]),
     "sample-r32": ("sample", ["--ranks", "32"]),
@@ -128,6 +134,7 @@ class Run:
     load_before: float
     load_after: float
     exit_code: int | None            # None: stopped at the timeout
+    first_line_s: float | None = None   # when the first stderr line came (None: none came)
     rows: list[dict] = field(default_factory=list)   # optimize --json rows (held-out steps)
     note: str = ""
 
@@ -155,17 +162,28 @@ def tree_rss_sampler(pid: int, stop: threading.Event, peak: list[float]) -> None
         pass
 
 
+def first_line(stream, start: float, when: list[float | None]) -> None:
+    """Set when[0] to the seconds from ``start`` to the first line of ``stream``, then drain it."""
+    for _ in stream:
+        if when[0] is None:
+            when[0] = time.perf_counter() - start
+
+
 def run(command: list[str], tree: Path, cwd: Path, timeout: float | None) -> tuple[float, float, float, float,
-                                                                                   int | None, str]:
-    """(wall s, CPU s, peak MB, tree MB, exit code or None if stopped, stdout) of one command."""
+                                                                                   int | None, str, float | None]:
+    """(wall s, CPU s, peak MB, tree MB, exit code or None if stopped, stdout, s to the first stderr line) of one
+    command."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.pop(name, None)   # each tree's CLI its own default
     if command[2] in (SEARCH_ALONE, PHASES):
         env["OPENBLAS_NUM_THREADS"] = "1"   # as the current CLI runs: not two BLAS threads fighting over a core
     start = time.perf_counter()
-    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
+    when: list[float | None] = [None]
+    reader = threading.Thread(target=first_line, args=(proc.stderr, start, when), daemon=True)
+    reader.start()
     stop, peak = threading.Event(), [0.0]
     sampler = threading.Thread(target=tree_rss_sampler, args=(proc.pid, stop, peak), daemon=True)
     sampler.start()
@@ -182,8 +200,9 @@ def run(command: list[str], tree: Path, cwd: Path, timeout: float | None) -> tup
         timer.cancel()
     stop.set()
     sampler.join()
+    reader.join()
     code = None if stopped else proc.returncode
-    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, peak[0], code, out
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024, peak[0], code, out, when[0]
 
 
 def command_for(case: str, traces: dict[str, Path], work: Path, tag: str) -> list[str]:
@@ -194,6 +213,8 @@ def command_for(case: str, traces: dict[str, Path], work: Path, tag: str) -> lis
         return [sys.executable, "-c", SEARCH_ALONE if case == "kimi-search-alone" else PHASES, str(traces[trace])]
     if case == "sample-readme":   # the README's main command, plots and all
         args = [*args, "--sglang-out", str(work / f"{tag}-init.json"), "--plot-dir", str(work / f"{tag}-plots")]
+    if case == "sample-advise":
+        return [sys.executable, "-c", CLI, "advise", str(traces[trace]), *args, "--json"]
     return [sys.executable, "-c", CLI, "optimize", str(traces[trace]), *args, "-o", str(work / f"{tag}-{case}.json"),
             "--json"]
 
@@ -211,11 +232,15 @@ def make_traces(work: Path) -> dict[str, Path]:
 
 def measure(case: str, tree: Path, tag: str, traces: dict[str, Path], work: Path, timeout: float | None) -> Run:
     load_before = os.getloadavg()[0]
-    wall, cpu, peak, tree_mb, code, out = run(command_for(case, traces, work, tag), tree, work, timeout)
-    result = Run(case, tag, wall, cpu, peak, tree_mb, load_before, os.getloadavg()[0], code)
+    wall, cpu, peak, tree_mb, code, out, first = run(command_for(case, traces, work, tag), tree, work, timeout)
+    result = Run(case, tag, wall, cpu, peak, tree_mb, load_before, os.getloadavg()[0], code, first)
     if code == 0 and out.lstrip().startswith("{"):
         data = json.loads(out)
-        result.rows, result.note = data["rows"], data.get("note", "")
+        if "layouts" in data:   # advise: the layout it picks, at the trace's batch
+            pick = next(r for r in data["layouts"] if r["name"] == data["fastest_layout_at_trace"])
+            result.note = f"pick {pick['name']}, {pick['at_trace_us'] / 1e3:.3f} ms"
+        else:
+            result.rows, result.note = data["rows"], data.get("note", "")
     elif code == 0:
         result.note = out.strip().splitlines()[-1] if out.strip() else ""
     return result
@@ -239,10 +264,11 @@ def quality(r: Run) -> str:
 
 def show(r: Run) -> str:
     if r.exit_code is None:
-        return f"{r.case:<18} {r.tree:<9} > {r.wall_s:6.0f} s (stopped)          load {r.load_before:4.1f}"
+        return f"{r.case:<18} {r.tree:<9} > {r.wall_s:6.0f} s (stopped)                  load {r.load_before:4.1f}"
     tree_mb = "" if r.tree_mb is None or r.tree_mb != r.tree_mb else f"{r.tree_mb:7.0f}"
+    first = "" if r.first_line_s is None else f"{r.first_line_s:7.2f}"
     status = "" if r.exit_code == 0 else f" exit {r.exit_code}"
-    return (f"{r.case:<18} {r.tree:<9} {r.wall_s:7.2f} {r.cpu_s:7.2f} {r.peak_mb:7.0f} {tree_mb:>7}  "
+    return (f"{r.case:<18} {r.tree:<9} {r.wall_s:7.2f} {r.cpu_s:7.2f} {first:>7} {r.peak_mb:7.0f} {tree_mb:>7}  "
             f"load {r.load_before:4.1f}-{r.load_after:4.1f}{status}  {quality(r) or r.note}")
 
 
@@ -263,7 +289,8 @@ def main() -> None:
     traces = make_traces(args.work.resolve())
     trees = [("current", REPO)] + ([("baseline", args.baseline_tree.resolve())] if args.baseline_tree else [])
     print(f"machine: {os.cpu_count()} CPUs; repeat {args.repeat}; least-CPU run of each shown")
-    print(f"{'case':<18} {'tree':<9} {'wall s':>7} {'CPU s':>7} {'peak MB':>7} {'tree MB':>7}  load       E[max distinct], held out")
+    print(f"{'case':<18} {'tree':<9} {'wall s':>7} {'CPU s':>7} {'first s':>7} {'peak MB':>7} {'tree MB':>7}  load       "
+          "E[max distinct], held out")
     runs: list[Run] = []
     summary = []
     for case in cases:

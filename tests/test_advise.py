@@ -147,3 +147,24 @@ def test_advise_on_kimi_shaped_traffic_says_tp_as_measured(kimi_trace, ranks, lo
     assert result.exit_code == 0, result.output
     here = json.loads(result.stdout)["at_trace"]
     assert here["batch"] == 9 and here["winner"] == "tp" and low < here["speedup"] < high
+
+
+def test_advise_never_picks_spare_slots_that_cannot_load(kimi_trace):
+    """bf16 Kimi-shaped experts take 254 GB per GPU on 8 H200s even without spare slots: the default compares none
+    (and says so), and a --redundant given is costed but left out of the pick and of the fastest column."""
+    from click.testing import CliRunner
+
+    from moeplace.cli import cli
+    trace, config = kimi_trace
+    args = ["advise", str(trace), "--ranks", "8", "--model", str(config), "--max-steps", "400", "--effort", "1e6"]
+    result = CliRunner().invoke(cli, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["spare_slots"]["count"] == 0 and "more than it holds" in data["spare_slots"]["note"]
+    result = CliRunner().invoke(cli, [*args, "--redundant", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert not data["spare_slots"]["load"] and "could not load them" in result.stderr
+    assert {r["name"] for r in data["layouts"] if not r["loads"]} == {"EP8+8", "EP4xTP2+8", "EP2xTP4+8"}
+    assert data["pick"]["spares"] == 0 and "+" not in data["fastest_layout_at_trace"]
+    assert not any("+" in name for name in data["fastest_by_batch"].values())

@@ -360,3 +360,26 @@ def test_no_torch_or_sglang():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 9])
+def test_the_rule_by_cost_is_balanced_where_acts_as_balanced_says(tokens):
+    """Steps of ``tokens`` tokens of top-4: weights whose read outweighs every pair of a step, and whose row blocks
+    hold a step's tokens, leave every balanced choice as it is (no move); a read under the step's pairs does not
+    say so (advise prints --dispatch balanced for the first, cost for the second)."""
+    from moeplace.dispatch.by_cost import acts_as_balanced
+
+    rng = np.random.default_rng(tokens)
+    ranks, experts, top_k = 8, 32, 4
+    counts = np.zeros((300, experts), np.int64)
+    for s in range(300):
+        for _ in range(tokens):
+            counts[s, rng.choice(experts, top_k, replace=False)] += 1
+    masks = random_case(rng, ranks, experts)[1]
+    quiet = RuleWeights(tokens * top_k + 1, 1, 5, 16)
+    assert acts_as_balanced(quiet, tokens, top_k) and acts_as_balanced(None, tokens, top_k)
+    chosen = cost_rule(counts, masks, ranks, quiet)
+    assert not chosen.rounds.any()
+    np.testing.assert_array_equal(chosen.pick, fast_rule(counts, masks, ranks).pick)
+    assert not acts_as_balanced(RuleWeights(tokens * top_k, 1), tokens, top_k)
+    assert not acts_as_balanced(RuleWeights(10_000, 1, 5, 4), 8, top_k)   # 8 tokens: an expert may fill 2 blocks

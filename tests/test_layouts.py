@@ -4,6 +4,7 @@ advise already had, where the fastest changes, and advise's layouts table."""
 from __future__ import annotations
 
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -17,8 +18,8 @@ from moeplace.cost.derive import derive_cost_model
 from moeplace.cost.model import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.model.expert_shape import ExpertShape
-from moeplace.analysis.layouts import (Layout, LayoutCosts, candidate_layouts, check_split, fastest, layout_flips,
-                              layout_step_costs)
+from moeplace.analysis.layouts import (Layout, LayoutCosts, candidate_layouts, check_split, fastest, fastest_column,
+                                       layer_counts, layout_flips, layout_step_costs)
 from test_cli_optimize import SAMPLE, run_main
 from test_cost_dispatch import kimi_shaped
 
@@ -62,10 +63,10 @@ def test_ep_and_tp_layouts_cost_what_advise_costs(steps):
     model = steps.model
     phy2log = solve("deepseek", PlacementProblem(model, steps, 8))
     cost = CostModel(19.0, 0.04, 50.0)
-    ep = layout_step_costs(steps, {"p": phy2log}, Layout(8, 8), cost)["p"]
+    ep = layout_step_costs(layer_counts(steps), {"p": phy2log}, Layout(8, 8), cost)["p"]
     np.testing.assert_allclose(ep, sum(ep_layer_cost(steps, layer, phy2log[layer], 8, cost) for layer in range(2)))
     everything = np.broadcast_to(np.arange(384), (2, 384))
-    tp = layout_step_costs(steps, {"all": everything}, Layout(8, 1), cost)["all"]
+    tp = layout_step_costs(layer_counts(steps), {"all": everything}, Layout(8, 1), cost)["all"]
     np.testing.assert_allclose(tp, sum(tp_layer_cost(steps, layer, cost) for layer in range(2)))
 
 
@@ -74,7 +75,7 @@ def test_group_layout_against_brute_force(steps):
     model = steps.model
     phy2log = solve("contiguous", PlacementProblem(model, steps, 4))
     cost = CostModel(10.0, 0.5, 20.0)
-    got = layout_step_costs(steps, {"p": phy2log}, Layout(8, 4), cost)["p"]
+    got = layout_step_costs(layer_counts(steps), {"p": phy2log}, Layout(8, 4), cost)["p"]
     want = np.zeros(steps.num_steps)
     for s in range(steps.num_steps):
         rows = steps.topk_ids[steps.token_offsets[s]:steps.token_offsets[s + 1]]
@@ -93,8 +94,23 @@ def test_fastest_and_flips():
     assert fastest(results, 10).layout.name == "EP8"             # a tie goes to the earlier layout
     (at, below, above), = layout_flips(results)
     assert (below, above) == ("TP8", "EP8")
-    # TP8 / EP8 goes from 1/3 at 1 token to 2 at 10: log-linear, it is 1 at 10 ** (log 3 / log 6)
-    assert at == pytest.approx(10 ** (np.log(3) / np.log(6)))
+    # TP8 / EP8 goes from 1/3 at 1 token to 2 at 10: log-linear, EP8 is 1% faster (TP8 / EP8 = 1.01) at
+    # 10 ** (log 3.03 / log 6)
+    assert at == pytest.approx(10 ** (np.log(3 * 1.01) / np.log(6)))
+
+
+def test_flips_are_the_changes_of_the_fastest_column():
+    """A layout the column keeps within 1% of the fastest stays until another is more than 1% faster, however many
+    batches that takes: the flips are where the column changes (comparing neighbouring batches only, the
+    change from EP4xTP2 to EP8 between 100 and 1,000 tokens was lost: even at 10 and 100, the same at 1,000)."""
+    def costs(ep, values):
+        return LayoutCosts(Layout(8, ep), values[0], dict(zip((1, 10, 100, 1000), values)), {})
+    results = [costs(8, (20.0, 20.0, 29.8, 36.0)), costs(4, (10.0, 19.9, 30.0, 40.0)), costs(1, (5.0, 50, 500, 5e3))]
+    column = fastest_column(results)
+    assert [column[b].layout.name for b in (1, 10, 100, 1000)] == ["TP8", "EP4xTP2", "EP4xTP2", "EP8"]
+    flips = layout_flips(results)
+    assert [(lo, hi) for _, lo, hi in flips] == [("TP8", "EP4xTP2"), ("EP4xTP2", "EP8")]
+    assert 1 < flips[0][0] < 10 and 100 <= flips[1][0] < 1000
 
 
 def test_advise_prints_the_layouts(capsys):
@@ -117,6 +133,45 @@ def test_advise_prints_the_layouts(capsys):
     assert by_name["TP8"]["at_trace_us"] == pytest.approx(data["at_trace"]["tp_us"])
     assert by_name["EP8"]["at_trace_us"] == pytest.approx(data["at_trace"]["ep_us"])
     assert data["fastest_layout_at_trace"] == min(by_name, key=lambda n: by_name[n]["at_trace_us"])
+    # the flips are the changes of the table's fastest column
+    column = list(data["fastest_by_batch"].values())
+    changes = [(lo, hi) for lo, hi in zip(column, column[1:]) if lo != hi]
+    assert [(f["below"], f["above"]) for f in data["layout_flips"]] == changes
+
+
+def test_advise_prints_the_commands_that_run_its_pick(tmp_path, capsys):
+    """The pick's optimize command fits a placement for it, and launch takes that placement with the printed
+    SGLang flags (a GPT-OSS-20B config.json in a folder stands for the model)."""
+    from test_cli_optimize import FAST
+
+    code, out, err = run_main(capsys, "advise", SAMPLE, "--ranks", "8", "--mode", "verify", "--effort", "1e6",
+                              "--json")
+    pick = json.loads(out)["pick"]
+    assert pick["layout"] == "EP2xTP4+8" and pick["dispatch"] == "balanced"   # verify batch: the cost rule is balanced
+    fit, launch = pick["commands"]
+    assert fit == ["moeplace", "optimize", str(SAMPLE), "--ranks", "8", "--ep-size", "2", "--mode", "verify",
+                   "--redundant", "8", "--dispatch", "balanced", "-o", "placement.json"]
+    assert launch == ["moeplace", "launch", "--placement", "placement.json", "--", "--model-path", "openai/gpt-oss-20b",
+                      "--tp-size", "8", "--ep-size", "2", "--ep-num-redundant-experts", "8"]
+    placement = tmp_path / "placement.json"
+    code, _, err = run_main(capsys, *fit[1:-2], *FAST, "-o", placement)
+    assert code == 0, err
+    model = tmp_path / "gpt-oss-20b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(GPT_OSS_20B))
+    server = launch[launch.index("--"):]
+    server[server.index("--model-path") + 1] = str(model)
+    code, out, err = run_main(capsys, "launch", "--placement", placement, "--dry-run", *server)
+    assert code == 0, err
+    assert out.startswith("MOEPLACE_DISPATCH=balanced ") and "--ep-size 2 --ep-num-redundant-experts 8" in out
+    code, out, _ = run_main(capsys, "advise", SAMPLE, "--ranks", "8", "--mode", "verify", "--effort", "1e6")
+    assert "\n  " + shlex.join(fit) + "\n  " + shlex.join(launch) + "\n" in out
+
+
+# GPT-OSS-20B's published config.json, the fields moeplace reads
+GPT_OSS_20B = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "num_hidden_layers": 24,
+               "num_local_experts": 32, "num_experts_per_tok": 4, "experts_per_token": 4, "hidden_size": 2880,
+               "intermediate_size": 2880, "quantization_config": {"quant_method": "mxfp4"}, "torch_dtype": "bfloat16"}
 
 
 def test_optimize_places_for_the_ep_groups(tmp_path, capsys):
@@ -154,3 +209,24 @@ def test_near_ties_are_no_flip():
     assert [(lo, hi) for _, lo, hi in layout_flips(results)] == [("TP8", "EP4xTP2")]
     results[1] = costs(4, (31.0, 39.8, 60.0))                  # clearly slower at 100: a flip again
     assert [(lo, hi) for _, lo, hi in layout_flips(results)] == [("TP8", "EP4xTP2"), ("EP4xTP2", "EP8")]
+
+
+def test_advise_places_fewer_spare_slots_where_the_default_cannot_load():
+    """Kimi K2's fp8 experts on 8 H200s: the default, a quarter of the experts (96 spare slots), takes 158.6 GB per
+    GPU of 150.8; advise compares the most that load (72: 150.7 GB; 80 would take 153.3) and says so. A --redundant
+    that cannot load is kept, and marked so (the pick and the fastest column leave those layouts out)."""
+    from moeplace.commands.advise import SpareSlots
+    from moeplace.commands.costing import memory_warning, spares_that_fit
+    from moeplace.model.expert_shape import GENERIC, known_expert_shape
+    from moeplace.trace.synthetic import KIMI_K2
+
+    costing = Costing(known_expert_shape(KIMI_K2), KIMI_K2.top_k)
+    assert spares_that_fit(KIMI_K2, 8, 384, costing) == 72
+    assert memory_warning(KIMI_K2, 8, 72, costing) is None and memory_warning(KIMI_K2, 8, 80, costing) is not None
+    lowered = SpareSlots.choose(KIMI_K2, 8, 0, costing)
+    assert (lowered.count, lowered.load, lowered.memory) == (72, True, None)
+    assert "72, the most that fit an NVIDIA H200" in lowered.note and "(96), would take 158.6 GB" in lowered.note
+    asked = SpareSlots.choose(KIMI_K2, 8, 96, costing)
+    assert (asked.count, asked.load, asked.note) == (96, False, None) and "158.6 GB per GPU" in asked.memory
+    assert SpareSlots.choose(KIMI_K2, 8, 0, Costing(GENERIC, 8)) == SpareSlots(96)   # no GPU to check against
+    assert SpareSlots.choose(KIMI_K2, 8, 48, costing) == SpareSlots(48)

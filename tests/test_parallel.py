@@ -43,3 +43,9 @@ def test_workers_only_where_blas_runs_one_thread_and_the_work_is_large(variables
         monkeypatch.setenv(name, value)
     assert layer_workers(PARALLEL_CELLS) == (usable_cpus() if expect_all else 1)
     assert layer_workers(PARALLEL_CELLS - 1) == 1
+
+
+def test_a_worker_starts_no_pool_of_its_own(monkeypatch):
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "1")
+    inner = dict(map_layers(lambda layer: layer_workers(PARALLEL_CELLS), 2, 2))
+    assert inner == {0: 1, 1: 1}

@@ -12,13 +12,13 @@ import pytest
 from moeplace.trace.resample import resample_batches
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.analysis.advise import ep_layer_cost, rank_work, slot_token_counts, tp_layer_cost
+from moeplace.analysis.advise import counts_work, ep_layer_cost, rank_work, slot_token_counts, tp_layer_cost, work_cost
 from moeplace.analysis.metrics import LayerSums, accumulate, summarize
 from moeplace.cost.model import CostModel, extra_row_blocks, load_cost_model
 from moeplace.dispatch.balanced import step_expert_counts
 from moeplace.dispatch.evaluation import RULES, Row, batch_costs, rule_extra_blocks, rule_loads, verify_batches
 from moeplace.dispatch.loads import token_slots
-from moeplace.errors import FormatError
+from moeplace.errors import FormatError, MoeplaceError
 from moeplace.files.placement import Placement
 from test_cost_dispatch import kimi_shaped
 
@@ -87,6 +87,21 @@ def test_ep_layer_cost_counts_the_blocks_of_each_rank(trace, spread, rule):
                        + MODEL.b_us_per_token * w.sum() + MODEL.c_us for w in step] for step in work]).max(axis=1)
     np.testing.assert_allclose(ep_layer_cost(steps, 0, spread[0], 8, MODEL, rule), naive)
     assert (work > 4).any()            # the batches do hold experts of several blocks
+
+
+@pytest.mark.parametrize("batch", [3, 9, 72])
+def test_work_from_the_counts_costs_as_the_token_rows(trace, spread, batch):
+    """advise costs every layout from each step's expert counts: the same µs as dispatching token rows, with
+    one slot an expert (any rule) and under the cost rule with spare slots (which splits experts)."""
+    steps = resample_batches(trace, batch, 8, seed=3)
+    counts = step_expert_counts(steps, 0)
+    one_each = solve("deepseek", PlacementProblem(trace.model, trace, 8))[0]
+    for phy2log, rule in ((one_each, "dynamic"), (one_each, "static"), (spread[0], "cost")):
+        for model in (MODEL, CostModel(20.0, 0.01, 60.0)):
+            np.testing.assert_array_equal(work_cost(counts_work(counts, phy2log, 8, rule, model), model),
+                                          ep_layer_cost(steps, 0, phy2log, 8, model, rule))
+    with pytest.raises(MoeplaceError, match="needs the rows"):
+        counts_work(counts, spread[0], 8, "dynamic")
 
 
 def test_tp_layer_cost_counts_every_experts_blocks(trace):

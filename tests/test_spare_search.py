@@ -52,7 +52,7 @@ def test_mask_change_is_exact(ranks, experts, seed):
     targets = rng.choice(np.arange(1, 1 << ranks), min(12, (1 << ranks) - 1), replace=False)
     for e in range(experts):
         steps = np.flatnonzero(active[:, e])
-        got = tables.change(steps, masks[[e]], targets)[:, 0, :]
+        got = tables.change(steps, masks[[e]], targets)[:, :, 0].T
         for k, m in enumerate(targets):
             changed = masks.copy()
             changed[e] = m

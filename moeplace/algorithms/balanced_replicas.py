@@ -199,8 +199,12 @@ def add_replicas(active: np.ndarray, masks: np.ndarray, ranks: int, room: int | 
         hit = np.flatnonzero(active[:, experts].any(axis=1))
         # f[X] drops by one for the sets holding all of e's replicas but not r
         drop = np.array([((ids & masks[e]) == masks[e]) & ((ids & rank_bits[r]) == 0) for e, r in chosen])
-        f -= active[:, experts].astype(np.float32) @ drop.astype(np.float32)
-        new_fragile, new_inter, new_union = _tight_by_size(f[hit], ranks)
+        if len(chosen) == 1:   # every step hit activates the one expert: its row drops as a whole, no product
+            f_hit = f[hit] - drop[0].astype(np.float32)
+        else:
+            f_hit = f[hit] - active[np.ix_(hit, experts)].astype(np.float32) @ drop.astype(np.float32)
+        f[hit] = f_hit         # the other steps activate none of the experts: they keep their f
+        new_fragile, new_inter, new_union = _tight_by_size(f_hit, ranks)
         # A pair's score changes where its step's tight sets changed, or where its expert is a chosen
         # one (its mask changed); every pair of a chosen expert lies in ``hit``.
         changed = (new_fragile != fragile[hit]) | (new_inter != inter[hit]) | (new_union != union[hit])

@@ -11,6 +11,7 @@ benchmarks compare and the server's re-placement worker fits, so that all four j
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -33,12 +34,14 @@ def placed_as(problem: PlacementProblem) -> PlacementProblem:
     return problem if rule == problem.dispatch else replace(problem, dispatch=rule)
 
 
-def fit(problem: PlacementProblem, algorithm: str = "stepaware") -> Fitted:
-    """``algorithm``'s placement for ``problem`` (module docstring); MoeplaceError if the problem has none."""
+def fit(problem: PlacementProblem, algorithm: str = "stepaware",
+        choice_progress: Callable[[int, int], None] = lambda done, total: None) -> Fitted:
+    """``algorithm``'s placement for ``problem`` (module docstring); MoeplaceError if the problem has none.
+    choice_progress: (jobs done, jobs) of the spare layout's choice, where it runs."""
     problem = placed_as(problem)
     problem.check()
     if algorithm == "stepaware" and problem.dispatch == "balanced" and problem.spares_left:
-        phy2log, choice = robust_spares(problem)
+        phy2log, choice = robust_spares(problem, choice_progress)
         return Fitted(phy2log, choice)
     return Fitted(solve(algorithm, problem))
 

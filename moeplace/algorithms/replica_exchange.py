@@ -43,44 +43,50 @@ class StepTables:
         self.ranks = ranks
         self.none = np.int16(1 << ranks)
         self.sizes = subset_sizes(ranks)
-        S, X = f.shape
-        self.ands = np.empty((3, X, S), np.int16)
-        self.fragile = np.empty(S, bool)
-        self.inter = np.empty(S, np.int16)
-        self.update(f, np.arange(S))
+        self.ands, self.fragile, self.inter = self._tables(f)
 
     def update(self, f: np.ndarray, steps: np.ndarray) -> None:
         """Recompute the tables of ``steps`` from their rows of f [S, X]."""
+        self.ands[:, :, steps], self.fragile[steps], self.inter[steps] = self._tables(f[steps])
+
+    def _tables(self, f: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(ands [3, X, n], fragile [n], inter [n]) of the steps of f [n, X]."""
         size = self.sizes[:, None]
-        g = f[steps].T                                           # [X, n]
-        opt = ((g[1:] + size[1:] - 1) // size[1:]).max(axis=0)
+        g = np.ascontiguousarray(f.T)                            # [X, n]: the arithmetic below runs on whole rows
+        # float32 division is exact here: a quotient of small integers is whole only if exact (3x the int16 one)
+        opt = np.ceil(g[1:] / size[1:].astype(np.float32)).max(axis=0).astype(np.int16)
         over = g - (opt - 1) * size
         over[0] = -1                                             # the empty set is in no family
         ands = self._superset_and(np.stack([over == size, over == 0, over >= 1]))
-        self.ands[:, :, steps] = ands
-        self.fragile[steps] = (over.max(axis=0) <= 1) & (opt > 0)
-        self.inter[steps] = ands[2, 0] & ~self.none              # every tight set contains the empty set
+        fragile = (over.max(axis=0) <= 1) & (opt > 0)
+        return ands, fragile, ands[2, 0] & ~self.none            # every tight set contains the empty set
 
     def _superset_and(self, member: np.ndarray) -> np.ndarray:
         """[3, X, n]: the AND of the member sets that contain X (``none`` where no member does)."""
         R = self.ranks
         X = 1 << R
-        out = np.where(member, np.arange(X, dtype=np.int16)[:, None], np.int16(X - 1) | self.none)
+        everything = np.int16(X - 1) | self.none
+        out = everything + member * (np.arange(X, dtype=np.int16)[:, None] - everything)   # np.where, 6x faster
         for r in range(R):
             view = out.reshape(3, X >> (r + 1), 2, -1)           # pairs of blocks 2^r rank sets apart
             view[:, :, 0] &= view[:, :, 1]
         return out
 
-    def change(self, steps: np.ndarray, old: np.ndarray, new: np.ndarray) -> np.ndarray:
-        """[n, C, K] float32: the optimum change of ``steps [n]`` when one of their active experts goes from
-        each mask of ``old [C]`` to each mask of ``new [K]``."""
-        none, low = self.none, np.int16(self.none - 1)
-        old = np.asarray(old, np.int16)[None, :, None]
-        full, level, tight = (t.T[:, None, :] for t in self.ands[:, new][:, :, steps])
-        up = ((full & none) == 0) & ((old & ~full & low) != 0)
-        level_gain = ((level & none) == 0) & ((old & ~level & low) != 0)
-        loses_all = self.fragile[steps, None, None] & ((old & ~self.inter[steps, None, None]) == 0) \
-            & ((tight & none) != 0)
+    def change(self, steps: np.ndarray | slice, old: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """[K, n, C] float32: the optimum change of ``steps`` (indices [n], or a slice: ``slice(None)`` for
+        every step) when one of their active experts goes from each mask of ``old [C]`` to each mask of
+        ``new [K]``; new masks lead, the layout ``_exchange_gains`` reads.
+
+        A family's AND (any value, the ``none`` bit included) lets the expert in exactly when it is a set
+        (no ``none`` bit) that holds ``new`` but not all of ``old``: one lookup a value (``enters``)."""
+        old = np.asarray(old, np.int16)
+        values = np.arange(2 * self.none, dtype=np.int16)[:, None]
+        enters = ((values & self.none) == 0) & ((old[None, :] & ~values) != 0)   # [2^(R+1), C]
+        full, level, tight = self.ands[:, new][:, :, steps]                      # [K, n] each
+        up = enters[full]                                                        # a full set gains it
+        level_gain = enters[level]
+        inside = self.fragile[steps, None] & ((old[None, :] & ~self.inter[steps, None]) == 0)   # [n, C]
+        loses_all = ((tight & self.none) != 0)[:, :, None] & inside[None]
         return up.astype(np.float32) - (loses_all & ~up & ~level_gain)
 
 
@@ -117,8 +123,8 @@ def exchange_masks(active: np.ndarray, weight: np.ndarray, masks: np.ndarray, ra
             only_a = np.flatnonzero(active[:, a] & ~active[:, b])
             only_b = np.flatnonzero(active[:, b] & ~active[:, a])
             # exact in float64 (the matrix is float32, and stale after the first exchange of the pass)
-            delta = (weight[only_a] @ tables.change(only_a, masks[[a]], masks[[b]])[:, 0, 0].astype(np.float64)
-                     + weight[only_b] @ tables.change(only_b, masks[[b]], masks[[a]])[:, 0, 0].astype(np.float64))
+            delta = (weight[only_a] @ tables.change(only_a, masks[[a]], masks[[b]])[0, :, 0].astype(np.float64)
+                     + weight[only_b] @ tables.change(only_b, masks[[b]], masks[[a]])[0, :, 0].astype(np.float64))
             if delta >= -min_gain:
                 break                                            # evaluate every exchange again
             a_in = ((ids & masks[a]) == masks[a]).astype(np.int16)
@@ -144,8 +150,7 @@ def _exchange_gains(tables: StepTables, weighted: np.ndarray, act: np.ndarray, u
     their masks are equal). weighted: [S, E] weight of each step where the expert is active, else 0;
     uniq: [K] the masks in use; cls: [E] each expert's index into it."""
     E = cls.size
-    change = tables.change(np.arange(act.shape[0]), uniq, uniq)       # [S, C, K]: class c takes mask k
-    change = np.ascontiguousarray(change.transpose(2, 0, 1))           # [K, S, C]
+    change = tables.change(slice(None), uniq, uniq)                    # [K, S, C]: class c takes mask k
     one_way = np.empty((E, E), np.float32)
     for k in range(uniq.size):
         cols = np.flatnonzero(cls == k)

@@ -47,6 +47,7 @@ searches, which enumerate rank sets, are out of reach: ``fitted`` (DeepSeek EPLB
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -192,10 +193,11 @@ def cv_layers(problem: PlacementProblem, blocks: list[np.ndarray], candidates: t
     return int(min(L, max(CV_LAYERS, CV_CELLS // max(per_layer, 1))))
 
 
-def choose(problem: PlacementProblem, seed: int) -> Choice:
+def choose(problem: PlacementProblem, seed: int,
+           progress: Callable[[int, int], None] = lambda done, total: None) -> Choice:
     """The candidate with the lowest E[optimum] over held-out blocks (``fold_blocks``) and ``cv_layers`` layers.
     Above MAX_SEARCH_RANKS only WIDE_CANDIDATES compete on CV_LAYERS layers, each block scored on
-    WIDE_TEST_STEPS of its steps."""
+    WIDE_TEST_STEPS of its steps. progress: (jobs done, jobs) at the start and as each (layer, block) ends."""
     S, L = problem.steps.num_steps, problem.model.num_moe_layers
     R, E = problem.ranks, problem.model.num_experts
     wide = R > MAX_SEARCH_RANKS
@@ -236,8 +238,13 @@ def choose(problem: PlacementProblem, seed: int) -> Choice:
             out[i] = optimum(test, masks, R).mean()
         return out
 
+    progress(0, len(jobs))
+    done = []
+    for job, value in map_layers(held_out, len(jobs), layer_workers(PARALLEL_CELLS)):
+        done.append((job, value))
+        progress(len(done), len(jobs))
     loss = np.zeros(len(candidates))
-    for _, value in sorted(map_layers(held_out, len(jobs), layer_workers(PARALLEL_CELLS)), key=lambda x: x[0]):
+    for _, value in sorted(done, key=lambda x: x[0]):   # summed in job order, whichever worker ended first
         loss += value
     loss /= len(jobs)
     best = int(np.argmin(loss))   # the first of equals: the most robust
@@ -263,11 +270,12 @@ def search_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, f
     return balanced_replicas.place(one, 0, first, spares)
 
 
-def robust_spares(problem: PlacementProblem) -> tuple[np.ndarray, Choice]:
-    """(phy2log [L, P], the choice): spare slots for balanced dispatch by the candidate ``choose`` picks,
-    then fitted on all of ``problem.steps`` as it was scored."""
+def robust_spares(problem: PlacementProblem,
+                  choice_progress: Callable[[int, int], None] = lambda done, total: None) -> tuple[np.ndarray, Choice]:
+    """(phy2log [L, P], the choice): spare slots for balanced dispatch by the candidate ``choose`` picks (its
+    progress: ``choice_progress``), then fitted on all of ``problem.steps`` as it was scored."""
     rng = np.random.default_rng([problem.seed, 36])
-    choice = choose(problem, int(rng.integers(2**31)))
+    choice = choose(problem, int(rng.integers(2**31)), choice_progress)
     candidate = next(c for c in CANDIDATES if c.name == choice.name)
     if candidate.search:
         return stepaware(problem), choice

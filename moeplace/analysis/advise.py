@@ -20,7 +20,9 @@ import numpy as np
 
 from moeplace.cost.model import CostModel
 from moeplace.dispatch.balanced import step_expert_counts
-from moeplace.dispatch.loads import layer_distinct_total, layer_rank_loads, max_step_tokens, token_slot_pairs
+from moeplace.dispatch.by_cost import counts_dispatch
+from moeplace.dispatch.loads import (layer_distinct_total, layer_rank_loads, max_step_tokens, needs_cost,
+                                     token_slot_pairs)
 from moeplace.errors import MoeplaceError
 from moeplace.model.spec import ModelSpec
 from moeplace.trace.steps import RoutingSteps
@@ -62,6 +64,31 @@ def ep_layer_cost(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: i
         return cost.cost((work > 0).sum(axis=2), work.sum(axis=2), cost.extra_blocks(work)).max(axis=1)
     distinct, tokens = layer_rank_loads(steps, layer, phy2log, ranks, dispatch, cost_model=cost)
     return cost.cost(distinct, tokens).max(axis=1)
+
+
+def counts_work(counts: np.ndarray, phy2log: np.ndarray, ranks: int, dispatch: str = "dynamic",
+                cost: CostModel | None = None) -> np.ndarray:
+    """[S, R, X] tokens each rank runs of each expert it runs at one layer, from that layer's ``counts [S, E]``
+    (``step_expert_counts``): ``rank_work(slot_token_counts(...))`` up to the order and the zeros of the last
+    axis (X: the rank's slots, or every expert), so ``work_cost`` reads the same from it, without token rows.
+
+    phy2log: [P]. Exact where every expert has one slot (every rule sends all its tokens there) and under
+    the ``cost`` rule, which reads the counts only; the other rules split a replicated expert's tokens by
+    token row, which the counts do not hold.
+    """
+    S, E = counts.shape
+    if dispatch == "cost":
+        return counts_dispatch(counts, phy2log, ranks, needs_cost(cost)).full_alloc(counts).transpose(0, 2, 1)
+    if phy2log.shape[0] != E or np.bincount(phy2log, minlength=E).max() != 1:
+        raise MoeplaceError(f"the {dispatch} rule splits a replicated expert's tokens by token row: its work "
+                            "needs the rows (slot_token_counts)")
+    return counts[:, phy2log].reshape(S, ranks, E // ranks)
+
+
+def work_cost(work: np.ndarray, cost: CostModel) -> np.ndarray:
+    """[S] µs of one layer: the slowest rank's predicted cost of ``work [S, R, X]`` (``counts_work``), row blocks
+    included (none where a step's tokens fit one block, so this is ``ep_layer_cost`` exactly)."""
+    return cost.cost((work > 0).sum(axis=2), work.sum(axis=2), cost.extra_blocks(work)).max(axis=1)
 
 
 def tp_layer_cost(steps: RoutingSteps, layer: int, tp_cost: CostModel) -> np.ndarray:

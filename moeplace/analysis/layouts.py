@@ -25,11 +25,13 @@ from typing import Callable
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem, solve
-from moeplace.analysis.advise import crossing, ep_layer_cost
+from moeplace.analysis.advise import counts_work, crossing, work_cost
 from moeplace.cost.model import CostModel
-from moeplace.dispatch.by_cost import PLACED_AS
+from moeplace.dispatch.balanced import step_expert_counts
+from moeplace.dispatch.by_cost import PLACED_AS, rule_weights
 from moeplace.errors import MoeplaceError
 from moeplace.model.spec import ModelSpec
+from moeplace.parallel import PARALLEL_CELLS, layer_workers, map_layers
 from moeplace.trace.steps import RoutingSteps
 
 SPARE_RULE = "cost"
@@ -111,13 +113,39 @@ def fit_layout(model: ModelSpec, fit: RoutingSteps, layout: Layout, cost: CostMo
     return {name: place(name, 0, "dynamic") for name in ("deepseek", "stepaware")}
 
 
-def layout_step_costs(steps: RoutingSteps, placements: dict[str, np.ndarray], layout: Layout,
+def layer_counts(steps: RoutingSteps) -> list[np.ndarray]:
+    """[L] of [S, E]: each MoE layer's ``step_expert_counts``, all that a layout's cost reads (``counts_work``),
+    counted once for every layout and placement."""
+    return [step_expert_counts(steps, layer) for layer in range(steps.model.num_moe_layers)]
+
+
+def layout_step_costs(counts: list[np.ndarray], placements: dict[str, np.ndarray], layout: Layout,
                       cost: CostModel) -> dict[str, np.ndarray]:
-    """[S] µs per step (all MoE layers) of each of a layout's placements: its slowest group's GPU per layer."""
-    out = {}
-    for name, phy2log in placements.items():
-        out[name] = sum(ep_layer_cost(steps, layer, phy2log[layer], layout.ep, cost, layout.rule)
-                        for layer in range(steps.model.num_moe_layers))
+    """[S] µs per step (all MoE layers) of each of a layout's placements: its slowest group's GPU per layer.
+    counts: ``layer_counts`` of the steps."""
+    return sets_step_costs([counts], placements, layout, [cost])[0]
+
+
+def sets_step_costs(sets: list[list[np.ndarray]], placements: dict[str, np.ndarray], layout: Layout,
+                    costs: list[CostModel]) -> list[dict[str, np.ndarray]]:
+    """``layout_step_costs`` of several sets of steps (``layer_counts`` each), each with its cost model. The sets
+    whose cost models give the rule the same weights are dispatched in one call: the cost rule chooses each
+    step's dispatch from that step's counts and the weights alone (the other rules from the counts alone)."""
+    groups: dict[object, list[int]] = {}
+    for i, cost in enumerate(costs):
+        groups.setdefault(rule_weights(cost) if layout.rule == "cost" else None, []).append(i)
+    out: list[dict[str, np.ndarray]] = [{} for _ in sets]
+    for members in groups.values():
+        bounds = np.cumsum([0, *(sets[i][0].shape[0] for i in members)])
+        stacked = [np.concatenate([sets[i][layer] for i in members]) for layer in range(len(sets[members[0]]))]
+        for name, phy2log in placements.items():
+            totals = [0] * len(members)
+            for layer, counts in enumerate(stacked):
+                work = counts_work(counts, phy2log[layer], layout.ep, layout.rule, costs[members[0]])
+                for j, i in enumerate(members):
+                    totals[j] = totals[j] + work_cost(work[bounds[j]:bounds[j + 1]], costs[i])
+            for j, i in enumerate(members):
+                out[i][name] = totals[j]
     return out
 
 
@@ -134,25 +162,40 @@ class LayoutCosts:
     at_trace_placement: str = ""
 
 
+def fitting_order(layout: Layout) -> int:
+    """A rough rank of a layout's fitting work, dearest highest: the spare search enumerates the 2^G rank sets
+    of its G groups; stepaware's swaps without spares grow with G."""
+    return 1 << layout.ep if layout.spares else layout.ep
+
+
 def compare_layouts(model: ModelSpec, fit: RoutingSteps, at_trace: RoutingSteps, grid: dict[int, RoutingSteps],
                     layouts: list[Layout], cost: Callable[[Layout, int], CostModel], trace_batch: int,
-                    effort: float, progress: Callable[[str], None] = lambda name: None) -> list[LayoutCosts]:
+                    effort: float, progress: Callable[[int], None] = lambda done: None) -> list[LayoutCosts]:
     """Fit every layout's placements on ``fit`` (costed at ``trace_batch``) and cost them on ``at_trace``
-    and on the batches of ``grid`` (batch tokens -> steps), each with its cost model ``cost(layout, batch)``."""
-    out = []
-    for layout in layouts:
-        progress(layout.name)
-        placements = fit_layout(model, fit, layout, cost(layout, trace_batch), effort)
+    and on the batches of ``grid`` (batch tokens -> steps), each with its cost model ``cost(layout, batch)``.
 
-        def best(steps: RoutingSteps, batch: int) -> tuple[float, str]:
-            costs = layout_step_costs(steps, placements, layout, cost(layout, batch))
-            name = min(costs, key=lambda k: costs[k].mean())
-            return float(costs[name].mean()), name
-        here = best(at_trace, trace_batch)
-        per_batch = {batch: best(steps, batch) for batch, steps in grid.items()}
-        out.append(LayoutCosts(layout, here[0], {b: v[0] for b, v in per_batch.items()},
-                               {trace_batch: here[1], **{b: v[1] for b, v in per_batch.items()}}, trace_batch, here[1]))
-    return out
+    The layouts are independent jobs: they run on the machine's CPUs (``parallel.map_layers``), the dearest
+    first (``fitting_order``); ``progress(1)`` as each one ends. Results in the order of ``layouts``."""
+    batches = [trace_batch, *grid]                          # the trace's steps first, then the grid's
+    counts = [layer_counts(steps) for steps in (at_trace, *grid.values())]
+    order = sorted(range(len(layouts)), key=lambda i: fitting_order(layouts[i]), reverse=True)
+
+    def fit_and_cost(job: int) -> LayoutCosts:
+        layout = layouts[order[job]]
+        placements = fit_layout(model, fit, layout, cost(layout, trace_batch), effort)
+        best = []                                            # (mean µs, placement) of each set of steps
+        for step_costs in sets_step_costs(counts, placements, layout, [cost(layout, b) for b in batches]):
+            name = min(step_costs, key=lambda k: step_costs[k].mean())
+            best.append((float(step_costs[name].mean()), name))
+        (here, here_name), per_batch = best[0], dict(zip(batches[1:], best[1:]))
+        return LayoutCosts(layout, here, {b: v[0] for b, v in per_batch.items()},
+                           {trace_batch: here_name, **{b: v[1] for b, v in per_batch.items()}}, trace_batch,
+                           here_name)
+    out: dict[int, LayoutCosts] = {}
+    for job, result in map_layers(fit_and_cost, len(layouts), layer_workers(PARALLEL_CELLS)):
+        out[order[job]] = result
+        progress(1)
+    return [out[i] for i in range(len(layouts))]
 
 
 def fastest(results: list[LayoutCosts], batch: int | None = None) -> LayoutCosts:
@@ -160,17 +203,31 @@ def fastest(results: list[LayoutCosts], batch: int | None = None) -> LayoutCosts
     return min(results, key=lambda r: r.at_trace if batch is None else r.grid[batch])
 
 
+def fastest_column(results: list[LayoutCosts]) -> dict[int, LayoutCosts]:
+    """The layouts table's fastest column: batch -> layout. At the smallest batch the fastest (``fastest``); at
+    each larger one the layout of the batch before while it stays within EVEN of the fastest there, else the
+    fastest. So a difference of EVEN or less never changes the column, and every change is a real flip."""
+    column: dict[int, LayoutCosts] = {}
+    kept = None
+    for batch in sorted(results[0].grid):
+        best = fastest(results, batch)
+        if kept is None or kept.grid[batch] > best.grid[batch] * (1 + EVEN):
+            kept = best
+        column[batch] = kept
+    return column
+
+
 def layout_flips(results: list[LayoutCosts]) -> list[tuple[float, str, str]]:
-    """(batch where it flips, fastest below, fastest above) for each change of the fastest layout over
-    the grid, the batch interpolated where the two layouts' costs cross (``advise.crossing``). Two
-    layouts within ``EVEN`` of each other at both batches are even: no flip."""
-    batches = sorted(results[0].grid)
+    """(batch where it flips, fastest below, fastest above) for each change of ``fastest_column``: between the
+    two batches where it changes, the batch where the layout above becomes more than EVEN faster than the one
+    below (their cost ratio interpolated as ``advise.crossing`` does)."""
+    column = fastest_column(results)
+    batches = sorted(column)
     flips = []
     for lo, hi in zip(batches, batches[1:]):
-        a, b = fastest(results, lo), fastest(results, hi)
-        even = all(abs(a.grid[x] / b.grid[x] - 1) <= EVEN for x in (lo, hi))
-        if a.layout != b.layout and not even:
-            at = crossing(lo, hi, a.grid[lo] / b.grid[lo], a.grid[hi] / b.grid[hi])
+        a, b = column[lo], column[hi]
+        if a.layout != b.layout:
+            at = crossing(lo, hi, a.grid[lo] / b.grid[lo] / (1 + EVEN), a.grid[hi] / b.grid[hi] / (1 + EVEN))
             flips.append((at, a.layout.name, b.layout.name))
     return flips
 

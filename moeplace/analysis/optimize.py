@@ -113,7 +113,8 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
              dispatch: str = "dynamic", cost_model: CostModel | None = None, holdout: float = 0.3,
              seed: int = 0, max_steps: int | None = None, effort: float | None = None,
              balance_floor: float | None = None, progress: Callable[[int], None] = lambda n: None,
-             reference_cost_model: CostModel | None = None) -> OptimizeResult:
+             reference_cost_model: CostModel | None = None,
+             choice_progress: Callable[[int, int], None] = lambda done, total: None) -> OptimizeResult:
     """Fit ``algorithm`` on the first part of the trace; evaluate it and the baselines on the rest.
 
     With spare slots the table starts with what SGLang runs without moeplace (``today_name``:
@@ -122,7 +123,8 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     on up to FITTED_SAMPLE_STEPS of the fitted steps, for the table's fitted column.
 
     max_steps: use at most this many steps of ``mode``, evenly spaced over the trace (None:
-    DEFAULT_SAMPLE_STEPS); memory holds only those steps, never the whole trace.
+    DEFAULT_SAMPLE_STEPS); memory holds only those steps, never the whole trace. progress: layers placed;
+    choice_progress: (jobs done, jobs) of the spare-slot layout's choice (``robust.choose``), where it runs.
     """
     cost_model = cost_model or CostModel()
     model = trace.model
@@ -176,7 +178,7 @@ def optimize(trace: Trace, ranks: int, algorithm: str, mode: str = "all", nodes:
     maps = {name: solve(name, problem(fit, lambda n: None)) for name in baselines if name != algorithm}
     spares_chosen, capture_warnings = None, []
     fitted_problem = problem(fit, progress)
-    fitted_map = fit_placement(fitted_problem, algorithm)   # with balanced spares: the best out of fold
+    fitted_map = fit_placement(fitted_problem, algorithm, choice_progress)   # balanced spares: the best out of fold
     maps[algorithm], spares_chosen = fitted_map.phy2log, fitted_map.choice
     if spares_chosen is not None:
         notes.append(spares_chosen.line)

@@ -8,7 +8,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import click
 import numpy as np
@@ -106,6 +106,18 @@ class Progress:
         """End a line left open on a terminal (work that stopped short of its total)."""
         if self.tty and self.shown >= 0 and self.done < self.total:
             click.echo("", err=True)
+
+
+def sized_progress(label: str, unit: str) -> Callable[[int, int], None]:
+    """A callback for work that learns its size as it starts: called with (done so far, total), it shows a
+    ``Progress`` line from its first call on (done 0: a line at once)."""
+    shown: list[Progress] = []
+
+    def report(done: int, total: int) -> None:
+        if not shown:
+            shown.append(Progress(total, label, unit))
+        shown[0](done - shown[0].done)
+    return report
 
 
 def check_ranks(trace: Trace, ranks: int, redundant: int | None = None) -> None:

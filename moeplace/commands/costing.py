@@ -92,6 +92,24 @@ def slot_gb(model: ModelSpec, costing: Costing, moe_tp: int = 1) -> float:
     return model.num_moe_layers * costing.shape.bytes / moe_tp / 1e9
 
 
+def experts_gb(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1) -> float:
+    """GB of routed expert weights per GPU with ``redundant`` spare slots over ``ranks`` EP ranks (groups of
+    ``moe_tp`` GPUs): the same for every EP x TP split of the same GPUs."""
+    return (model.num_experts + redundant) / ranks * slot_gb(model, costing, moe_tp)
+
+
+def spares_that_fit(model: ModelSpec, ranks: int, wanted: int, costing: Costing) -> int:
+    """The most spare slots, a multiple of ``ranks`` and at most ``wanted``, that ``memory_warning`` lets the GPU
+    load beside the experts (0 where none fits); ``wanted`` where the expert shape or the GPU is not known."""
+    if costing.fixed is not None or costing.shape is GENERIC:
+        return wanted
+    room = GPU_MEMORY_GB[DEFAULT_GPU] / slot_gb(model, costing) * ranks - model.num_experts
+    spares = max(0, min(wanted, int(room) // ranks * ranks))
+    while spares and memory_warning(model, ranks, spares, costing):   # the same test, to the last bit
+        spares -= ranks
+    return spares
+
+
 def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costing, moe_tp: int = 1,
                    fewer: str = "fewer (--replica-memory GB per GPU)") -> str | None:
     """A line where the routed experts alone, spare slots included, outgrow the memory of the GPU the
@@ -99,8 +117,7 @@ def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costin
     shape or the GPU is not known (a generic shape, a --cost-model file). fewer: how to ask for fewer."""
     if costing.fixed is not None or costing.shape is GENERIC or not redundant:
         return None
-    per_slot = slot_gb(model, costing, moe_tp)
-    need, base = (model.num_experts + redundant) / ranks * per_slot, model.num_experts / ranks * per_slot
+    need, base = experts_gb(model, ranks, redundant, costing, moe_tp), experts_gb(model, ranks, 0, costing, moe_tp)
     have = GPU_MEMORY_GB[DEFAULT_GPU]
     if need <= have:
         return None

@@ -6,7 +6,7 @@ import click
 
 from moeplace.algorithms import ALGORITHMS, DEFAULT_ALGORITHM
 from moeplace.commands.common import (Progress, check_ranks, echo_json, fitted_here_note, mode_chunks, open_source,
-                                      rules_phrase, scoring_rule, trace_inputs)
+                                      rules_phrase, scoring_rule, sized_progress, trace_inputs)
 from moeplace.files.atomic import all_or_nothing
 from moeplace.commands.costing import (Costing, cost_model_line, memory_warning, resolve_costing, slot_gb,
                                       trace_batch)
@@ -134,7 +134,9 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     result = run_optimize(src, groups, algorithm, mode, nodes, redundant, dispatch, cost_model, holdout,
                           seed, max_steps, effort, balance_floor,
                           progress=Progress(model.num_moe_layers, f"{algorithm}: placing", "layers"),
-                          reference_cost_model=today_cost)
+                          reference_cost_model=today_cost,
+                          choice_progress=sized_progress("spare slots: scoring the candidate layouts",
+                                                         "held-out fits"))
     rows = comparison_rows(result.evaluations, result.baseline)
     for row, fitted in zip(rows, result.fitted):
         row["fitted_e_max_distinct"] = fitted

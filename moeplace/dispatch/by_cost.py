@@ -100,6 +100,13 @@ def rule_weights(cost: CostModel) -> RuleWeights | None:
     return None
 
 
+def acts_as_balanced(weights: RuleWeights | None, step_tokens: int, top_k: int) -> bool:
+    """Whether the fast rule keeps the balanced rule's choice on every step of at most ``step_tokens`` tokens of
+    ``top_k`` experts each (its step 2): fewer pairs than one read costs, and no expert past its first row block."""
+    return weights is None or (weights.pair * step_tokens * top_k < weights.read
+                               and (not weights.block or step_tokens <= weights.block_m))
+
+
 def as_weights(weights: RuleWeights | int | None) -> RuleWeights | None:
     """A plain q is ``RuleWeights(q)``: reads and pairs only."""
     return RuleWeights(weights) if isinstance(weights, (int, np.integer)) else weights
@@ -410,8 +417,13 @@ PLACED_AS = {"cost": "balanced"}    # the cost rule's spare slots are placed as 
 
 def layer_dispatch(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> CostDispatch:
     """The fast rule on every step of ``steps`` at one layer (``phy2log [P]`` its map)."""
-    masks = replica_layout(phy2log, steps.model.num_experts, ranks).masks
-    return cost_rule(step_expert_counts(steps, layer), masks, ranks, rule_weights(cost))
+    return counts_dispatch(step_expert_counts(steps, layer), phy2log, ranks, cost)
+
+
+def counts_dispatch(counts: np.ndarray, phy2log: np.ndarray, ranks: int, cost: CostModel) -> CostDispatch:
+    """The fast rule on every step of one layer's ``counts [S, E]`` (``step_expert_counts``), ``phy2log [P]`` its map."""
+    masks = replica_layout(phy2log, counts.shape[1], ranks).masks
+    return cost_rule(counts, masks, ranks, rule_weights(cost))
 
 
 def pair_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int, cost: CostModel) -> tuple[np.ndarray, np.ndarray]:

@@ -70,7 +70,7 @@ def token_slots(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks: int
     ``cost_model`` (``moeplace.dispatch.by_cost``).
     """
     if dispatch == "cost":
-        return pair_slots(steps, layer, phy2log, ranks, _needs_cost(cost_model))
+        return pair_slots(steps, layer, phy2log, ranks, needs_cost(cost_model))
     E = steps.model.num_experts
     step_of_row, row_in_step, ids = steps.layer(layer)
     valid = ids >= 0
@@ -104,7 +104,7 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
     if dispatch not in DISPATCH_RULES:
         raise MoeplaceError(f"unknown dispatch rule {dispatch!r}; choose from {', '.join(DISPATCH_RULES)}")
     if dispatch == "cost":
-        chosen = layer_dispatch(steps, layer, phy2log, ranks, _needs_cost(cost_model))
+        chosen = layer_dispatch(steps, layer, phy2log, ranks, needs_cost(cost_model))
         return chosen.distinct, chosen.tokens
     if dispatch == "balanced":
         chosen = balanced_loads(steps, layer, phy2log, ranks)[0]
@@ -154,7 +154,8 @@ def layer_rank_loads(steps: RoutingSteps, layer: int, phy2log: np.ndarray, ranks
     return distinct, tokens
 
 
-def _needs_cost(cost_model: CostModel | None) -> CostModel:
+def needs_cost(cost_model: CostModel | None) -> CostModel:
+    """``cost_model``, which the ``cost`` rule needs (MoeplaceError where it is None)."""
     if cost_model is None:
         raise MoeplaceError("the cost dispatch rule needs a cost model")
     return cost_model
