@@ -244,13 +244,14 @@ class Replacer:
             return
         import torch
 
+        began = _synchronized_clock()
         metadata = ExpertLocationMetadata.init_by_mapping(runner.model_config, torch.from_numpy(new),
                                                           moe_ep_rank=served.ep_rank)
         weights = runner.model.routed_experts_weights_of_layer
         stall = 0.0
         for start in range(0, len(layer_ids), self.config.chunk):
             chunk = layer_ids[start:start + self.config.chunk]
-            began = _synchronized_clock()
+            began = began if start == 0 else _synchronized_clock()
             runner.expert_location_updater.update(weights, metadata, update_layer_ids=chunk,
                                                   nnodes=get_parallel().nnodes, rank=get_parallel().tp_rank)
             self.refresh()
@@ -305,6 +306,7 @@ class Replacer:
         if not message[0]:
             return
         new = message[1:].reshape(full.shape)
+        began = _synchronized_clock()
         metadata = ExpertLocationMetadata.init_by_mapping(manager._model_config, torch.from_numpy(new),
                                                           moe_ep_rank=self.served.ep_rank)
         chunks = [[layer for layer in chunk if (full[layer] != new[layer]).any()]
@@ -314,7 +316,7 @@ class Replacer:
         for i, chunk in enumerate(chunks):
             if i:
                 yield
-            began = _synchronized_clock()
+                began = _synchronized_clock()
             update_expert_location_with_recovery(
                 expert_location_updater=manager._get_expert_location_updater(), model=model,
                 new_expert_location_metadata=metadata, update_layer_ids=chunk, tp_rank=get_parallel().tp_rank,
