@@ -13,8 +13,9 @@ runs the fitted search's own local moves from the map in force instead, on the n
 * under balanced dispatch with spare slots: ``replica_exchange``'s exchanges of two experts' replica sets (an
   expert that turned hot takes the replicas of one that cooled), on up to ``sample_size`` of the steps.
 
-Above ``balanced_replicas.MAX_SEARCH_RANKS`` with spare slots (the exchanges enumerate rank sets) the map is
-left as it is. How many experts hold how many replicas never changes here (a swap keeps every expert's count, an
+Above ``balanced_replicas.MAX_SEARCH_RANKS`` with spare slots (the exchanges enumerate rank sets), each expert keeps
+its first copy where it is and the spare replicas are placed again by ``wide_spares`` on the steps: only spare slots
+move. How many experts hold how many replicas never changes here (a swap keeps every expert's count, an
 exchange trades two experts' counts): a refit changes them.
 """
 
@@ -23,13 +24,14 @@ from __future__ import annotations
 import numpy as np
 
 from moeplace.algorithms import PlacementProblem
-from moeplace.algorithms.balanced_replicas import MAX_SEARCH_RANKS, masks_to_phy2log, sample_size
+from moeplace.algorithms import wide_spares
+from moeplace.algorithms.balanced_replicas import MAX_SEARCH_RANKS, WIDE_SEARCH_STEPS, masks_to_phy2log, sample_size
 from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.fit import placed_as
 from moeplace.algorithms.moves import align_layer
 from moeplace.algorithms.replica_exchange import MIN_GAIN, exchange_masks
 from moeplace.algorithms.stepaware import SWAP_GAIN, item_activity, round_cost, search_rows, swap_search
-from moeplace.dispatch.balanced import replica_layout, step_expert_counts
+from moeplace.dispatch.balanced import MASK_RANKS, pack_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.loads import balancedness
 from moeplace.parallel import layer_workers, map_layers
 
@@ -52,9 +54,8 @@ def refine(problem: PlacementProblem, current: np.ndarray, min_step_gain: float 
     def layer_job(layer: int) -> np.ndarray:
         layer_rng = np.random.default_rng(seeds[layer])
         if problem.dispatch == "balanced" and problem.redundant:
-            if R > MAX_SEARCH_RANKS:
-                return current[layer]
-            moved = exchange_layer(problem, layer, current[layer], layer_rng, min_step_gain)
+            moved = (respare_layer(problem, layer, current[layer]) if R > MAX_SEARCH_RANKS else
+                     exchange_layer(problem, layer, current[layer], layer_rng, min_step_gain))
         else:
             moved = swap_layer(problem, layer, current[layer], reference[layer], weight[layer], layer_rng,
                                min_step_gain)
@@ -104,6 +105,22 @@ def exchange_layer(problem: PlacementProblem, layer: int, current: np.ndarray,
     masks = exchange_masks(active, np.ones(active.shape[0]), masks, R, passes,
                            min_gain=max(MIN_GAIN, min_step_gain * active.shape[0]))
     return masks_to_phy2log(masks, R, problem.num_physical // R)
+
+
+def respare_layer(problem: PlacementProblem, layer: int, current: np.ndarray) -> np.ndarray:
+    """One wide layer's ``current [P]`` with its first copies kept (each expert's replica in its lowest slot) and its
+    spare replicas placed again by ``wide_spares`` on the steps: only spare slots move."""
+    R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
+    counts = step_expert_counts(problem.steps, layer)
+    first = np.unique(current, return_index=True)[1]          # each expert's lowest slot
+    on = np.zeros((E, R), bool)
+    on[current[first], first // (P // R)] = True
+    masks = pack_bits(on) if R <= MASK_RANKS else on
+    room = P // R - on.sum(axis=0)
+    sample = counts[:WIDE_SEARCH_STEPS] > 0 if counts.shape[0] <= WIDE_SEARCH_STEPS else \
+        counts[np.unique(np.linspace(0, counts.shape[0] - 1, WIDE_SEARCH_STEPS).astype(np.int64))] > 0
+    masks = wide_spares.add_replicas(sample, masks, R, room, counts.sum(axis=0))
+    return masks_to_phy2log(masks, R, P // R)
 
 
 def _balance(phy2log: np.ndarray, weight: np.ndarray, ranks: int) -> float:

@@ -16,7 +16,9 @@ Dimension letters: L MoE layers, P physical slots, R ranks, S steps.
    ranks copy in parallel) at ``move_gbps``. A layer moves to the candidate whose gain beats its stall by the
    most, among those not worse than the naive layout out of fold (so no layer moves to what the out-of-fold
    figures say is worse than the naive layout) whose gain stands ``z`` standard errors above that layer's noise
-   (the best of three per layer would otherwise often be luck), or stays.
+   (the best of three per layer would otherwise often be luck), or stays; where another candidate that pays copies
+   fewer replicas and its gain is within the noise of that one's, it takes that candidate (``fewest_copies``: a
+   larger gain the window cannot tell from a smaller one is not worth more copies).
 3. Go or keep. Re-place when the moved layers gain at least ``min_gain`` of the map's out-of-fold figure and the
    gain stands out of the noise: its mean over the window's steps more than ``z`` standard errors above zero,
    the error taken over batches of consecutive steps (a request's steps are alike, so single steps would
@@ -190,7 +192,7 @@ def choose(scores: np.ndarray, current: np.ndarray, finals: list[np.ndarray], ra
     stall_us = np.stack([received_per_rank(current, final, ranks).max(axis=1) for final in finals]) \
         * config.replica_bytes / (config.move_gbps * 1e3)            # [C, L]
     net = np.where(allowed & significant, gain * cost_model.a_us_per_expert * config.horizon - stall_us, -np.inf)
-    pick = np.argmax(net, axis=0)                                    # [L] the first of equals: the fewest moves
+    pick = fewest_copies(np.argmax(net, axis=0), net, gain, scores, current, finals, config.z)
     layers = np.take_along_axis(net, pick[None], 0)[0] > 0
     L = now.shape[0]
     behind = now.sum() > oof[naive_at].sum() * (1 + config.min_gain)   # the map in force lost to the naive layout
@@ -227,6 +229,24 @@ def choose(scores: np.ndarray, current: np.ndarray, finals: list[np.ndarray], ra
     decision.moved_bytes = count * config.replica_bytes
     decision.stall_ms = float(np.take_along_axis(stall_us, pick[None], 0)[0][layers].sum() / 1e3)
     return decision
+
+
+def fewest_copies(pick: np.ndarray, net: np.ndarray, gain: np.ndarray, scores: np.ndarray, current: np.ndarray,
+                  finals: list[np.ndarray], z: float) -> np.ndarray:
+    """[L] each layer's pick, moved to the candidate that copies fewest replicas among those that pay (``net``
+    [C, L] above zero) and whose gain is within ``z`` standard errors of the pick's (their per-step difference):
+    a larger gain that the window cannot tell from a smaller one is not worth more copies."""
+    moved = np.stack([moved_slots(current, final) for final in finals])          # [C, L]
+    out = pick.copy()
+    for layer, best in enumerate(pick):
+        for c in np.argsort(moved[:, layer], kind="stable"):
+            if moved[c, layer] >= moved[best, layer] or not net[c, layer] > 0:
+                continue
+            noise = z * standard_error(scores[1 + c, layer] - scores[1 + best, layer])
+            if gain[best, layer] - gain[c, layer] <= noise:
+                out[layer] = c
+                break
+    return out
 
 
 def standard_error(values: np.ndarray) -> float:
