@@ -574,7 +574,9 @@ def check_refused_start(name: str, server: Server, rc: int | None, needle: str) 
 
 
 REPLACE_BATCH = 8             # requests of a timed batch (the CUDA-graph batch size)
-REPLACE_TOKENS = 96           # new tokens each
+REPLACE_TOKENS = 256          # new tokens each
+REPLACE_WINDOW = 3000         # passes the server's window holds: a decision on it takes seconds, not a blink
+IDLE_BATCHES = 5              # batches timed with no decision in flight, around the one timed with it
 STALL_LINE = re.compile(r"moeplace online: re-placed (\d+) layers.*moved (\d+) expert replicas \(([\d.]+) GB\), "
                         r"stall ([\d.]+) ms")
 
@@ -605,6 +607,8 @@ def exercise_replace(server: Server, work: Path, rng: random.Random) -> dict:
     folder = work / "online"
     sets = {"A": prompts(rng, REPLACE_BATCH, 48, 96, vocab=8000), "B": prompts(rng, REPLACE_BATCH, 200, 400)}
     out: dict[str, Any] = {"answers": [], "tokens_per_s": {}, "requests": []}
+    for batch in sets.values():   # each set's first batch compiles kernels for its lengths: not timed
+        out["answers"] += timed_batch(server, batch)[1]
 
     def tps(label: str, batch: list[list[int]]) -> float:
         seconds, answers = timed_batch(server, batch)
@@ -625,10 +629,12 @@ def exercise_replace(server: Server, work: Path, rng: random.Random) -> dict:
             tps(label, batch)
             asked.result()
         tps(label.replace("during", "after"), batch)
-    # a decision run to its end, against the same batch run with none in flight
-    idle, during = [], []
-    for _ in range(2):
-        idle.append(timed_batch(server, sets["B"])[0])
+    # a decision run to its end on a full window, against the same batch run with none in flight
+    deadline = time.monotonic() + 180
+    while json.loads((folder / "status-r000.json").read_text())["window_passes"] < REPLACE_WINDOW \
+            and time.monotonic() < deadline:   # the worker rewrites its status every few seconds
+        out["answers"] += timed_batch(server, sets["A" if len(out["answers"]) % 2 else "B"])[1]
+    idle, during = [timed_batch(server, sets["B"])[0] for _ in range(IDLE_BATCHES)], []
     with ThreadPoolExecutor(1) as pool:
         t0 = time.monotonic()
         decided = pool.submit(ask, "--dry-run", "--json")
@@ -636,7 +642,7 @@ def exercise_replace(server: Server, work: Path, rng: random.Random) -> dict:
             during.append(timed_batch(server, sets["B"])[0])
         out["decision_wall_s"] = round(time.monotonic() - t0, 1)
         answer = decided.result()
-    idle.append(timed_batch(server, sets["B"])[0])
+    idle += [timed_batch(server, sets["B"])[0] for _ in range(IDLE_BATCHES)]
     out["dry_run"] = json.loads(answer.stdout) if answer.returncode == 0 else {"error": answer.stderr[-300:]}
     out["batch_s_idle"] = [round(x, 3) for x in idle]
     out["batch_s_deciding"] = [round(x, 3) for x in during]
@@ -766,7 +772,7 @@ def run_replace(model: Path, work: Path, port: int, startup: float) -> list[Chec
     baseline = Server("replace-baseline", port, server_argv(model, port, trees, launch=launch), {}, work)
     server = Server("replace", port + 1, server_argv(model, port + 1, trees + ["--enable-metrics"], launch=launch),
                     {"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_DIR": str(work / "online"),
-                     "MOEPLACE_ONLINE_PERIOD": "1000000", "MOEPLACE_ONLINE_WINDOW": "400",
+                     "MOEPLACE_ONLINE_PERIOD": "1000000", "MOEPLACE_ONLINE_WINDOW": str(REPLACE_WINDOW),
                      "MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / "traces-replace")}, work)
     checks: list[Check] = []
     try:

@@ -67,6 +67,7 @@ NUMBERS: dict[str, tuple[float, type, float]] = {
     "MOEPLACE_ONLINE_MIN_GAIN": (MIN_GAIN, float, 0.999),
 }
 REQUEST_KINDS = ("decide", "dry-run", "apply")
+STATUS_SECONDS = 5.0   # the status file is written after every decision and re-placement, and this often between
 METRICS = {   # name -> what it shows
     "moeplace:window_e_max_distinct": "E[max distinct] of the map in force on the window, out of fold (last decision)",
     "moeplace:replace_gain": "share of E[max distinct] re-placing would remove, out of fold (last decision)",
@@ -333,11 +334,15 @@ class Replacer:
 
     def _work_loop(self) -> None:
         """Decisions and requests, one at a time; polls the control folder while idle."""
+        written = time.monotonic()
         while not self._closed:
             try:
                 kind, request_id, placement = self._jobs.get(timeout=self.config.poll_seconds)
             except queue.Empty:
                 self._poll_requests()
+                if time.monotonic() - written > STATUS_SECONDS:   # the window's size and the pass count, kept fresh
+                    self._write_status()
+                    written = time.monotonic()
                 continue
             try:
                 self._job(kind, request_id, placement)
