@@ -200,7 +200,8 @@ CASES = [
     (["launch", "--placement", "{in}/toy.json", "--sglang-file", "{in}/toy/config.json", "--dry-run", *TOY_LAUNCH],
      "is the --model"),
     (["launch", "--placement", "{in}/folder", "--dry-run", *TOY_LAUNCH], "is a folder, not a placement file"),
-    (["launch", "--placement", "{in}/toy.json", "--dry-run", *TOY_LAUNCH, "--enable-eplb"], "--enable-eplb"),
+    (["launch", "--placement", "{in}/toy.json", "--dry-run", "--", "--model-path", "{in}/toy", "--enable-eplb"],
+     "--enable-eplb needs 2 or more EP ranks"),
     (["launch", "--placement", "{in}/nothere.json", "--dry-run", *TOY_LAUNCH], "no such file"),
     # outputs that are not regular files or new paths: refused before any work
     (["optimize", "{in}/t.mptrace", "-o", "/dev/null"], "character device, not a regular file"),

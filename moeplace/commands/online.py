@@ -24,8 +24,8 @@ def online() -> None:
     running server's control.
 
     \b
-    Examples:
-      moeplace online decide capture.mptrace --placement placement.json --mode verify -o next.json
+    Example:
+      moeplace online decide traces/gptoss20b-sample.mptrace --placement placement.json --mode verify -o next.json
       moeplace online request moeplace-online --dry-run
     """
 
@@ -64,8 +64,9 @@ def decide(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
 
     \b
     Example:
-      moeplace online decide capture.mptrace --placement placement.json --ranks 8 --mode verify \\
-          -o next.json --sglang-out next.sglang.json
+      moeplace optimize traces/gptoss20b-sample.mptrace --ranks 8 --mode verify -o placement.json
+      moeplace online decide traces/gptoss20b-sample.mptrace --placement placement.json --ranks 8 \\
+          --mode verify -o next.json --sglang-out next.sglang.json
     """
     from moeplace.analysis.replace import ReplaceConfig
     from moeplace.analysis.replace import decide as run_decide
@@ -136,7 +137,7 @@ def request(folder: str, dry_run: bool, placement_path: str | None, wait: float,
     (--eplb-rebalance-num-iterations). The answer's line is printed; an error is one line and exit code 2.
 
     \b
-    Examples:
+    Example:
       moeplace online request moeplace-online --dry-run
       moeplace online request moeplace-online --placement next.json
     """

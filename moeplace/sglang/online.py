@@ -517,7 +517,7 @@ def describe_server(model_config: Any, tracer: Any) -> Served:
 
     from moeplace.cost.derive import derive_cost_model
     from moeplace.model.config import expert_shape_from_hf_config
-    from moeplace.sglang.settings import dispatch_rule
+    from moeplace.sglang import balanced_dispatch
 
     args = get_server_args()
     meta = get_global_expert_location_metadata()
@@ -525,7 +525,8 @@ def describe_server(model_config: Any, tracer: Any) -> Served:
     hf = model_config.hf_config
     shape = expert_shape_from_hf_config(hf.to_dict() if hasattr(hf, "to_dict") else dict(hf), "the served model")
     local = meta.num_physical_experts // meta.ep_size
-    rule = dispatch_rule() or getattr(args, "ep_dispatch_algorithm", None) or "dynamic"
+    hooked = balanced_dispatch._DISPATCH   # moeplace's rule where MOEPLACE_DISPATCH installed it, else SGLang's
+    rule = hooked.config.rule if hooked is not None else getattr(args, "ep_dispatch_algorithm", None) or "dynamic"
     return Served(model=model, moe_layers=tuple(model.moe_layers), ranks=int(meta.ep_size),
                   nodes=int(getattr(args, "nnodes", 1) or 1), rank=int(get_parallel().tp_rank),
                   ep_rank=int(get_parallel().moe_ep_rank), dispatch=rule,
@@ -569,13 +570,12 @@ def install_with_tracer() -> Replacer:
     """The plugin's installer: the router tracer (without shards unless ``MOEPLACE_TRACE`` asks for them) keeping
     the window, then online re-placement."""
     from moeplace.sglang import tracer as tracing
-    from moeplace.sglang.settings import switch
 
     config = OnlineConfig.from_env()
-    traced = tracing._TRACER
+    traced = tracing._TRACER   # installed first where MOEPLACE_TRACE is on (the plugin's order): then it writes shards
     if traced is None:
         trace_config = tracing.TracerConfig.from_env()
-        trace_config.write_shards = switch("MOEPLACE_TRACE") or bool(os.environ.get("MOEPLACE_TRACE_DIR", "").strip())
+        trace_config.write_shards = False
         traced = tracing.install(trace_config)
     traced.config.window = config.window
     return install(traced, config)
