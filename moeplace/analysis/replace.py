@@ -134,7 +134,8 @@ class Decision:
 
     def to_json(self) -> dict:
         return {"replace": self.target is not None, "gain": self.gain, "current": self.current,
-                "fitted": self.fitted, "naive": self.naive, "chosen": self.chosen, "layers": self.layers, "kinds": self.kinds,
+                "fitted": self.fitted, "naive": self.naive, "chosen": self.chosen, "layers": self.layers,
+                "kinds": self.kinds,
                 "moved_replicas": self.moved_replicas, "moved_bytes": self.moved_bytes, "stall_ms": self.stall_ms,
                 "steps": self.steps, "reason": self.reason, "seconds": self.seconds, "line": self.line}
 
@@ -158,8 +159,9 @@ def decide(steps: RoutingSteps, current: Placement, dispatch: str, cost_model: C
         """[refined, fitted, naive] fitted on ``part``, each aligned to the map in force."""
         problem = PlacementProblem(model, part, R, nodes=nodes, redundant=current.num_redundant, dispatch=dispatch,
                                    cost_model=cost_model, seed=config.seed, balance_floor=config.balance_floor)
-        return [refine(problem, current.phy2log, config.swap_gain(R, cost_model))] + [align(phy2log, current.phy2log, R, nodes)
-                                                    for phy2log in (fit(problem).phy2log, naive(problem))]
+        refined = refine(problem, current.phy2log, config.swap_gain(R, cost_model))
+        return [refined] + [align(phy2log, current.phy2log, R, nodes) for phy2log in (fit(problem).phy2log,
+                                                                                       naive(problem))]
 
     scores = np.zeros((1 + len(CANDIDATES), model.num_moe_layers, S))   # [in force, *CANDIDATES], out of fold
     for block in fold_blocks(S, config.folds):

@@ -123,7 +123,8 @@ def decide(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
 @click.argument("folder", type=click.Path(exists=True, file_okay=False))
 @click.option("--dry-run", is_flag=True, help="Decide now and say what would move, without moving anything.")
 @click.option("--placement", "placement_path", type=click.Path(exists=True, dir_okay=False),
-              help="Move to this placement now (moeplace JSON for the served model and its EP size) instead of deciding.")
+              help="Move to this placement now (moeplace JSON for the served model and its EP size) instead of "
+                   "deciding.")
 @click.option("--wait", type=FiniteFloatRange(0, MAX_SECONDS, min_open=True), default=600.0, show_default=True,
               help="Seconds to wait for the server's answer.")
 @click.option("--json", "as_json", is_flag=True, help="Print the server's answer as JSON.")

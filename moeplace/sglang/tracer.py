@@ -513,8 +513,9 @@ class RoutingTracer:
             for run in _runs(arrays["versions"]):   # passes under one map each: a new map starts a new shard
                 part = _take_passes(arrays, run) if run.size < n else arrays
                 version = int(arrays["versions"][run[0]])
-                if self._writer is not None and (self._writer.bytes_written >= self.config.shard_bytes
-                                                 or not _same_map(self._maps[version], self._maps[self._writer_version])):
+                other_map = self._writer is not None and not _same_map(self._maps[version],
+                                                                       self._maps[self._writer_version])
+                if self._writer is not None and (self._writer.bytes_written >= self.config.shard_bytes or other_map):
                     self._close_writer()
                 if self._writer is None:
                     name = f"{self.config.prefix}-r{self.layout.rank:03d}-{self._shard_seq:05d}"
