@@ -171,3 +171,33 @@ def test_crash_mid_shard_is_detected_and_skipped(tmp_path):
     reader, chunks = _read_all(tmp_path)   # a folder's .part shards are read
     assert sum(c.num_steps for c in chunks) == 8  # every whole chunk survives
     assert [why for _, why in reader.damaged] == [UNFINISHED, "cut inside a chunk header"]
+
+
+def test_each_pass_is_labelled_with_the_map_it_ran_under(tmp_path):
+    """A re-placement changes the map between passes (at the end of ``ModelRunner.forward``, before the tracer's
+    ``end_pass``): a pass is labelled with the map noted at its start, a new map starts a new shard, and the window
+    reads each pass's ids back through its own map."""
+    rng = np.random.default_rng(0)
+    maps = [np.stack([rng.permutation(E) for _ in range(H)]) for _ in range(2)]
+    live = {"map": maps[0]}
+    cfg = TracerConfig(tmp_path, max_tokens=8, capacity=16, flush_steps=4, prefix="t", window=100)
+    tracer = RoutingTracer(cfg, lambda: Layout("toy-moe", H, E, E, maps[0]))
+    tracer.live_map = lambda: live["map"]
+    fed = []
+    for i in range(10):
+        tracer.begin_pass()
+        if i == 5:
+            live["map"] = maps[1]   # applied during this pass, after its router ran: the pass ran under map 0
+        fed += _run_passes(tracer, [2], [5], seed=i)
+    tracer.close()
+    shards = sorted(tmp_path.glob("t-*.mptrace"))
+    assert len(shards) == 2
+    for shard, want, passes in zip(shards, maps, (6, 4)):
+        reader, chunks = _read_all(shard)
+        assert np.array_equal(np.asarray(reader.headers[0].physical_to_logical_map), want[list(MOE)])
+        assert sum(c.modes.shape[0] for c in chunks) == passes
+    window = tracer.window.steps()
+    layer = np.arange(len(MOE))[None, :, None]
+    expected = np.concatenate([np.where(f >= 0, maps[0 if i < 6 else 1][np.array(MOE)][layer, np.maximum(f, 0)], -1)
+                               for i, f in enumerate(fed)])
+    assert np.array_equal(window.topk_ids, expected)
