@@ -575,7 +575,7 @@ def check_refused_start(name: str, server: Server, rc: int | None, needle: str) 
 
 REPLACE_BATCH = 8             # requests of a timed batch (the CUDA-graph batch size)
 REPLACE_TOKENS = 256          # new tokens each
-REPLACE_WINDOW = 3000         # passes the server's window holds: a decision on it takes seconds, not a blink
+REPLACE_WINDOW = 3000         # passes the server's window holds: a decision on it takes seconds, not a blink (--replace-window)
 IDLE_BATCHES = 5              # batches timed with no decision in flight, around the one timed with it
 STALL_LINE = re.compile(r"moeplace online: re-placed (\d+) layers.*moved (\d+) expert replicas \(([\d.]+) GB\), "
                         r"stall ([\d.]+) ms")
@@ -601,7 +601,7 @@ def timed_batch(server: Server, batch: list[list[int]]) -> tuple[float, list[dic
     return time.monotonic() - t0, answers
 
 
-def exercise_replace(server: Server, work: Path, rng: random.Random) -> dict:
+def exercise_replace(server: Server, work: Path, rng: random.Random, window: int = REPLACE_WINDOW) -> dict:
     """Traffic switched between two prompt sets on the server with online re-placement, two re-placements asked for
     through ``moeplace online request`` while a batch runs, a dry run timed against the same batch without one."""
     folder = work / "online"
@@ -631,7 +631,7 @@ def exercise_replace(server: Server, work: Path, rng: random.Random) -> dict:
         tps(label.replace("during", "after"), batch)
     # a decision run to its end on a full window, against the same batch run with none in flight
     deadline = time.monotonic() + 180
-    while json.loads((folder / "status-r000.json").read_text())["window_passes"] < REPLACE_WINDOW \
+    while json.loads((folder / "status-r000.json").read_text())["window_passes"] < window \
             and time.monotonic() < deadline:   # the worker rewrites its status every few seconds
         out["answers"] += timed_batch(server, sets["A" if len(out["answers"]) % 2 else "B"])[1]
     idle, during = [timed_batch(server, sets["B"])[0] for _ in range(IDLE_BATCHES)], []
@@ -760,7 +760,7 @@ def make_placement(model: Path, work: Path) -> None:
     (work / "placement.json").write_text(json.dumps(data))
 
 
-def run_replace(model: Path, work: Path, port: int, startup: float) -> list[Check]:
+def run_replace(model: Path, work: Path, port: int, startup: float, window: int = REPLACE_WINDOW) -> list[Check]:
     """Online re-placement at EP 1: a server launched with the reversed map and MOEPLACE_ONLINE (a decision only
     when asked, so that the timed batches meet none by chance; tracer on, /metrics on) beside the same server
     without online re-placement."""
@@ -772,7 +772,7 @@ def run_replace(model: Path, work: Path, port: int, startup: float) -> list[Chec
     baseline = Server("replace-baseline", port, server_argv(model, port, trees, launch=launch), {}, work)
     server = Server("replace", port + 1, server_argv(model, port + 1, trees + ["--enable-metrics"], launch=launch),
                     {"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_DIR": str(work / "online"),
-                     "MOEPLACE_ONLINE_PERIOD": "1000000", "MOEPLACE_ONLINE_WINDOW": str(REPLACE_WINDOW),
+                     "MOEPLACE_ONLINE_PERIOD": "1000000", "MOEPLACE_ONLINE_WINDOW": str(window),
                      "MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / "traces-replace")}, work)
     checks: list[Check] = []
     try:
@@ -784,7 +784,7 @@ def run_replace(model: Path, work: Path, port: int, startup: float) -> list[Chec
         print(f"servers ready: {[(s.name, round(s.ready_s, 1)) for s in (baseline, server)]}", flush=True)
         greedy_prompts = prompts(rng, 8, 64, 256)
         baseline.greedy = baseline.generate_all(greedy_prompts, [128] * 8)
-        exercise = exercise_replace(server, work, rng)
+        exercise = exercise_replace(server, work, rng, window)
         server.greedy = server.generate_all(greedy_prompts, [128] * 8)
         print(f"re-placement traffic done: {json.dumps({k: exercise[k] for k in ('tokens_per_s', 'requests')})[:800]}",
               flush=True)
@@ -1136,6 +1136,8 @@ def main() -> int:
                          "model, .sgl-device/models/kimi-k2-shaped-2moe)")
     ap.add_argument("--only", choices=("replace",), default=None,
                     help="run one check alone: replace (online re-placement, two servers)")
+    ap.add_argument("--replace-window", type=int, default=REPLACE_WINDOW,
+                    help="passes the replace server's window holds (the timed decision runs on them)")
     ap.add_argument("--head", default=None,
                     help="the project's commit, where the copy has no .git (default: git rev-parse)")
     args = ap.parse_args()
@@ -1147,8 +1149,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        runner = run_replace if args.only == "replace" else run if args.gpus == 1 else run_two_gpus
-        checks = runner(args.model.resolve(), work.resolve(), args.port, args.startup_timeout)
+        model, folder = args.model.resolve(), work.resolve()
+        if args.only == "replace":
+            checks = run_replace(model, folder, args.port, args.startup_timeout, args.replace_window)
+        else:
+            checks = (run if args.gpus == 1 else run_two_gpus)(model, folder, args.port, args.startup_timeout)
     except Exception as e:  # noqa: BLE001 (the result says what broke)
         checks = [Check("setup", False, f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-3000:]})]
     result = {**versions(args.head), "model": str(args.model), "seconds": round(time.monotonic() - started, 1),
