@@ -90,6 +90,7 @@ def _hooked(server, rule: str, q: int | None = None):
         wrapped = getattr(module, name)
         setattr(module, name, fn)
         _propagate_patch(wrapped, fn, module)
+    bd._DISPATCH = None
     HookRegistry.reset()
 
 

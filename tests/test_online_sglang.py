@@ -80,9 +80,14 @@ def held(weights: dict) -> dict:
 
 
 @pytest.fixture
-def online(server, tmp_path):
-    """A tracer (window only) that saw passes of the server's MoE layers, and a Replacer on it."""
+def online(server, tmp_path, monkeypatch):
+    """A tracer (window only) that saw passes of the server's MoE layers, and a Replacer on it (no dispatch hook
+    installed: SGLang's own rule runs)."""
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+
+    from moeplace.sglang import balanced_dispatch
+
+    monkeypatch.setattr(balanced_dispatch, "_DISPATCH", None)
 
     from moeplace.sglang.online import OnlineConfig, Replacer
     from moeplace.sglang.tracer import Layout, RoutingTracer, TracerConfig
