@@ -23,8 +23,7 @@ from typing import IO, Any
 
 import numpy as np
 
-STEP_FIELDS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
-
+from moeplace.trace.steps import STEP_ARRAYS
 
 def write_message(stream: IO[bytes], message: Any) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -48,7 +47,7 @@ def read_message(stream: IO[bytes]) -> Any:
 def encode_request(steps: Any, current: Any, dispatch: str, cost_model: Any, config: Any) -> dict:
     """What the decider needs: the window (``RoutingSteps``), the map in force (``Placement``), the server's rule,
     its cost model and the decision's settings, as plain arrays and dicts."""
-    return {"model": current.model.to_json(), "steps": {name: getattr(steps, name) for name in STEP_FIELDS},
+    return {"model": current.model.to_json(), "steps": {name: getattr(steps, name) for name in STEP_ARRAYS},
             "phy2log": np.asarray(current.phy2log), "ranks": current.ranks, "nodes": current.nodes,
             "dispatch": dispatch, "cost_model": cost_model.to_json(), "config": dataclasses.asdict(config)}
 

@@ -61,6 +61,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from moeplace.model.spec import ModelSpec
+from moeplace.trace.steps import STEP_ARRAYS, RoutingSteps
 from moeplace.trace.store import ShardWriter, TraceHeader
 from moeplace.trace.window import PassWindow, logical_ids
 
@@ -510,19 +511,20 @@ class RoutingTracer:
             self.dropped_steps += n
             return
         try:
+            # counts are [S_c, L, P] where ids are physical: slices of them are all the shard needs
+            steps = RoutingSteps(self.model_spec(), *(arrays[name] for name in STEP_ARRAYS))
             for run in _runs(arrays["versions"]):   # passes under one map each: a new map starts a new shard
-                part = _take_passes(arrays, run) if run.size < n else arrays
-                version = int(arrays["versions"][run[0]])
-                other_map = self._writer is not None and not _same_map(self._maps[version],
-                                                                       self._maps[self._writer_version])
-                if self._writer is not None and (self._writer.bytes_written >= self.config.shard_bytes or other_map):
+                part = steps.slice(int(run[0]), int(run[-1]) + 1)
+                version = int(arrays["versions"][run[0]])   # a version is a map other than the one before it
+                if self._writer is not None and (self._writer.bytes_written >= self.config.shard_bytes
+                                                 or version != self._writer_version):
                     self._close_writer()
                 if self._writer is None:
                     name = f"{self.config.prefix}-r{self.layout.rank:03d}-{self._shard_seq:05d}"
                     self._shard_seq += 1
                     self._writer = ShardWriter(self.config.out_dir / name, self._header(self._maps[version]))
                     self._writer_version = version
-                self._writer.append_arrays({k: v for k, v in part.items() if k != "versions"})
+                self._writer.append_arrays({name: getattr(part, name) for name in STEP_ARRAYS})
                 self.written_steps += run.size
         except OSError as e:  # ENOSPC, EIO, a removed folder: drop, count, back off; never raise
             self.write_errors += 1
@@ -608,26 +610,6 @@ def _runs(versions: np.ndarray) -> list[np.ndarray]:
     """Indices of the runs of equal values in ``versions [n]``, in order."""
     cuts = np.flatnonzero(np.diff(versions)) + 1
     return np.split(np.arange(versions.shape[0]), cuts)
-
-
-def _take_passes(arrays: dict[str, np.ndarray], run: np.ndarray) -> dict[str, np.ndarray]:
-    """The chunk arrays of the passes ``run`` (consecutive indices) alone."""
-    first, last = int(run[0]), int(run[-1]) + 1
-    offsets = arrays["token_offsets"]
-    is_count = np.isin(np.arange(arrays["modes"].shape[0]), arrays["count_steps"])
-    counts_before = int(is_count[:first].sum())
-    mine = arrays["count_steps"][(arrays["count_steps"] >= first) & (arrays["count_steps"] < last)]
-    return dict(modes=arrays["modes"][first:last], num_tokens=arrays["num_tokens"][first:last],
-                versions=arrays["versions"][first:last], ranks=arrays["ranks"][first:last],
-                token_offsets=offsets[first:last + 1] - offsets[first],
-                topk_ids=arrays["topk_ids"][offsets[first]:offsets[last]],
-                count_steps=mine - first, counts=arrays["counts"][counts_before:counts_before + mine.size])
-
-
-def _same_map(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a is b or np.array_equal(np.asarray(a), np.asarray(b))
 
 
 # ------------------------------------------------------------------ SGLang glue

@@ -18,6 +18,8 @@ from moeplace.errors import MoeplaceError
 from moeplace.model.spec import ModelSpec
 
 
+# RoutingSteps' arrays, in field order (what a trace chunk stores)
+STEP_ARRAYS = ("modes", "num_tokens", "ranks", "token_offsets", "topk_ids", "count_steps", "counts")
 COUNT_BLOCK = 1 << 18   # (row, layer, k) ids that expert_token_counts counts at once: a block stays in cache
 
 
