@@ -232,33 +232,45 @@ class Replacer:
         return get_global_expert_location_metadata().physical_to_logical_map_cpu.numpy().copy()
 
     def _apply(self, runner: Any, decision: dict, target: np.ndarray) -> Iterator[None]:
-        """Move to ``target [L, P]`` a chunk of layers per pass (SGLang's updater), then log and count it."""
-        from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+        """EP 1: move to ``target [L, P]``, ``MOEPLACE_ONLINE_CHUNK`` layers a pass, through SGLang's updater."""
         from sglang.srt.runtime_context import get_parallel
 
-        served = self.served
         full = self.current_map()
         new = full.copy()
-        new[list(served.moe_layers)] = target
-        layer_ids = [layer for layer in served.moe_layers if (full[layer] != new[layer]).any()]
-        if not layer_ids:
-            return
-        import torch
-
-        began = _synchronized_clock()
-        metadata = ExpertLocationMetadata.init_by_mapping(runner.model_config, torch.from_numpy(new),
-                                                          moe_ep_rank=served.ep_rank)
+        new[list(self.served.moe_layers)] = target
+        layers, size = list(self.served.moe_layers), self.config.chunk
         weights = runner.model.routed_experts_weights_of_layer
-        stall = 0.0
-        for start in range(0, len(layer_ids), self.config.chunk):
-            chunk = layer_ids[start:start + self.config.chunk]
-            began = began if start == 0 else _synchronized_clock()
+
+        def update(metadata: Any, chunk: list[int]) -> None:
             runner.expert_location_updater.update(weights, metadata, update_layer_ids=chunk,
                                                   nnodes=get_parallel().nnodes, rank=get_parallel().tp_rank)
+
+        yield from self._move(runner.model_config, full, new,
+                              [layers[i:i + size] for i in range(0, len(layers), size)], update, decision)
+
+    def _move(self, model_config: Any, full: np.ndarray, new: np.ndarray, chunks: list[list[int]],
+              update: Callable[[Any, list[int]], None], decision: dict) -> Iterator[None]:
+        """From the map ``full`` to ``new`` ([H, P]) a chunk of layers per pass (``chunks``, the layers that change
+        only): SGLang's metadata of ``new`` built once, ``update(metadata, chunk)`` (SGLang's updater, which also
+        writes the map in place), the dispatch tables refreshed; the stall timed, then logged and counted."""
+        import torch
+        from sglang.srt.eplb.expert_location import ExpertLocationMetadata
+
+        chunks = [layers for layers in ([layer for layer in chunk if (full[layer] != new[layer]).any()]
+                                        for chunk in chunks) if layers]
+        if not chunks:
+            return
+        began = _synchronized_clock()
+        metadata = ExpertLocationMetadata.init_by_mapping(model_config, torch.from_numpy(new),
+                                                          moe_ep_rank=self.served.ep_rank)
+        stall = 0.0
+        for i, chunk in enumerate(chunks):
+            if i:
+                yield
+                began = _synchronized_clock()
+            update(metadata, chunk)
             self.refresh()
             stall += _synchronized_clock() - began
-            if start + self.config.chunk < len(layer_ids):
-                yield
         self._applied(full, new, stall, decision)
 
     def _applied(self, old: np.ndarray, new: np.ndarray, stall: float, decision: dict) -> None:
@@ -283,7 +295,6 @@ class Replacer:
         import torch
         import torch.distributed as dist
         from sglang.srt.eplb.eplb_manager import update_expert_location_with_recovery
-        from sglang.srt.eplb.expert_location import ExpertLocationMetadata
         from sglang.srt.model_executor.model_runner_components.moe_ep_setup import init_lplb_solvers
         from sglang.srt.runtime_context import get_exec, get_parallel
 
@@ -307,17 +318,8 @@ class Replacer:
         if not message[0]:
             return
         new = message[1:].reshape(full.shape)
-        began = _synchronized_clock()
-        metadata = ExpertLocationMetadata.init_by_mapping(manager._model_config, torch.from_numpy(new),
-                                                          moe_ep_rank=self.served.ep_rank)
-        chunks = [[layer for layer in chunk if (full[layer] != new[layer]).any()]
-                  for chunk in manager._compute_update_layer_ids_chunks()]
-        chunks = [chunk for chunk in chunks if chunk]
-        stall = 0.0
-        for i, chunk in enumerate(chunks):
-            if i:
-                yield
-                began = _synchronized_clock()
+
+        def update(metadata: Any, chunk: list[int]) -> None:
             update_expert_location_with_recovery(
                 expert_location_updater=manager._get_expert_location_updater(), model=model,
                 new_expert_location_metadata=metadata, update_layer_ids=chunk, tp_rank=get_parallel().tp_rank,
@@ -326,9 +328,9 @@ class Replacer:
                                                           None),
                 ep_dispatch_algorithm=get_exec().moe.ep_dispatch_algorithm,
                 init_lplb_solvers_callable=lambda: init_lplb_solvers(model_config=manager._model_config))
-            self.refresh()
-            stall += _synchronized_clock() - began
-        self._applied(full, new, stall, ready[0] if ready is not None else {"gain": float("nan")})
+
+        yield from self._move(manager._model_config, full, new, manager._compute_update_layer_ids_chunks(), update,
+                              ready[0] if ready is not None else {"gain": float("nan")})
 
     # ------------------------------------------------------------------ worker thread
 
