@@ -53,6 +53,7 @@ import numpy as np
 
 from moeplace.analysis.replace import MIN_GAIN, ReplaceConfig
 from moeplace.files.atomic import atomic_write_text
+from moeplace.sglang.tracer import check_writable, env_number
 
 logger = logging.getLogger("moeplace.online")
 
@@ -92,7 +93,8 @@ class OnlineConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> "OnlineConfig":
         """The variables in ``env`` (default: this process's); ValueError names the first bad one."""
         env = os.environ if env is None else env
-        value = {name: _number(env, name, *spec) for name, spec in NUMBERS.items()}
+        value = {name: env_number(name, default, kind, env, top, from_zero=name == "MOEPLACE_ONLINE_MIN_GAIN")
+                 for name, (default, kind, top) in NUMBERS.items()}
         folder = (env.get("MOEPLACE_ONLINE_DIR", "").strip() or env.get("MOEPLACE_TRACE_DIR", "").strip()
                   or DEFAULT_DIR)
         decision = ReplaceConfig(min_gain=value["MOEPLACE_ONLINE_MIN_GAIN"],
@@ -102,29 +104,9 @@ class OnlineConfig:
                    Path(folder), decision)
 
 
-def _number(env: Mapping[str, str], name: str, default: float, kind: type, top: float) -> Any:
-    """A number from ``env``: a positive one up to ``top`` (MIN_GAIN from 0); ValueError names the variable."""
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        number = kind(raw)
-    except ValueError:
-        number = None
-    low_ok = number is not None and (number >= 0 if name == "MOEPLACE_ONLINE_MIN_GAIN" else number > 0)
-    if not low_ok or not number <= top:
-        what = "a share from 0" if name == "MOEPLACE_ONLINE_MIN_GAIN" else \
-            f"a positive {'integer' if kind is int else 'number'}"
-        shown = f"{top:g}" if kind is float else f"{int(top):,}"
-        raise ValueError(f"{name} must be {what} up to {shown}, got {raw!r}")
-    return number
-
-
 def check_env(env: Mapping[str, str]) -> None:
     """Every ``MOEPLACE_ONLINE_*`` value in ``env`` (ValueError names the first bad one); the control folder must be
     one the server can write."""
-    from moeplace.sglang.tracer import check_writable
-
     folder = OnlineConfig.from_env(env).folder
     check_writable("MOEPLACE_ONLINE_DIR", str(folder))
 

@@ -106,11 +106,11 @@ class TracerConfig:
         env["MOEPLACE_TRACE_PREFIX"] = prefix  # the processes this one starts share it
         env.setdefault(LAUNCHER_ENV, str(os.getpid()))  # ... and know who started them
         cfg = cls(Path(out),
-                  max_tokens=_env_number("MOEPLACE_TRACE_MAX_TOKENS", 128, int),
-                  capacity=_env_number("MOEPLACE_TRACE_SLOTS", 256, int),
-                  flush_steps=_env_number("MOEPLACE_TRACE_FLUSH_STEPS", 64, int),
-                  flush_seconds=_env_number("MOEPLACE_TRACE_FLUSH_SECONDS", 2.0, float),
-                  shard_bytes=int(_env_number("MOEPLACE_TRACE_SHARD_MB", 256, float) * (1 << 20)),
+                  max_tokens=env_number("MOEPLACE_TRACE_MAX_TOKENS", 128, int),
+                  capacity=env_number("MOEPLACE_TRACE_SLOTS", 256, int),
+                  flush_steps=env_number("MOEPLACE_TRACE_FLUSH_STEPS", 64, int),
+                  flush_seconds=env_number("MOEPLACE_TRACE_FLUSH_SECONDS", 2.0, float),
+                  shard_bytes=int(env_number("MOEPLACE_TRACE_SHARD_MB", 256, float) * (1 << 20)),
                   prefix=prefix)
         cfg.flush_steps = max(1, min(cfg.flush_steps, cfg.capacity // 2))
         cfg.poll_seconds = min(cfg.poll_seconds, cfg.flush_seconds)
@@ -131,7 +131,7 @@ def check_env(env: Mapping[str, str]) -> None:
     """Every ``MOEPLACE_TRACE_*`` number in ``env``, then the folder; ValueError names the first bad one and what
     it takes."""
     for name, (default, kind) in NUMBER_SETTINGS.items():
-        _env_number(name, default, kind, env)
+        env_number(name, default, kind, env)
     check_trace_dir(env)
 
 
@@ -156,8 +156,10 @@ def check_writable(variable: str, raw: str) -> None:
         raise ValueError(f"{variable}={raw!r}: cannot write in {existing} ({e.strerror or e})") from None
 
 
-def _env_number(name: str, default: float, kind: type, env: Mapping[str, str] | None = None) -> Any:
-    """A positive number from the environment, at most MAX_SETTING[name] (ValueError names the variable)."""
+def env_number(name: str, default: float, kind: type, env: Mapping[str, str] | None = None,
+               top: float | None = None, from_zero: bool = False) -> Any:
+    """A positive number (from 0 with ``from_zero``) from the environment, at most ``top`` (default MAX_SETTING[name]);
+    ValueError names the variable and what it takes."""
     raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return default
@@ -165,9 +167,10 @@ def _env_number(name: str, default: float, kind: type, env: Mapping[str, str] | 
         value = kind(raw)
     except ValueError:
         value = None
-    top = MAX_SETTING.get(name, float("inf"))
-    if value is None or not (0 < value <= top) or value == float("inf"):
-        raise ValueError(f"{name} must be a positive {'integer' if kind is int else 'number'}"
+    top = MAX_SETTING.get(name, float("inf")) if top is None else top
+    if value is None or not (0 <= value if from_zero else 0 < value) or not value <= top or value == float("inf"):
+        what = "a number from 0" if from_zero else f"a positive {'integer' if kind is int else 'number'}"
+        raise ValueError(f"{name} must be {what}"
                          + (f" up to {top if kind is float else int(top):,}" if top < float("inf") else "") + f", got {raw!r}")
     return value
 
