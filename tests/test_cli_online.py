@@ -70,3 +70,15 @@ def test_request_without_a_server_says_so(tmp_path, capsys):
     assert code == 2
     assert_one_line_error(err, "no status")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_decide_refuses_a_placement_made_for_a_rule_it_does_not_know(tmp_path, capsys):
+    hottest_together(tmp_path / "now.json")
+    data = json.loads((tmp_path / "now.json").read_text())
+    data["metrics"] = {"dispatch": "round-robin"}
+    (tmp_path / "now.json").write_text(json.dumps(data))
+    code, _, err = run_main(capsys, "online", "decide", SAMPLE, "--placement", tmp_path / "now.json", *ARGS,
+                            "-o", tmp_path / "next.json")
+    assert code == 2
+    assert_one_line_error(err, "round-robin")
+    assert not (tmp_path / "next.json").exists()

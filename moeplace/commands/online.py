@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from moeplace.commands.common import Progress, echo_json, mode_chunks, open_source, trace_inputs
+from moeplace.commands.common import Progress, echo_json, mode_chunks, open_source, scoring_rule, trace_inputs
 from moeplace.commands.costing import cost_model_line, resolve_costing
 from moeplace.commands.options import FiniteFloatRange, MAX_SECONDS, count, out_option, sglang_out_option, trace_options
 from moeplace.errors import MoeplaceError
@@ -79,9 +79,7 @@ def decide(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
                   inputs={**trace_inputs(trace, cost_model_path, model_ref), "--placement": placement_path})
     src = open_source(trace, window, top_k)
     current = load_placement(placement_path, model=src.model, ranks=ranks)
-    ctx = click.get_current_context()
-    rule = dispatch if ctx.get_parameter_source("dispatch") == click.core.ParameterSource.COMMANDLINE \
-        else current.metrics.get("dispatch", dispatch)
+    rule = scoring_rule(current, placement_path, dispatch).rule
     costing = resolve_costing(src.model, cost_model_path, model_ref)
     cost_model = costing.ep(current.num_physical // ranks)
     total = src.count(mode)
