@@ -30,7 +30,7 @@ from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.fit import placed_as
 from moeplace.algorithms.moves import align_layer
 from moeplace.algorithms.replica_exchange import MIN_GAIN, exchange_masks
-from moeplace.algorithms.stepaware import SWAP_GAIN, item_activity, round_cost, search_rows, swap_search
+from moeplace.algorithms.stepaware import SWAP_GAIN, item_activity, round_cost, search_rows, swap_search, token_floor
 from moeplace.dispatch.balanced import MASK_RANKS, pack_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.loads import balancedness
 from moeplace.parallel import layer_workers, map_layers
@@ -57,8 +57,7 @@ def refine(problem: PlacementProblem, current: np.ndarray, min_step_gain: float 
             moved = (respare_layer(problem, layer, current[layer]) if R > MAX_SEARCH_RANKS else
                      exchange_layer(problem, layer, current[layer], layer_rng, min_step_gain))
         else:
-            moved = swap_layer(problem, layer, current[layer], reference[layer], weight[layer], layer_rng,
-                               min_step_gain)
+            moved = swap_layer(problem, layer, current[layer], reference[layer], layer_rng, min_step_gain)
         return align_layer(moved, current[layer], R, problem.nodes)
 
     out = np.array(current, copy=True)
@@ -69,9 +68,9 @@ def refine(problem: PlacementProblem, current: np.ndarray, min_step_gain: float 
 
 
 def swap_layer(problem: PlacementProblem, layer: int, current: np.ndarray, reference: np.ndarray,
-               weight: np.ndarray, rng: np.random.Generator, min_step_gain: float) -> np.ndarray:
+               rng: np.random.Generator, min_step_gain: float) -> np.ndarray:
     """One layer's ``current [P]`` after stepaware's slot swaps; ``reference [P]``: DeepSeek EPLB's map of the
-    steps (its token balance sets the floor), ``weight [E]``: the steps' tokens per expert."""
+    steps (its token balance sets the floor, as stepaware's)."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
     spr = P // R
     order = np.argsort(current, kind="stable")              # items: replicas in expert order, by slot (rank) order
@@ -79,7 +78,7 @@ def swap_layer(problem: PlacementProblem, layer: int, current: np.ndarray, refer
     replicas = np.bincount(current, minlength=E)
     active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch)
     rank = order // spr
-    floor = min(problem.balance_floor * _balance(reference, weight, R),
+    floor = min(token_floor(problem.balance_floor, reference, item_expert, item_tokens, R),
                 float(balancedness(np.bincount(rank, weights=item_tokens, minlength=R)[None])[0]))
     rows = search_rows(problem.steps.num_steps, P, rng, R)
     budget = REFINE_EFFORT * problem.effort / problem.model.num_moe_layers
@@ -121,12 +120,3 @@ def respare_layer(problem: PlacementProblem, layer: int, current: np.ndarray) ->
         counts[np.unique(np.linspace(0, counts.shape[0] - 1, WIDE_SEARCH_STEPS).astype(np.int64))] > 0
     masks = wide_spares.add_replicas(sample, masks, R, room, counts.sum(axis=0))
     return masks_to_phy2log(masks, R, P // R)
-
-
-def _balance(phy2log: np.ndarray, weight: np.ndarray, ranks: int) -> float:
-    """Token balancedness of one layer's map ``phy2log [P]`` for ``weight [E]`` tokens (split evenly over an
-    expert's replicas)."""
-    copies = np.bincount(phy2log, minlength=weight.shape[0])
-    load = np.bincount(np.arange(phy2log.shape[0]) // (phy2log.shape[0] // ranks),
-                       weights=weight[phy2log] / copies[phy2log], minlength=ranks)
-    return float(balancedness(load[None])[0])

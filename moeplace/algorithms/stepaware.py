@@ -132,7 +132,6 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
     """phy2log [P] for one layer. reference: [P] DeepSeek EPLB's map, for the token-balance floor;
     rows: the steps the swap search sees (``search_rows``; None where ``search_moot``)."""
     R, E, P = problem.ranks, problem.model.num_experts, problem.num_physical
-    spr = P // R
     replicas = replica_counts(problem.steps, layer, E, problem.redundant, R, problem.dispatch)
     item_expert = np.repeat(np.arange(E), replicas)
     if search_moot(problem):
@@ -141,9 +140,7 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
     wide = is_wide(problem.steps.num_steps, P, R)
     active, item_tokens = item_activity(problem.steps, layer, replicas, problem.dispatch,
                                         rows=rows if wide else None)
-    ref_rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert,
-                                                                                       item_tokens), minlength=R)
-    floor = min(problem.balance_floor * float(balancedness(ref_rank_tokens[None])[0]), 1.0)
+    floor = token_floor(problem.balance_floor, reference, item_expert, item_tokens, R)
     search = active if wide else active[rows]
     nodes = problem.nodes
     if nodes == 1:
@@ -251,6 +248,17 @@ def order_replicas(rank: np.ndarray, item_expert: np.ndarray) -> np.ndarray:
     item_expert must be non-decreasing (items grouped by expert).
     """
     return rank[np.lexsort((rank, item_expert))]
+
+
+def token_floor(balance_floor: float, reference: np.ndarray, item_expert: np.ndarray, item_tokens: np.ndarray,
+                ranks: int) -> float:
+    """The token balancedness a layer's search keeps: ``balance_floor`` times that of ``reference [P]`` (DeepSeek
+    EPLB's map of the steps), its experts' tokens (``item_tokens [P]`` of the items ``item_expert [P]``) split
+    evenly over their replicas; at most 1."""
+    spr = reference.shape[0] // ranks
+    rank_tokens = np.bincount(_ranks_of(reference, spr), weights=_expert_tokens_on(reference, item_expert, item_tokens),
+                              minlength=ranks)
+    return min(balance_floor * float(balancedness(rank_tokens[None])[0]), 1.0)
 
 
 def _ranks_of(phy2log: np.ndarray, spr: int) -> np.ndarray:
