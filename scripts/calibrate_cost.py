@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import importlib
 import json
 import sys
@@ -41,16 +40,16 @@ import time
 import types
 from pathlib import Path
 
-import numpy as np
 
 # moeplace from this checkout, also on a GPU machine where it is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from moeplace.cost.derive import sglang_sorted_rows  # noqa: E402
-from moeplace.cost.model import extra_row_blocks  # noqa: E402
+from moeplace.cost.derive import LARGE_M, sglang_default_config  # noqa: E402
+from moeplace.cost.sweeps import (Sweep, even_counts, filling_experts, fit_linear,  # noqa: E402,F401
+                                  fit_with_row_blocks, linear_range)
+from moeplace.sglang import fused_moe_timing  # noqa: E402
+from moeplace.sglang.fused_moe_timing import (COPIES, RankMoe, StaticStep, align_layout, copies_for,  # noqa: E402,F401
+                                              measure_sweep, rank_pairs)
 
-COPIES = 4
-L2_FLUSH_BYTES = 2 * 60 << 20   # twice the H200's L2: reads of at least this leave no weight cached for the next replay
-MIN_COPIES = 2                  # a graph's launch (a few µs) is then shared by two copies of the work
 VERIFY_TOKENS = 9   # tokens in a verify step (1 + 8 draft tokens): the regime the cost files are fit for
 # Expert shapes. hidden, intermediate per expert (SiLU-gated: gate+up is 2*inter wide), local slots.
 # SGLang (--moe-a2a-backend none) picks the kernel config by M = the step's token count T, which every
@@ -110,285 +109,9 @@ def load_sglang_moe(wheel: str | None):
 # ---------------------------------------------------------------------------------------------
 # One rank's MoE work (GPU side).
 
-def align_layout(ids: np.ndarray, num_local: int, block_m: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """SGLang 0.5.23's ``moe_align_block_size`` of one rank: (sorted_ids, expert_ids, padded total).
-
-    ids: [T, K] local slots, -1 for pairs of other ranks. Pairs are grouped by bucket ``id + 1`` (bucket
-    0: the -1 pairs, whose blocks the kernel fills with zeros), each bucket padded to whole blocks of
-    ``block_m``; a pad holds the sentinel ``T*K``. The buffer has SGLang's size
-    (``moeplace.cost.derive.sglang_sorted_rows``); the kernel's grid covers all of it (blocks past the
-    padded total exit at once, their expert ids are -1).
-    """
-    flat = ids.reshape(-1)
-    numel = flat.size
-    size = sglang_sorted_rows(numel, num_local, block_m)
-    sorted_ids = np.full(size, numel, np.int32)
-    expert_ids = np.full(-(-size // block_m), -1, np.int32)
-    bucket = flat + 1
-    counts = np.bincount(bucket, minlength=num_local + 1)
-    padded = -(-counts // block_m) * block_m
-    starts = np.concatenate([[0], np.cumsum(padded)[:-1]])
-    order = np.argsort(bucket, kind="stable")
-    rank_in_bucket = np.arange(numel) - np.concatenate([[0], np.cumsum(counts)[:-1]])[bucket[order]]
-    sorted_ids[starts[bucket[order]] + rank_in_bucket] = order
-    for b in np.flatnonzero(counts):
-        expert_ids[starts[b] // block_m: (starts[b] + padded[b]) // block_m] = b - 1
-    return sorted_ids, expert_ids, int(padded.sum())
-
-
-def rank_pairs(counts: list[int], step_pairs: int) -> np.ndarray:
-    """[step_pairs, 1] local slot of each pair of the step: slot s for the next counts[s] pairs, then -1
-    for the pairs that go to other ranks."""
-    own = np.repeat(np.arange(len(counts)), counts)
-    if own.size > step_pairs:
-        raise ValueError(f"{own.size} pairs on the rank but only {step_pairs} in the step")
-    return np.concatenate([own, np.full(step_pairs - own.size, -1)])[:, None]
-
-
-class RankMoe:
-    """Weights of ``COPIES`` EP ranks of one shape and dtype; ``work(counts)`` returns a launch closure.
-
-    top_k: the model's experts per token (a step of T tokens has T * top_k pairs in SGLang's layout).
-    dtype: "bf16" | "fp8" (block [128, 128] weights, per-token-group activations, as Kimi K2 ships)
-           | "int4" (weight-only, group 32, as Kimi K2 Thinking ships). path: "triton" | "torch".
-    """
-
-    def __init__(self, sgl, hidden: int, inter: int, n_local: int, top_k: int, dtype: str = "bf16",
-                 path: str = "triton"):
-        import torch
-        self.torch = torch
-        self.kernels, self.cfgmod, _ = sgl
-        self.H, self.I, self.E, self.top_k, self.dtype, self.path = hidden, inter, n_local, top_k, dtype, path
-        self._steps: dict[int, StaticStep] = {}
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        self.w13, self.w2, self.s13, self.s2 = [], [], [], []
-        for _ in range(COPIES):
-            if dtype == "int4":
-                self.w13.append(torch.randint(0, 256, (n_local, 2 * inter, hidden // 2), dtype=torch.uint8,
-                                              device="cuda", generator=gen))
-                self.w2.append(torch.randint(0, 256, (n_local, hidden, inter // 2), dtype=torch.uint8,
-                                             device="cuda", generator=gen))
-                self.s13.append(torch.rand(n_local, 2 * inter, hidden // 32, device="cuda", generator=gen)
-                                .to(torch.bfloat16) * 0.01)
-                self.s2.append(torch.rand(n_local, hidden, inter // 32, device="cuda", generator=gen)
-                               .to(torch.bfloat16) * 0.01)
-                continue
-            w13 = torch.randn(n_local, 2 * inter, hidden, device="cuda", generator=gen, dtype=torch.bfloat16)
-            w2 = torch.randn(n_local, hidden, inter, device="cuda", generator=gen, dtype=torch.bfloat16)
-            if dtype == "fp8":
-                self.w13.append(w13.to(torch.float8_e4m3fn))
-                self.w2.append(w2.to(torch.float8_e4m3fn))
-                self.s13.append(torch.full((n_local, 2 * inter // 128, hidden // 128), 0.01, device="cuda"))
-                self.s2.append(torch.full((n_local, hidden // 128, -(-inter // 128)), 0.01, device="cuda"))
-                del w13, w2
-            else:
-                self.w13.append(w13)
-                self.w2.append(w2)
-                self.s13.append(None)
-                self.s2.append(None)
-
-    def tuned_configs(self) -> dict | None:
-        """SGLang's tuned configs for this rank's (E, N, device, dtype), None where it ships none."""
-        dtype = {"bf16": None, "fp8": "fp8_w8a8", "int4": "int4_w4a16"}[self.dtype]
-        block = {"bf16": None, "fp8": [128, 128], "int4": [0, 32]}[self.dtype]
-        return self.cfgmod.get_moe_configs(self.E, self.I, dtype, block[0] if block else 0,
-                                           block[1] if block else 0, per_channel_quant=False, down_moe=False)
-
-    def config(self, m: int) -> dict:
-        """SGLang's choice for M rows: its tuned file for (E, N, device, dtype) if any, else its default."""
-        dtype = {"bf16": None, "fp8": "fp8_w8a8", "int4": "int4_w4a16"}[self.dtype]
-        block = {"bf16": None, "fp8": [128, 128], "int4": [0, 32]}[self.dtype]
-        configs = self.tuned_configs()
-        if configs:
-            return dict(configs[min(configs, key=lambda x: abs(x - m))])
-        return dict(self.cfgmod.get_default_config(m, self.E, self.I, self.H, 1, dtype, False, block))
-
-    def _quant(self, x):
-        """Per-token-group (128) fp8 activation quant, as SGLang's block-fp8 path does before each GEMM."""
-        torch = self.torch
-        n, k = x.shape
-        g = x.float().view(n, k // 128, 128)
-        scale = (g.abs().amax(-1).clamp(min=1e-4) / 448.0)
-        return (g / scale[..., None]).to(torch.float8_e4m3fn).view(n, k), scale
-
-    def work(self, counts: list[int], config_m: int | None = None):
-        """A closure that runs this rank's step (counts[s] tokens to local slot s) on every weight copy.
-
-        config_m: the step's tokens T: the M SGLang's config lookup sees, and T * top_k pairs in the
-        layout (the rank's own and, as -1, the rest). Default: the rank's pairs.
-        """
-        torch = self.torch
-        import triton.language as tl
-        n = max(1, sum(counts))
-        if self.path == "torch":
-            xs = [torch.randn(n, self.H, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-            rows = [(s, int(np.sum(counts[:s])), c) for s, c in enumerate(counts) if c]
-
-            def run_torch():
-                for i in range(COPIES):
-                    out = torch.empty_like(xs[i])
-                    for s, r0, c in rows:
-                        h = xs[i][r0:r0 + c] @ self.w13[i][s].t()
-                        h = torch.nn.functional.silu(h[:, :self.I]) * h[:, self.I:]
-                        out[r0:r0 + c] = h @ self.w2[i][s].t()
-            return run_torch
-
-        config_m = config_m or n
-        cfg = self.config(config_m)
-        ids = rank_pairs(counts, max(n, config_m * self.top_k))   # one row per pair: the kernel runs top-k 1
-        pairs = ids.shape[0]
-        sorted_ids, expert_ids, padded = align_layout(ids, self.E, cfg["BLOCK_SIZE_M"])
-        xs = [torch.randn(pairs, self.H, device="cuda", dtype=torch.bfloat16) for _ in range(COPIES)]
-        sorted_ids = torch.from_numpy(sorted_ids).cuda()
-        expert_ids = torch.from_numpy(expert_ids).cuda()
-        post = torch.tensor([padded], dtype=torch.int32, device="cuda")
-        topk_ids = torch.from_numpy(ids.astype(np.int32)).cuda()
-        topk_w = torch.rand(pairs, 1, device="cuda")
-        c1 = torch.empty(pairs, 2 * self.I, device="cuda", dtype=torch.bfloat16)
-        c2 = torch.empty(pairs, self.H, device="cuda", dtype=torch.bfloat16)
-        q = dict(use_fp8_w8a8=self.dtype == "fp8", use_int8_w8a8=False, use_int8_w8a16=False,
-                 use_int4_w4a16=self.dtype == "int4", per_channel_quant=False,
-                 block_shape={"bf16": None, "fp8": [128, 128], "int4": [0, 32]}[self.dtype])
-        k = self.kernels
-
-        def gemm(a, a_scale, w, w_scale, c, routed):
-            k.invoke_fused_moe_kernel(a, w, None, c, a_scale, w_scale, None, topk_w, topk_ids, sorted_ids,
-                                      expert_ids, post, routed, 1, cfg, tl.bfloat16, **q)
-
-        def run():
-            for i in range(COPIES):
-                a, a_s = self._quant(xs[i]) if self.dtype == "fp8" else (xs[i], None)
-                gemm(a, a_s, self.w13[i], self.s13[i], c1, False)
-                h = torch.nn.functional.silu(c1[:, :self.I]) * c1[:, self.I:]
-                h, h_s = self._quant(h) if self.dtype == "fp8" else (h, None)
-                gemm(h, h_s, self.w2[i], self.s2[i], c2, True)
-        run.last = (xs[-1], topk_w, c2)  # inputs and output of the last copy, for check()
-        run.step_pairs = pairs
-        return run
-
-    def step(self, step_tokens: int) -> "StaticStep":
-        """The rank's launches for steps of ``step_tokens`` tokens, captured once (``StaticStep``)."""
-        if step_tokens not in self._steps:
-            self._steps[step_tokens] = StaticStep(self, step_tokens)
-        return self._steps[step_tokens]
-
-    def check(self, counts: list[int]) -> float:
-        """Relative error of one run against an fp32 torch reference (bf16 and fp8 weights); the rows of
-        other ranks' pairs must come out zero."""
-        torch = self.torch
-        run = self.work(counts)
-        x, w, out = run.last
-        out.fill_(float("nan"))
-        run()
-        torch.cuda.synchronize()
-        scale = 0.01 if self.dtype == "fp8" else 1.0
-        w13, w2 = self.w13[-1].float() * scale, self.w2[-1].float() * scale
-        ref = torch.zeros(out.shape, device="cuda")
-        r0 = 0
-        for s, c in enumerate(counts):
-            if c:
-                h = x[r0:r0 + c].float() @ w13[s].t()
-                h = torch.nn.functional.silu(h[:, :self.I]) * h[:, self.I:]
-                ref[r0:r0 + c] = (h @ w2[s].t()) * w[r0:r0 + c]
-                r0 += c
-        return float((out.float() - ref).norm() / ref.norm())
-
-
-def copies_for(distinct: int, expert_bytes: int) -> int:
-    """Weight copies a replay cycles through so that its reads are at least ``L2_FLUSH_BYTES``: a rank
-    reading less than that would find the previous replay's weights in L2."""
-    return int(min(COPIES, max(MIN_COPIES, -(-L2_FLUSH_BYTES // max(1, distinct * expert_bytes)))))
-
-
-class StaticStep:
-    """One rank's launches for every workload of one step size, captured in CUDA graphs once.
-
-    SGLang's sorted-token buffer, and so the kernels' grids, depend only on the step's pairs
-    (``step_tokens`` x top-k), the rank's slots and BLOCK_SIZE_M, never on which slots get the pairs
-    (``moeplace.cost.derive.sglang_sorted_rows``). So a workload is timed by writing its layout
-    (sorted ids, expert ids, padded total) into the captured graph's buffers and replaying it: no
-    capture per workload. A graph per weight-copy count (``copies_for``).
-    """
-
-    def __init__(self, rank: "RankMoe", step_tokens: int):
-        import torch
-        import triton.language as tl
-        if rank.path != "triton" or rank.dtype != "bf16":
-            raise ValueError("StaticStep times SGLang's bf16 Triton path")
-        self.rank, self.torch, self.step_tokens = rank, torch, step_tokens
-        self.cfg = rank.config(step_tokens)
-        self.pairs = step_tokens * rank.top_k
-        bm = self.cfg["BLOCK_SIZE_M"]
-        size = sglang_sorted_rows(self.pairs, rank.E, bm)
-        dev = dict(device="cuda")
-        self.sorted_ids = torch.full((size,), self.pairs, dtype=torch.int32, **dev)
-        self.expert_ids = torch.full((-(-size // bm),), -1, dtype=torch.int32, **dev)
-        self.post = torch.zeros(1, dtype=torch.int32, **dev)
-        self.topk_ids = torch.full((self.pairs, 1), -1, dtype=torch.int32, **dev)
-        self.topk_w = torch.rand(self.pairs, 1, **dev)
-        self.xs = [torch.randn(self.pairs, rank.H, dtype=torch.bfloat16, **dev) for _ in range(COPIES)]
-        self.c1 = torch.empty(self.pairs, 2 * rank.I, dtype=torch.bfloat16, **dev)
-        self.c2 = torch.empty(self.pairs, rank.H, dtype=torch.bfloat16, **dev)
-        self.tl = tl
-        self.graphs: dict[int, object] = {}
-        self.expert_bytes = 3 * rank.H * rank.I * 2
-
-    def _run(self, copies: int) -> None:
-        torch, r = self.torch, self.rank
-        q = dict(use_fp8_w8a8=False, use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
-                 per_channel_quant=False, block_shape=None)
-        for i in range(copies):
-            for a, w, c, routed in ((self.xs[i], r.w13[i], self.c1, False), (None, r.w2[i], self.c2, True)):
-                if a is None:
-                    a = torch.nn.functional.silu(self.c1[:, :r.I]) * self.c1[:, r.I:]
-                r.kernels.invoke_fused_moe_kernel(a, w, None, c, None, None, None, self.topk_w, self.topk_ids,
-                                                  self.sorted_ids, self.expert_ids, self.post, routed, 1, self.cfg,
-                                                  self.tl.bfloat16, **q)
-
-    def _graph(self, copies: int):
-        torch = self.torch
-        if copies not in self.graphs:
-            self._run(copies)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self._run(copies)
-            self.graphs[copies] = g
-        return self.graphs[copies]
-
-    def load(self, counts: list[int]) -> int:
-        """Write the layout of ``counts`` (tokens per local slot) into the buffers; returns the copies to run."""
-        torch = self.torch
-        ids = rank_pairs(counts, self.pairs)
-        sorted_ids, expert_ids, padded = align_layout(ids, self.rank.E, self.cfg["BLOCK_SIZE_M"])
-        self.sorted_ids.copy_(torch.from_numpy(sorted_ids))
-        self.expert_ids.copy_(torch.from_numpy(expert_ids))
-        self.post.fill_(padded)
-        self.topk_ids.copy_(torch.from_numpy(ids.astype(np.int32)))
-        return copies_for(sum(1 for c in counts if c), self.expert_bytes)
-
-    def time_us(self, counts: list[int], reps: int) -> float:
-        """Median µs of this rank's step with ``counts`` (graph replays, per weight copy)."""
-        from cuda_timing import replay_us  # scripts/ is on sys.path
-
-        copies = self.load(counts)
-        g = self._graph(copies)
-        g.replay()
-        return replay_us(g, reps) / copies
-
-
 def graph_time_us(fn, reps: int) -> float:
     """Median µs of one replay of ``fn`` captured in a CUDA graph, divided by COPIES."""
-    import cuda_timing  # scripts/ is on sys.path
-
-    return cuda_timing.graph_time_us(fn, reps, warmup_replays=2) / COPIES
-
-
-def even_counts(distinct: int, tokens: int) -> list[int]:
-    """``tokens`` spread as evenly as possible over ``distinct`` slots."""
-    if distinct == 0:
-        return []
-    return [tokens // distinct + (i < tokens % distinct) for i in range(distinct)]
+    return fused_moe_timing.graph_time_us(fn, reps, warmup_replays=2) / COPIES
 
 
 def sweep_grid(name: str) -> list[tuple[int, int]]:
@@ -431,59 +154,20 @@ CONFIG_SWEEPS = {
 }
 
 
-def config_sweep_points(slots: int, step_pairs: int, groups: int) -> list[tuple[int, int]]:
-    """(distinct, pairs on the rank) of a config sweep: up to 8 expert counts to the rank's slots, and pair
-    counts around the mean share of the step's pairs (``step_pairs / groups``) up to twice it."""
-    mean = step_pairs / groups
-    ds = sorted({max(1, round(x)) for x in np.linspace(1, min(slots, step_pairs), 8)})
-    ns = sorted({max(1, min(step_pairs, round(mean * f))) for f in (0.25, 0.5, 1.0, 1.5, 2.0)})
-    return [(d, max(d, n)) for d in ds for n in ns if n >= d or n == ns[-1]]
-
-
 ROW_BLOCK_STEP_TOKENS = 576   # the largest batch the layout replay evaluates
 
 
-def row_block_counts(slots: int, step_pairs: int, block_m: int, inter: int, config: dict) -> list[list[int]]:
-    """Workloads where some experts run several row blocks: ``hot`` experts of (k - 1) * BM + 1 or k * BM
-    pairs (k = 2, 3) beside experts of one block (a quarter block each), and the same experts without them
-    (hot = 0), at three expert counts from where they fill the GPU to the rank's slots. What a row block
-    beyond an expert's first costs, apart from its pairs, is the fit's ``r``."""
-    base = max(1, block_m // 4)
-    ds = sorted({min(slots, filling_experts(inter, config)), (filling_experts(inter, config) + slots) // 2, slots})
-    out = []
-    for d in ds:
-        for hot in (0, 1, 2, 4):
-            for k in ((2, 3) if hot else (1,)):
-                for c in (((k - 1) * block_m + 1, k * block_m) if hot else (base,)):
-                    counts = [c] * min(hot, d) + [base] * (d - min(hot, d))
-                    if sum(counts) <= step_pairs:
-                        out.append(counts)
-    return out
-
-
 def measure_config_sweep(sgl, label: str, reps: int) -> dict:
-    """One ``CONFIG_SWEEPS`` entry: every point at its step size, through ``StaticStep``: even spreads of pairs
-    over experts (``config_sweep_points``), then uneven ones with experts of several row blocks."""
+    """One ``CONFIG_SWEEPS`` entry, timed as ``moeplace calibrate`` times a sweep (``measure_sweep``): even spreads
+    of pairs over experts at its step, then uneven ones with experts of several row blocks at the largest step of
+    the same config (576 tokens for 64-row blocks, as many tokens as slots for 16-row ones: SGLang's M <= E)."""
+    import torch
     hidden, inter, slots, top_k, groups, tokens = CONFIG_SWEEPS[label]
-    rank = RankMoe(sgl, hidden, inter, slots, top_k)
-    step = rank.step(tokens)
-    bm = step.cfg["BLOCK_SIZE_M"]
-    # The uneven workloads run at the largest step of the same config (room for several blocks an expert):
-    # 576 tokens for 64-row blocks, as many tokens as slots for 16-row ones (SGLang's M <= E).
-    big = rank.step(ROW_BLOCK_STEP_TOKENS if bm == 64 else slots)
-    assert big.cfg == step.cfg, (big.cfg, step.cfg)
-    work = [(step, even_counts(d, n)) for d, n in dict.fromkeys(config_sweep_points(slots, tokens * top_k, groups))]
-    work += [(big, c) for c in row_block_counts(slots, big.pairs, bm, inter, step.cfg)]
-    rows = []
-    for at, counts in work:
-        # every slot of a workload has pairs: its experts' first blocks, then the blocks past them
-        rows.append({"distinct": len(counts), "tokens": sum(counts),
-                     "row_blocks": len(counts) + int(extra_row_blocks(counts, bm)),
-                     "us": at.time_us(counts, reps), "config_m": at.step_tokens, "step_pairs": at.pairs,
-                     "config": at.cfg})
+    big = ROW_BLOCK_STEP_TOKENS if sglang_default_config(tokens, slots, "bf16") == LARGE_M else slots
+    sweep = Sweep(label, hidden, inter, slots, top_k, groups, tokens, big)
+    points = measure_sweep(sgl, sweep, reps, torch.cuda.get_device_properties(0).multi_processor_count)
     shape = dict(hidden=hidden, inter=inter, n_local=slots, top_k=top_k)
-    return {"shape": shape, "dtype": "bf16", "path": "triton", "points": rows, "step_tokens": tokens,
-            "tuned_file": bool(rank.tuned_configs())}
+    return {"shape": shape, "dtype": "bf16", "path": "triton", "points": points, "step_tokens": tokens}
 
 
 SWEEPS = [  # (label, shape, dtype, path, grid), most needed first
@@ -541,10 +225,8 @@ def measure(args) -> None:
             continue
         t0 = time.time()
         result["sweeps"][label] = sweep = measure_config_sweep(sgl, label, args.reps)
-        gc.collect()         # a RankMoe and its StaticSteps refer to each other
-        torch.cuda.empty_cache()
         print(f"{label}: {len(sweep['points'])} points in {time.time() - t0:.1f} s, "
-              f"config {sweep['points'][0]['config']}, tuned file: {sweep['tuned_file']}; " + " ".join(
+              f"config {sweep['points'][0]['config']}; " + " ".join(
                   f"{r['distinct']}/{r['tokens']}:{r['us']:.0f}" for r in sweep["points"][::5]), flush=True)
         Path(args.out).write_text(json.dumps(result, indent=1))
     for label, shape, dtype, path, grid in SWEEPS:
@@ -574,63 +256,6 @@ def measure(args) -> None:
         Path(args.out).write_text(json.dumps(result, indent=1))
 
 
-# ---------------------------------------------------------------------------------------------
-# Fitting (CPU side).
-
-def fit_linear(points: list[dict], max_tokens: int | None = None) -> dict:
-    """Least squares ``us = a * distinct + b * tokens + c`` over points (tokens <= max_tokens if given).
-
-    Points with no expert are left out: an idle rank is never a step's slowest. Returns a, b, c, and
-    the mean / max relative error of the fit on the points used.
-    """
-    pts = [p for p in points if p["distinct"] > 0 and (max_tokens is None or p["tokens"] <= max_tokens)]
-    X = np.array([[p["distinct"], p["tokens"], 1.0] for p in pts])
-    y = np.array([p["us"] for p in pts])
-    # Relative least squares: every point counts by its relative error, so small steps are fit too.
-    w = 1.0 / y
-    coef, *_ = np.linalg.lstsq(X * w[:, None], y * w, rcond=None)
-    coef = np.maximum(coef, 0.0)
-    rel = np.abs(X @ coef - y) / y
-    return {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]), "points": len(pts),
-            "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
-
-
-def fit_with_row_blocks(points: list[dict], step_tokens: int) -> dict:
-    """Relative least squares ``us = a * distinct + r * (row_blocks - distinct) + b * tokens + c_step`` over
-    config-sweep points, with one c for each step size the points ran at (the launch grid differs), every
-    term non-negative; returns a, r, b, the c of ``step_tokens``' points and the mean / max relative error."""
-    from scipy.optimize import nnls
-    steps = sorted({p["config_m"] for p in points})
-    X = np.array([[p["distinct"], p["row_blocks"] - p["distinct"], p["tokens"]]
-                  + [float(p["config_m"] == t) for t in steps] for p in points])
-    y = np.array([p["us"] for p in points])
-    w = 1.0 / y
-    coef = nnls(X * w[:, None], y * w)[0]
-    rel = np.abs(X @ coef - y) / y
-    return {"a": float(coef[0]), "r": float(coef[1]), "b": float(coef[2]), "c": float(coef[3 + steps.index(step_tokens)]),
-            "c_at_steps": {str(t): round(float(coef[3 + i]), 2) for i, t in enumerate(steps)},
-            "points": len(points), "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
-
-
-def linear_range(points: list[dict], tol: float = 0.10) -> int | None:
-    """The largest token bound up to which one linear fit stays within ``tol`` mean relative error."""
-    best = None
-    for bound in sorted({p["tokens"] for p in points if p["tokens"] >= 4}):
-        if fit_linear(points, bound)["mean_rel_err"] <= tol:
-            best = bound
-    return best
-
-
-H200_SMS = 132
-
-
-def filling_experts(inter: int, config: dict) -> int:
-    """Experts whose gate/up programs (one row block each: 2 x inter / BLOCK_SIZE_N) fill the GPU's SMs twice.
-    Below that the kernel is latency-bound and sublinear in experts (BENCHMARKS.md#measured-lines: 1, 2, 4 experts cost
-    66, 79, 106 µs in the 16-row config), a regime the slowest GPU of a layer at these batches is not in."""
-    return -(-2 * H200_SMS // -(-2 * inter // config["BLOCK_SIZE_N"]))
-
-
 def fit(args) -> None:
     raw = json.loads(Path(args.calib).read_text())
     out_dir = Path(args.out_dir)
@@ -653,7 +278,7 @@ def fit(args) -> None:
         same = [p for p in pts if p["config"] == verify_cfg]
         blocks = label in CONFIG_SWEEPS and all("row_blocks" in p for p in pts)
         if label in CONFIG_SWEEPS:   # a layer's slowest GPU runs many experts: fit where they fill the GPU
-            same = [p for p in same if p["distinct"] >= filling_experts(sweep["shape"]["inter"], verify_cfg)] or same
+            same = [p for p in same if p["distinct"] >= filling_experts(sweep["shape"]["inter"], verify_cfg["BLOCK_SIZE_N"])] or same
         low = fit_with_row_blocks(same, tokens) if blocks else fit_linear(same)
         print(f"{label}: all points a={full['a']:.2f} b={full['b']:.3f} c={full['c']:.1f} "
               f"(mean err {full['mean_rel_err']:.1%}, max {full['max_rel_err']:.1%}); "
@@ -676,7 +301,7 @@ def fit(args) -> None:
                 **({"align_layout": "sglang", "top_k": s["top_k"]} if "top_k" in s else {}),
                 "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
                         f"kernel config for a {tokens}-token step ({verify_cfg})"
-                        + (f" with at least {filling_experts(s['inter'], verify_cfg)} experts (they fill the GPU)"
+                        + (f" with at least {filling_experts(s['inter'], verify_cfg['BLOCK_SIZE_N'])} experts (they fill the GPU)"
                            if label in CONFIG_SWEEPS else "")
                         + (f"; r from the points with experts of several row blocks, run at a "
                            f"{max(p['config_m'] for p in same)}-token step (its own c)" if blocks else "")),

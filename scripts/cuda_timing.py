@@ -3,45 +3,12 @@
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
-
-def capture(fn, calls: int = 1):
-    """A CUDA graph of ``calls`` calls of ``fn``, run once before so that compilation stays outside."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return graph
-
-
-def graph_time_us(fn, reps: int = 50, warmup_replays: int = 1) -> float:
-    """Median µs of one replay of ``fn`` captured in a CUDA graph (compile and warm-up outside)."""
-    import torch
-
-    g = capture(fn)
-    for _ in range(warmup_replays):
-        g.replay()
-    torch.cuda.synchronize()
-    return replay_us(g, reps)
-
-
-def replay_us(graph, reps: int) -> float:
-    """Median µs of one replay of a captured CUDA graph, each replay timed by its own pair of events."""
-    import torch
-
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000)
-    return statistics.median(times)
+# moeplace from this checkout, also on a GPU machine where it is not installed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from moeplace.sglang.fused_moe_timing import capture, graph_time_us, replay_us  # noqa: E402,F401
 
 
 def smi_samples(text: str) -> tuple[float, float]:

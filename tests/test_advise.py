@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +17,8 @@ from moeplace.dispatch.loads import layer_rank_loads
 from moeplace.model.spec import ModelSpec
 from moeplace.trace.synthetic import synthetic_steps
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import calibrate_cost  # noqa: E402
+from moeplace.cost.sweeps import fit_linear, linear_range
+from moeplace.sglang.fused_moe_timing import align_layout, rank_pairs
 
 MODEL = ModelSpec.all_moe("small", 3, 32, 4)
 
@@ -50,7 +49,7 @@ def test_work_key_ignores_slot_order():
 def test_fit_recovers_linear_costs():
     pts = [{"distinct": d, "tokens": n, "us": 20.0 * d + 0.5 * n + 40.0}
            for d in (1, 2, 4, 8, 16) for n in (16, 32, 64) if d <= n]
-    f = calibrate_cost.fit_linear(pts + [{"distinct": 0, "tokens": 0, "us": 5.0}])
+    f = fit_linear(pts + [{"distinct": 0, "tokens": 0, "us": 5.0}])
     assert f["a"] == pytest.approx(20.0) and f["b"] == pytest.approx(0.5) and f["c"] == pytest.approx(40.0)
     assert f["points"] == len(pts) and f["max_rel_err"] < 1e-9  # the idle-rank point is left out
 
@@ -58,22 +57,22 @@ def test_fit_recovers_linear_costs():
 def test_linear_range_finds_the_break():
     pts = [{"distinct": d, "tokens": n, "us": 20.0 * d + 40.0 + (300.0 if n > 32 else 0.0)}
            for d in (1, 4, 8) for n in (8, 16, 32, 64, 128) if d <= n]
-    assert calibrate_cost.linear_range(pts, tol=0.05) == 32
+    assert linear_range(pts, tol=0.05) == 32
 
 
 def test_emulated_rank_runs_every_pair_of_the_step_in_sglangs_layout():
     """A rank with 3, 0 and 17 pairs on its 4 slots, in a step of 9 tokens x top-8: the other 52 pairs
     are -1 and fill SGLang's bucket 0 first; the buffer has SGLang's size (72 + 5 x 15 rows, to 4)."""
     from moeplace.cost.derive import sglang_sorted_rows
-    ids = calibrate_cost.rank_pairs([3, 0, 17], 72)
+    ids = rank_pairs([3, 0, 17], 72)
     assert ids.shape == (72, 1) and (ids[:3] == 0).all() and (ids[3:20] == 2).all() and (ids[20:] == -1).all()
-    sorted_ids, experts, padded = calibrate_cost.align_layout(ids, num_local=4, block_m=16)
+    sorted_ids, experts, padded = align_layout(ids, num_local=4, block_m=16)
     assert sorted_ids.size == sglang_sorted_rows(72, 4, 16) == 148 and padded == 64 + 16 + 32
     assert list(sorted_ids[:52]) == list(range(20, 72)) and (sorted_ids[52:64] == 72).all()
     assert list(sorted_ids[64:67]) == [0, 1, 2] and list(sorted_ids[80:97]) == list(range(3, 20))
     assert list(experts[:7]) == [-1, -1, -1, -1, 0, 2, 2] and (experts[7:] == -1).all()
     with pytest.raises(ValueError, match="only 8 in the step"):
-        calibrate_cost.rank_pairs([3, 6], 8)
+        rank_pairs([3, 6], 8)
 
 
 def test_flip_batch_interpolates():

@@ -416,12 +416,12 @@ def test_model_predicts_the_recorded_config_sweeps(label):
     (``calibrate_cost.py measure``'s raw points, tests/data), each point at its own step (the launch grid) and
     with its row blocks beyond each expert's first: every point where the experts fill the GPU within 15%, their
     mean within 6% (the fits: 1.5-5.3% mean); the kernel config the model names is the one each point ran."""
-    import calibrate_cost
+    from moeplace.cost.sweeps import filling_experts
     sweep = SWEEPS["sweeps"][label]
     s = sweep["shape"]
     shape = ExpertShape(s["hidden"], s["inter"], "bf16", label)
     ran = sweep["points"][0]["config"]
-    pts = [p for p in sweep["points"] if p["distinct"] >= calibrate_cost.filling_experts(s["inter"], ran)]
+    pts = [p for p in sweep["points"] if p["distinct"] >= filling_experts(s["inter"], ran["BLOCK_SIZE_N"])]
     err = []
     for p in pts:
         model = derive_cost_model(shape, s["n_local"], s["top_k"], step_tokens=p["config_m"])
@@ -446,13 +446,13 @@ def test_row_blocks_are_what_the_uneven_points_cost(label):
     more tokens than a block holds, the only ones where a real step can do that), the model with its row-block
     term is closer to the H200 than the same model without it: its mean error there at most 0.8 of the other's
     (0.25-0.77 measured; the extra blocks' cost comes in steps of waves, which a per-block term averages)."""
-    import calibrate_cost
+    from moeplace.cost.sweeps import filling_experts
     sweep = SWEEPS["sweeps"][label]
     s = sweep["shape"]
     shape = ExpertShape(s["hidden"], s["inter"], "bf16", label)
     ran = sweep["points"][0]["config"]
     pts = [p for p in sweep["points"] if p["row_blocks"] > p["distinct"]
-           and p["distinct"] >= calibrate_cost.filling_experts(s["inter"], ran)]
+           and p["distinct"] >= filling_experts(s["inter"], ran["BLOCK_SIZE_N"])]
     with_r, without = [], []
     for p in pts:
         model = derive_cost_model(shape, s["n_local"], s["top_k"], step_tokens=p["config_m"])

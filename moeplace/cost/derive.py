@@ -65,10 +65,8 @@ from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.errors import MoeplaceError
 from moeplace.model.expert_shape import ExpertShape
 
+DEFAULT_GPU = "NVIDIA H200"   # the GPU every packaged file was first measured on (``moeplace.cost.gpus``)
 STEP_TOKENS = 9          # tokens of the verify step the files were measured for (1 + 8 drafts)
-DEFAULT_GPU = "NVIDIA H200"
-# Memory of the GPUs the cost models are for, GB (1e9 bytes): 143,771 MiB, as nvidia-smi reports an H200.
-GPU_MEMORY_GB = {"NVIDIA H200": 143_771 * 2**20 / 1e9}
 SMALL_M, LARGE_M, FP8_BLOCK = (16, 32, 64), (64, 64, 32), (64, 128, 128)
 
 
@@ -134,6 +132,11 @@ class Measured:
     c_at_steps: tuple[tuple[int, float], ...] = ()   # (step tokens, c) where c was measured at several steps
 
     @property
+    def tuned(self) -> bool:
+        """Whether the line ran another config than SGLang's default at its step (a tuned file picked it)."""
+        return self.config != sglang_default_config(self.step_tokens, self.local_slots, self.shape.weights)
+
+    @property
     def measured_r(self) -> bool:
         """Whether the file measured its own row-block term (a config sweep's uneven points; 0 is a value)."""
         return bool(self.c_at_steps) or self.cost.r_us_per_block > 0
@@ -188,24 +191,27 @@ class Calibration:
         return max(0.0, m.cost.b_us_per_token - self.grid_us(m.shape, m.config, m.row_blocks_per_pair))
 
 
+def measured_line_of(name: str, cost: CostModel) -> Measured:
+    """A measured line with the rank shape its provenance names (a packaged file, or a line of a cost set)."""
+    prov = cost.provenance
+    s = prov["shape"]
+    shape = ExpertShape(int(s["hidden"]), int(s["expert_intermediate"]), prov["dtype"], name)
+    slots = int(s["local_slots"])
+    top_k = int(prov["top_k"]) if "top_k" in prov else None
+    tokens = int(prov.get("step_tokens", STEP_TOKENS))
+    config = (tuple(int(x) for x in prov["kernel_config"]) if "kernel_config" in prov
+              else sglang_default_config(tokens, slots, shape.weights))
+    at_steps = tuple(sorted((int(t), float(c)) for t, c in prov.get("c_us_at_step_tokens", {}).items()))
+    return Measured(name, cost, shape, slots, config, top_k, prov.get("align_layout") == "sglang",
+                    tokens, fits_terms="kernel_config" not in prov, c_at_steps=at_steps)
+
+
 def packaged_measurements() -> list[Measured]:
     """Every ``moeplace/cost/measured/cost_*.json`` with the rank shape its provenance names."""
     out = []
     for path in sorted(resources.files("moeplace.cost").joinpath("measured").iterdir(), key=lambda p: p.name):
-        if not (path.name.startswith("cost_") and path.name.endswith(".json")):
-            continue
-        cost = load_cost_model(str(path))
-        prov = cost.provenance
-        s = prov["shape"]
-        shape = ExpertShape(int(s["hidden"]), int(s["expert_intermediate"]), prov["dtype"], path.name)
-        slots = int(s["local_slots"])
-        top_k = int(prov["top_k"]) if "top_k" in prov else None
-        tokens = int(prov.get("step_tokens", STEP_TOKENS))
-        config = (tuple(int(x) for x in prov["kernel_config"]) if "kernel_config" in prov
-                  else sglang_default_config(tokens, slots, shape.weights))
-        at_steps = tuple(sorted((int(t), float(c)) for t, c in prov.get("c_us_at_step_tokens", {}).items()))
-        out.append(Measured(path.name, cost, shape, slots, config, top_k, prov.get("align_layout") == "sglang",
-                            tokens, fits_terms="kernel_config" not in prov, c_at_steps=at_steps))
+        if path.name.startswith("cost_") and path.name.endswith(".json"):
+            out.append(measured_line_of(path.name, load_cost_model(str(path))))
     return out
 
 
@@ -215,7 +221,9 @@ def calibrate(files: list[Measured]) -> Calibration:
         raise MoeplaceError("calibrate: the files must come from one GPU")
     every = files
     large = [m for m in every if m.config == LARGE_M]       # the large-block terms: every file of that config
-    files = [m for m in every if m.fits_terms]              # the rest: the files measured at a verify step
+    # the rest: the files measured at a verify step; a cost set of config sweeps only (``moeplace calibrate``)
+    # fits them on its small-block lines, each measured at its own step with SGLang's buffer
+    files = [m for m in every if m.fits_terms] or [m for m in every if m.config != LARGE_M]
     read_bound = [m for m in files if m.shape.weights in ("bf16", "fp8") and m.config != LARGE_M]
     bf16 = [m for m in read_bound if m.shape.weights == "bf16"]
     if len(bf16) < 2:
@@ -311,8 +319,11 @@ def measured_for(cal: Calibration, shape: ExpertShape, local_slots: int, config:
     ``step_tokens`` (a file measured at a 9-token step knows the latency-bound few experts of a verify step, a
     config sweep's larger steps the rest), then the nearest slot count (the same slots first); None where that
     shape never ran that config. On a tie a config sweep (SGLang's own buffer layout) goes first."""
-    same = [m for m in cal.files if (m.shape.hidden, m.shape.intermediate, m.shape.weights, m.config) ==
-            (shape.hidden, shape.intermediate, shape.weights, config)]
+    alike = [m for m in cal.files if (m.shape.hidden, m.shape.intermediate, m.shape.weights) ==
+             (shape.hidden, shape.intermediate, shape.weights)]
+    # Where SGLang's tuned file picked another config than its default, a line measured on the GPU ran that one:
+    # where no line ran the default config, a tuned line of the nearest step stands for it.
+    same = [m for m in alike if m.config == config] or [m for m in alike if m.tuned]
 
     def step_gap(m: Measured) -> int:
         steps = [t for t, _ in m.c_at_steps] or [m.step_tokens]
@@ -322,9 +333,11 @@ def measured_for(cal: Calibration, shape: ExpertShape, local_slots: int, config:
 
 
 def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str = DEFAULT_GPU,
-                      step_tokens: int = STEP_TOKENS, config_tokens: int | None = None) -> CostModel:
+                      step_tokens: int = STEP_TOKENS, config_tokens: int | None = None,
+                      calibration: Calibration | None = None) -> CostModel:
     """The cost model of one rank holding ``local_slots`` experts of ``shape``, for steps of
-    ``step_tokens`` tokens routed to ``top_k`` experts each (a verify step by default).
+    ``step_tokens`` tokens routed to ``top_k`` experts each (a verify step by default), on ``gpu``'s packaged
+    measurements or on ``calibration`` (a cost set's, ``moeplace.cost.cost_set``) where given.
 
     config_tokens: the tokens SGLang's kernel config is chosen for (default: ``step_tokens``). A
     caller comparing batch sizes can hold it at one batch so that only the launch grid follows the
@@ -334,7 +347,8 @@ def derive_cost_model(shape: ExpertShape, local_slots: int, top_k: int, gpu: str
         raise MoeplaceError(f"a rank needs at least one expert slot, got {local_slots}")
     if top_k < 1 or step_tokens < 1 or (config_tokens is not None and config_tokens < 1):
         raise MoeplaceError(f"a step needs tokens and a top-k of at least 1, got {step_tokens} and {top_k}")
-    cal = gpu_calibration(gpu)
+    cal = calibration or gpu_calibration(gpu)
+    gpu = cal.gpu
     where = f"{gpu}, {shape.describe()}, {local_slots} per rank"
     config = sglang_default_config(config_tokens or step_tokens, local_slots, shape.weights)
     grid = f"SGLang's launch grid for {step_tokens} tokens x top-{top_k}"

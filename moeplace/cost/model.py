@@ -75,16 +75,25 @@ def extra_row_blocks(slot_pairs: np.ndarray, block_m: int) -> np.ndarray:
     return blocks_past_first(slot_pairs, block_m).sum(axis=-1)
 
 
-def load_cost_model(path: str | os.PathLike) -> CostModel:
-    """Read a cost-model JSON file: ``{"a_us_per_expert", "b_us_per_token", "c_us", "provenance"}``, with
-    ``"r_us_per_block"`` and ``"block_m"`` where the model has a row-block term."""
+def read_cost_json(path: str | os.PathLike) -> Any:
+    """A cost file's parsed JSON (a FormatError line where it cannot be read or parsed)."""
     try:
         with open(path) as f:
-            d = json.load(f)
+            return json.load(f)
     except OSError as e:
         raise FormatError(path, e.strerror or "cannot read") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise FormatError(path, "not valid JSON") from None
+
+
+def load_cost_model(path: str | os.PathLike) -> CostModel:
+    """Read a cost-model JSON file: ``{"a_us_per_expert", "b_us_per_token", "c_us", "provenance"}``, with
+    ``"r_us_per_block"`` and ``"block_m"`` where the model has a row-block term."""
+    return cost_model_from_json(read_cost_json(path), path)
+
+
+def cost_model_from_json(d: Any, path: str | os.PathLike) -> CostModel:
+    """A cost model from a file's parsed JSON, checked (``moeplace.cost.schema``)."""
     from moeplace.cost.schema import CostModelSchema
     from moeplace.model.schema import validate
 
