@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "launch": "moeplace.commands.launch:launch",
     "advise": "moeplace.commands.advise:advise",
     "online": "moeplace.commands.online:online",
+    "calibrate": "moeplace.commands.calibrate:calibrate",
 }
 
 # Commands whose work is numpy, set up for it before numpy loads, unless the environment says otherwise

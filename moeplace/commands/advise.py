@@ -16,7 +16,6 @@ from moeplace.analysis.advise import BATCH_GRID, BatchVerdict, flip_batch, flip_
 from moeplace.commands.common import Progress, check_ranks, echo_json, open_source
 from moeplace.commands.costing import Costing, experts_gb, memory_warning, resolve_costing, spares_that_fit
 from moeplace.commands.options import effort_option, holdout_option, slots_count, trace_options
-from moeplace.cost.derive import DEFAULT_GPU, GPU_MEMORY_GB
 from moeplace.cost.model import CostModel, load_cost_model
 from moeplace.dispatch.by_cost import acts_as_balanced, rule_weights
 from moeplace.dispatch.loads import max_step_tokens
@@ -47,8 +46,8 @@ HOLDOUT = 0.3         # --holdout's default, as optimize's: the pick's optimize 
                      "cost is measured on the held-out steps (0: all steps for both).")
 @click.option("--json", "as_json", is_flag=True, help="Print the verdicts as JSON.")
 def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_path: str | None,
-           window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int, effort: float,
-           holdout: float, as_json: bool) -> None:
+           gpu: str | None, window: int, top_k: int | None, max_steps: int, tp_cost_path: str | None, redundant: int,
+           effort: float, holdout: float, as_json: bool) -> None:
     """Say which layout runs TRACE's MoE layers fastest: EP, TP-MoE, or EP groups with MoE TP inside.
 
     One comparison of every layout SGLang can run on the --ranks GPUs (--tp-size R --ep-size G: G EP
@@ -57,11 +56,11 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     with them (moeplace's cost rule, balanced dispatch at verify batch), at the trace's batch and at every
     batch size, and the batches where the fastest changes; its EP R and TP-MoE rows give the EP-vs-TP
     verdict. A layout's cost per layer is its slowest GPU's. Cost models are derived for the model's
-    experts (shape from --model or the trace's model name, its top-k; H200 measurements of SGLang's fused
-    MoE kernel) with SGLang's kernel config and launch grid for each batch size, unless --cost-model /
-    --tp-cost-model give files. Communication is not counted. The placements are fitted on up to 2,000
-    steps of the trace's first part, every cost is measured on up to 256 of its last --holdout share, and
-    batches of other sizes are built from those held-out steps.
+    experts (shape from --model or the trace's model name, its top-k; --gpu's measurements of SGLang's fused
+    MoE kernel, or a cost set `moeplace calibrate` wrote) with SGLang's kernel config and launch grid for each
+    batch size, unless --cost-model / --tp-cost-model give single-line files. Communication is not counted.
+    The placements are fitted on up to 2,000 steps of the trace's first part, every cost is measured on up to
+    256 of its last --holdout share, and batches of other sizes are built from those held-out steps.
 
     The fastest column keeps a layout until another is more than 1% faster; the flips are its changes. The
     spare slots, where --redundant is not given, are as many as fit the GPU beside the experts, up to a quarter
@@ -78,7 +77,7 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     model = src.model
     which = "held-out" if holdout else "fitted"
     costing = resolve_costing(model, cost_model_path, model_ref,
-                              derived_needed=not (cost_model_path and tp_cost_path))
+                              derived_needed=not (cost_model_path and tp_cost_path), gpu_name=gpu)
     tp_file = load_cost_model(tp_cost_path) if tp_cost_path else None
     # A GPU holds (E + spares) / ranks experts' bytes in every EP x TP split, so one check covers them all;
     # it depends on the flags and the model only, so it comes before the work.
@@ -127,7 +126,7 @@ def advise(trace: str, ranks: int, mode: str, model_ref: str | None, cost_model_
     rule = (None if not best.layout.spares else
             "balanced" if acts_as_balanced(rule_weights(layout_cost(best.layout, trace_batch)),
                                            max_step_tokens(sample), model.top_k) else "cost")
-    run = pick_commands(best.layout, rule, trace, mode, model_ref, cost_model_path, window, top_k, max_steps,
+    run = pick_commands(best.layout, rule, trace, mode, model_ref, cost_model_path, gpu, window, top_k, max_steps,
                         holdout, model.name)
     if as_json:
         def row(v):
@@ -245,8 +244,8 @@ def echo_layouts(results: list[LayoutCosts], runnable: list[LayoutCosts], column
     if unmeasured:
         click.echo("*: at some batch sizes no measured cost file covers that GPU's expert shape and kernel config; its "
                    "model there is derived from the experts' bytes (a TP slice of small experts measured up to 1.4x "
-                   "slower than derived, BENCHMARKS.md#derived-model; scripts/calibrate_cost.py measures one; "
-                   "scripts/replay_placement.py times the layouts).")
+                   "slower than derived, BENCHMARKS.md#derived-model; `moeplace calibrate` measures every one on your "
+                   "GPU; scripts/replay_placement.py times the layouts).")
 
 
 @dataclass(frozen=True)
@@ -270,17 +269,17 @@ class SpareSlots:
         count = spares_that_fit(model, ranks, default, costing)
         if count == default:
             return cls(count)
-        have, need = GPU_MEMORY_GB[DEFAULT_GPU], experts_gb(model, ranks, count, costing)
-        held = (f"{count}, the most that fit an {DEFAULT_GPU} beside the experts ({need:.1f} of its {have:.1f} GB per "
+        gpu, have, need = costing.gpu.name, costing.gpu.memory_gb, experts_gb(model, ranks, count, costing)
+        held = (f"{count}, the most that fit an {gpu} beside the experts ({need:.1f} of its {have:.1f} GB per "
                 "GPU; the other weights and the KV cache need room too: --redundant sets fewer)" if count else
-                f"none: the routed experts alone take {need:.1f} GB per GPU of an {DEFAULT_GPU}'s {have:.1f}"
+                f"none: the routed experts alone take {need:.1f} GB per GPU of an {gpu}'s {have:.1f}"
                 + ("" if need <= have else ", more than it holds"))
         return cls(count, note=f"Spare slots: {held}; the default, a quarter of the experts ({default}), would take "
                                f"{experts_gb(model, ranks, default, costing):.1f} GB.")
 
 
 def pick_commands(layout: Layout, rule: str | None, trace: str, mode: str, model_ref: str | None,
-                  cost_model_path: str | None, window: int, top_k: int | None, max_steps: int | None,
+                  cost_model_path: str | None, gpu: str | None, window: int, top_k: int | None, max_steps: int | None,
                   holdout: float, model_name: str) -> list[list[str]]:
     """The commands that run ``layout`` (argv each): ``moeplace optimize`` with every flag its placement depends on
     (the split, the spare slots and their rule ``rule``, the steps read as advise read them), then ``moeplace
@@ -295,7 +294,8 @@ def pick_commands(layout: Layout, rule: str | None, trace: str, mode: str, model
     if layout.spares:
         fit += ["--redundant", str(layout.spares), "--dispatch", rule or "balanced"]
         server += ["--ep-num-redundant-experts", str(layout.spares)]
-    for flag, value in (("--model", model_ref), ("--cost-model", cost_model_path), ("--top-k", top_k),
+    for flag, value in (("--model", model_ref), ("--cost-model", cost_model_path), ("--gpu", gpu),
+                        ("--top-k", top_k),
                         ("--max-steps", max_steps), ("--window", None if window == DEFAULT_WINDOW else window),
                         ("--holdout", None if holdout == HOLDOUT else f"{holdout:g}")):
         if value is not None:

@@ -8,14 +8,16 @@ they, spare slots included, outgrow it (``memory_warning``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import click
 import numpy as np
 
-from moeplace.cost.derive import DEFAULT_GPU, GPU_MEMORY_GB, STEP_TOKENS, derive_cost_model
-from moeplace.cost.model import CostModel, load_cost_model
+from moeplace.cost.cost_set import CostSet, load_cost_file
+from moeplace.cost.derive import STEP_TOKENS, Calibration, derive_cost_model
+from moeplace.cost.gpus import Gpu, model_token, resolve_gpu
+from moeplace.cost.model import CostModel
 from moeplace.errors import MoeplaceError
 from moeplace.model.expert_shape import GENERIC, ExpertShape, known_expert_shape
 from moeplace.model.spec import ModelSpec
@@ -27,7 +29,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Costing:
-    """How a command costs a rank: a fixed model from a file, or one derived from ``shape``.
+    """How a command costs a rank: a fixed model from a file, or one derived from ``shape`` on ``gpu``'s packaged
+    measurements or on a cost set's (``calibration``).
 
     top_k: the model's experts per token (SGLang's launch grid follows the step's tokens x top-k).
     """
@@ -35,14 +38,25 @@ class Costing:
     shape: ExpertShape
     top_k: int
     fixed: CostModel | None = None
+    gpu: Gpu = field(default_factory=lambda: resolve_gpu(None))
+    calibration: Calibration | None = None
+
+    @classmethod
+    def from_set(cls, shape: ExpertShape, top_k: int, cost_set: CostSet) -> Costing:
+        """Every rank derived from a cost set's lines, on its GPU and that GPU's memory."""
+        return cls(shape, top_k, None, Gpu(cost_set.gpu, cost_set.gpu, cost_set.gpu_memory_gb),
+                   cost_set.calibration())
+
+    def derive(self, shape: ExpertShape, local_slots: int, step_tokens: int, config_tokens: int | None) -> CostModel:
+        return derive_cost_model(shape, local_slots, self.top_k, self.gpu.measured, step_tokens, config_tokens,
+                                 self.calibration)
 
     def ep(self, local_slots: int, step_tokens: int = STEP_TOKENS, config_tokens: int | None = None) -> CostModel:
         """A rank holding ``local_slots`` expert slots (EP), for steps of ``step_tokens`` tokens
         (``derive_cost_model`` says what ``config_tokens`` holds)."""
         if self.fixed is not None:
             return self.fixed
-        return derive_cost_model(self.shape, local_slots, self.top_k, step_tokens=step_tokens,
-                                 config_tokens=config_tokens)
+        return self.derive(self.shape, local_slots, step_tokens, config_tokens)
 
     def group(self, local_slots: int, moe_tp: int, step_tokens: int = STEP_TOKENS,
               config_tokens: int | None = None) -> CostModel:
@@ -60,8 +74,7 @@ class Costing:
     def tp(self, ranks: int, experts: int, step_tokens: int = STEP_TOKENS,
            config_tokens: int | None = None) -> CostModel:
         """A rank holding 1/ranks of every one of ``experts`` experts (TP-MoE), for steps of ``step_tokens``."""
-        return derive_cost_model(self.shape.tp_slice(ranks), experts, self.top_k, step_tokens=step_tokens,
-                                 config_tokens=config_tokens)
+        return self.derive(self.shape.tp_slice(ranks), experts, step_tokens, config_tokens)
 
 
 def trace_batch(src: Trace, mode: str) -> int:
@@ -103,7 +116,7 @@ def spares_that_fit(model: ModelSpec, ranks: int, wanted: int, costing: Costing)
     load beside the experts (0 where none fits); ``wanted`` where the expert shape or the GPU is not known."""
     if costing.fixed is not None or costing.shape is GENERIC:
         return wanted
-    room = GPU_MEMORY_GB[DEFAULT_GPU] / slot_gb(model, costing) * ranks - model.num_experts
+    room = costing.gpu.memory_gb / slot_gb(model, costing) * ranks - model.num_experts
     spares = max(0, min(wanted, int(room) // ranks * ranks))
     while spares and memory_warning(model, ranks, spares, costing):   # the same test, to the last bit
         spares -= ranks
@@ -118,30 +131,56 @@ def memory_warning(model: ModelSpec, ranks: int, redundant: int, costing: Costin
     if costing.fixed is not None or costing.shape is GENERIC or not redundant:
         return None
     need, base = experts_gb(model, ranks, redundant, costing, moe_tp), experts_gb(model, ranks, 0, costing, moe_tp)
-    have = GPU_MEMORY_GB[DEFAULT_GPU]
+    have = costing.gpu.memory_gb
     if need <= have:
         return None
     return (f"the routed experts alone take {need:.1f} GB per GPU with the {redundant} spare slots ({base:.1f} GB "
-            f"without), more than an {DEFAULT_GPU}'s {have:.1f} GB: SGLang could not load them; ask for {fewer} "
+            f"without), more than an {costing.gpu.name}'s {have:.1f} GB: SGLang could not load them; ask for {fewer} "
             f"or place over more GPUs")
 
 
 def resolve_costing(model: ModelSpec, cost_model_path: str | None, model_ref: str | None,
-                    derived_needed: bool | None = None) -> Costing:
-    """The command's costing; warns once on stderr when a derived model has to use the generic shape.
+                    derived_needed: bool | None = None, gpu_name: str | None = None) -> Costing:
+    """The command's costing; warns once on stderr when a derived model has to use the generic shape, another
+    GPU's measurements, or a cost set measured for another model's experts.
 
     derived_needed: whether the command derives any cost (default: when no --cost-model is given).
+    gpu_name: ``--gpu`` (a cost set names its own GPU; a one-line error where the two differ).
     """
-    fixed = load_cost_model(cost_model_path) if cost_model_path else None
+    loaded = load_cost_file(cost_model_path) if cost_model_path else None
+    fixed = loaded if isinstance(loaded, CostModel) else None
+    cost_set = loaded if isinstance(loaded, CostSet) else None
     derived_needed = fixed is None if derived_needed is None else derived_needed
     if model_ref:
         shape = expert_shape_from_model_ref(model_ref, model)
     else:
-        shape = known_expert_shape(model) or GENERIC
+        shape = known_expert_shape(model) or (cost_set and set_shape(cost_set, model)) or GENERIC
         if shape is GENERIC and derived_needed:
             click.echo(f"warning: the expert shape of model {model.name!r} is unknown (pass --model with its "
                        f"config.json, or --cost-model FILE); MoE µs use a {GENERIC.describe()}", err=True)
-    return Costing(shape, model.top_k, fixed)
+    if cost_set is None:
+        gpu = resolve_gpu(gpu_name)
+        if gpu.warning and derived_needed:
+            click.echo(gpu.warning, err=True)
+        return Costing(shape, model.top_k, fixed, gpu)
+    if gpu_name is not None and model_token(gpu_name) != model_token(cost_set.gpu):
+        raise MoeplaceError(f"--gpu {gpu_name}: the cost set {cost_model_path} was measured on {cost_set.gpu}; "
+                            f"give one of them")
+    theirs = cost_set.model
+    if (theirs["hidden"], theirs["intermediate"], theirs["weights"]) != (shape.hidden, shape.intermediate, shape.weights):
+        click.echo(f"warning: the cost set {cost_model_path} was measured for {theirs['name']}'s experts "
+                   f"({theirs['hidden']}x{theirs['intermediate']} {theirs['weights']}), this model's are "
+                   f"{shape.hidden}x{shape.intermediate} {shape.weights}: their cost is derived from its terms "
+                   f"(calibrate with this model's --model for its own lines)", err=True)
+    return Costing.from_set(shape, model.top_k, cost_set)
+
+
+def set_shape(cost_set: CostSet, model: ModelSpec) -> ExpertShape | None:
+    """The expert shape a cost set was measured for, where it is this model's (same routed experts and top-k)."""
+    m = cost_set.model
+    if (m["experts"], m["top_k"]) != (model.num_experts, model.top_k):
+        return None
+    return ExpertShape(m["hidden"], m["intermediate"], m["weights"], f"cost set {cost_set.path} ({m['name']})")
 
 
 def cost_model_line(models: dict[str, CostModel]) -> str:

@@ -48,7 +48,7 @@ def online() -> None:
 @sglang_out_option("Also write SGLang's --init-expert-location JSON of it here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the decision as JSON.")
 def decide(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-           window: int, top_k: int | None, max_steps: int | None, placement_path: str, last_steps: int,
+           gpu: str | None, window: int, top_k: int | None, max_steps: int | None, placement_path: str, last_steps: int,
            min_gain: float | None, horizon: int | None, move_gbps: float | None, out: str, sglang_out: str | None,
            as_json: bool) -> None:
     """Decide, as a server with online re-placement would, whether the placement in force should move, and where.
@@ -80,7 +80,7 @@ def decide(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     src = open_source(trace, window, top_k)
     current = load_placement(placement_path, model=src.model, ranks=ranks)
     rule = scoring_rule(current, placement_path, dispatch).rule
-    costing = resolve_costing(src.model, cost_model_path, model_ref)
+    costing = resolve_costing(src.model, cost_model_path, model_ref, gpu_name=gpu)
     cost_model = costing.ep(current.num_physical // ranks)
     total = src.count(mode)
     if total == 0:

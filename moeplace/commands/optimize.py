@@ -82,8 +82,8 @@ def spare_slots(model: ModelSpec, ranks: int, redundant: int | None, replica_mem
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write before/after PNG plots here.")
 def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-             window: int, top_k: int | None, max_steps: int, nodes: int, ep_size: int | None, redundant: int | None,
-             replica_memory: float | None, algorithm: str, holdout: float,
+             gpu: str | None, window: int, top_k: int | None, max_steps: int, nodes: int, ep_size: int | None,
+             redundant: int | None, replica_memory: float | None, algorithm: str, holdout: float,
              seed: int, effort: float | None, balance_floor: float | None, out: str, sglang_out: str | None,
              as_json: bool, plot_dir: str | None) -> None:
     """Compute an expert placement for TRACE that minimises per-step imbalance.
@@ -117,7 +117,7 @@ def optimize(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | 
     src = open_source(trace, window, top_k)
     model = src.model
     costing = resolve_costing(model, cost_model_path, model_ref,
-                              derived_needed=cost_model_path is None or replica_memory is not None)
+                              derived_needed=cost_model_path is None or replica_memory is not None, gpu_name=gpu)
     groups = ep_size or ranks
     moe_tp = ranks // groups
     if ep_size is not None:
@@ -213,8 +213,8 @@ def quality_warnings(rows: list[dict], chosen: str, which: str, fit_steps: int, 
 @click.option("--json", "as_json", is_flag=True, help="Print the comparison as JSON.")
 @click.option("--plot-dir", type=click.Path(file_okay=False), help="Write side-by-side PNG plots here.")
 def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-            window: int, top_k: int | None, max_steps: int, placements: tuple[str, ...], holdout: float,
-            as_json: bool, plot_dir: str | None) -> None:
+            gpu: str | None, window: int, top_k: int | None, max_steps: int, placements: tuple[str, ...],
+            holdout: float, as_json: bool, plot_dir: str | None) -> None:
     """Compare existing PLACEMENTS on TRACE (moeplace JSON, or SGLang .json/.pt written by hand or exported).
 
     The first placement is the baseline for the "vs baseline" and "gap closed" columns. The first
@@ -237,7 +237,7 @@ def compare(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | N
             raise MoeplaceError(f"{path} is given twice")
         loaded[path] = p
     scoring = {path: scoring_rule(p, path, dispatch) for path, p in loaded.items()}
-    costing = resolve_costing(src.model, cost_model_path, model_ref)
+    costing = resolve_costing(src.model, cost_model_path, model_ref, gpu_name=gpu)
     costs = {path: costing.ep(p.phy2log.shape[1] // ranks) for path, p in loaded.items()}
     total = src.count(mode)
     if total == 0:

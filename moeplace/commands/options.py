@@ -174,7 +174,12 @@ def trace_options(f: Callable | None = None, *, dispatch: bool = True) -> Callab
         click.option("--cost-model", "cost_model_path", type=click.Path(exists=True, dir_okay=False),
                      help="Cost-model JSON (a_us_per_expert, b_us_per_token, c_us; optionally r_us_per_block "
                           "with block_m, the cost of each row block past an expert's first) to use instead of the "
-                          "one derived for the model's experts (H200 measurements, moeplace/cost/measured)."),
+                          "one derived for the model's experts; or a cost set that `moeplace calibrate` wrote on "
+                          "the serving GPU, from which every layout's cost is derived."),
+        click.option("--gpu", "gpu", metavar="NAME",
+                     help="The GPU the server runs on (e.g. H100, H200): its shipped cost measurements and its "
+                          "memory for spare slots (default: H200; a GPU none ships for gets the nearest one's, with "
+                          "a warning; `moeplace calibrate` measures yours)."),
         click.option("--window", type=count(), default=DEFAULT_WINDOW, show_default=True,
                      help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
         click.option("--top-k", type=count(1, MAX_EXPERTS), default=None,

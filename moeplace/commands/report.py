@@ -29,7 +29,7 @@ from moeplace.trace.steps import RoutingSteps
 @click.option("--no-stale-check", is_flag=True,
               help="With --placement, skip the check against a placement fitted on TRACE now and the naive layout.")
 def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | None, cost_model_path: str | None,
-           window: int, top_k: int | None, max_steps: int, placement_path: str | None, as_json: bool,
+           gpu: str | None, window: int, top_k: int | None, max_steps: int, placement_path: str | None, as_json: bool,
            plot_dir: str | None, no_stale_check: bool) -> None:
     """Measure per-step expert imbalance of TRACE under a placement.
 
@@ -53,7 +53,7 @@ def report(trace: str, ranks: int, mode: str, dispatch: str, model_ref: str | No
     check_plotting(plot_dir)
     src = open_source(trace, window, top_k)
     model = src.model
-    costing = resolve_costing(model, cost_model_path, model_ref)
+    costing = resolve_costing(model, cost_model_path, model_ref, gpu_name=gpu)
     if placement_path:
         placement = load_placement(placement_path, model=model, ranks=ranks)
         name = placement.algorithm

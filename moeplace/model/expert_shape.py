@@ -63,20 +63,21 @@ class KnownModel:
     hidden: int
     intermediate: int
     checkpoint: str     # weight format the published checkpoint ships
+    top_k: int          # routed experts per token
 
 
 # From each model's published config.json. More specific patterns first.
 KNOWN_MODELS = (
-    KnownModel("gpt-oss-20b", 32, 2880, 2880, "mxfp4"),
-    KnownModel("gpt-oss-120b", 128, 2880, 2880, "mxfp4"),
-    KnownModel("kimi-k2-thinking", 384, 7168, 2048, "int4"),
-    KnownModel("kimi-k2", 384, 7168, 2048, "fp8"),
-    KnownModel("deepseek-v3", 256, 7168, 2048, "fp8"),
-    KnownModel("deepseek-r1", 256, 7168, 2048, "fp8"),
-    KnownModel("qwen3-30b-a3b", 128, 2048, 768, "bf16"),
-    KnownModel("qwen3-235b-a22b", 128, 4096, 1536, "bf16"),
-    KnownModel("mixtral-8x7b", 8, 4096, 14336, "bf16"),
-    KnownModel("mixtral-8x22b", 8, 6144, 16384, "bf16"),
+    KnownModel("gpt-oss-20b", 32, 2880, 2880, "mxfp4", 4),
+    KnownModel("gpt-oss-120b", 128, 2880, 2880, "mxfp4", 4),
+    KnownModel("kimi-k2-thinking", 384, 7168, 2048, "int4", 8),
+    KnownModel("kimi-k2", 384, 7168, 2048, "fp8", 8),
+    KnownModel("deepseek-v3", 256, 7168, 2048, "fp8", 8),
+    KnownModel("deepseek-r1", 256, 7168, 2048, "fp8", 8),
+    KnownModel("qwen3-30b-a3b", 128, 2048, 768, "bf16", 8),
+    KnownModel("qwen3-235b-a22b", 128, 4096, 1536, "bf16", 8),
+    KnownModel("mixtral-8x7b", 8, 4096, 14336, "bf16", 2),
+    KnownModel("mixtral-8x22b", 8, 6144, 16384, "bf16", 2),
 )
 
 # When nothing says the shape: a DeepSeek-V3 / Kimi-K2-sized expert in bf16 (the callers warn).
@@ -90,11 +91,21 @@ def served_weights(checkpoint: str) -> tuple[str, str]:
     return checkpoint, ""
 
 
+def known_model_named(name: str) -> KnownModel | None:
+    """The known model whose pattern ``name`` holds (case aside), None for any other name."""
+    return next((k for k in KNOWN_MODELS if k.pattern in name.lower()), None)
+
+
+def known_shape(known: KnownModel) -> ExpertShape:
+    """A known model's experts as SGLang serves them."""
+    weights, note = served_weights(known.checkpoint)
+    return ExpertShape(known.hidden, known.intermediate, weights, f"known model {known.pattern}", note)
+
+
 def known_expert_shape(model: ModelSpec) -> ExpertShape | None:
     """The expert shape of a known model named in ``model.name`` with its expert count, else None."""
     name = model.name.lower()
     for known in KNOWN_MODELS:
         if known.pattern in name and known.experts == model.num_experts:
-            weights, note = served_weights(known.checkpoint)
-            return ExpertShape(known.hidden, known.intermediate, weights, f"known model {known.pattern}", note)
+            return known_shape(known)
     return None
