@@ -156,6 +156,20 @@ def test_costing_with_a_set_uses_its_gpu_and_memory(tmp_path):
     assert tp.provenance["derived_from"] == "gptoss-i360-bm64"
 
 
+def test_a_shipped_cost_set_is_read_as_its_gpus_measurements(tmp_path):
+    """A cost set dropped into the measured folder as set_*.json ships that GPU's lines: each line a measurement
+    of the set's GPU, from which the GPU's terms calibrate."""
+    from moeplace.cost.derive import calibrate, packaged_measurements
+    doc = json.loads(raw_cost_set(tmp_path).read_text())
+    doc["gpu"] = "NVIDIA H100 80GB HBM3"
+    (tmp_path / "measured").mkdir()
+    (tmp_path / "measured" / "set_h100_gptoss.json").write_text(json.dumps(doc))
+    lines = packaged_measurements(tmp_path / "measured")
+    assert sorted(m.name for m in lines) == sorted(f"set_h100_gptoss.json:{label}" for label in RAW["sweeps"])
+    assert {m.cost.provenance["gpu"] for m in lines} == {"NVIDIA H100 80GB HBM3"}
+    assert calibrate(lines).gpu == "NVIDIA H100 80GB HBM3"
+
+
 def test_a_gpu_without_shipped_models_is_named_in_a_warning():
     own = resolve_gpu("h200")
     assert own.measured == "NVIDIA H200" and own.warning is None

@@ -9,7 +9,7 @@ file names the GPU, its memory, SGLang's version, the model and the date, and ke
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
@@ -91,10 +91,9 @@ def cost_set_from_json(doc: dict[str, Any], path: str | os.PathLike) -> CostSet:
     if checked.kind != KIND:
         raise FormatError(path, f"kind {checked.kind!r} is not {KIND!r}")
     lines = {}
-    for label, line in checked.lines.items():
-        values = {k: float(getattr(line, k)) for k in ("a_us_per_expert", "b_us_per_token", "c_us", "r_us_per_block")}
-        prov = {**line.provenance, "gpu": checked.gpu}
-        lines[label] = CostModel(**values, block_m=line.block_m, provenance=prov, source=f"file {os.fspath(path)}")
+    for label, raw in doc["lines"].items():
+        line = cost_model_from_json(raw, path)
+        lines[label] = replace(line, provenance={**line.provenance, "gpu": checked.gpu})
     cost_set = CostSet(checked.gpu, checked.gpu_memory_gb, checked.sglang, checked.date, checked.model.model_dump(),
                        checked.ranks, lines, os.fspath(path))
     try:

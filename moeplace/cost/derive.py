@@ -54,14 +54,16 @@ without its own r takes the measured files' median r / a for its block size. BEN
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 from statistics import median
 
 import numpy as np
 
-from moeplace.cost.model import CostModel, load_cost_model
+from moeplace.cost.model import CostModel, cost_model_from_json, load_cost_model, read_cost_json
 from moeplace.errors import MoeplaceError
 from moeplace.model.expert_shape import ExpertShape
 
@@ -206,12 +208,29 @@ def measured_line_of(name: str, cost: CostModel) -> Measured:
                     tokens, fits_terms="kernel_config" not in prov, c_at_steps=at_steps)
 
 
-def packaged_measurements() -> list[Measured]:
-    """Every ``moeplace/cost/measured/cost_*.json`` with the rank shape its provenance names."""
+def packaged_measurements(folder: os.PathLike | None = None) -> list[Measured]:
+    """Every line shipped in ``moeplace/cost/measured`` (or ``folder``) with the rank shape its provenance names: a
+    ``cost_*.json`` file each, and every line of each ``set_*.json`` (a cost set ``moeplace calibrate`` wrote, its
+    lines named ``set_*.json:label``)."""
     out = []
-    for path in sorted(resources.files("moeplace.cost").joinpath("measured").iterdir(), key=lambda p: p.name):
-        if path.name.startswith("cost_") and path.name.endswith(".json"):
-            out.append(measured_line_of(path.name, load_cost_model(str(path))))
+    folder = folder or resources.files("moeplace.cost").joinpath("measured")
+    for path in sorted(Path(str(folder)).iterdir(), key=lambda p: p.name):
+        if path.suffix != ".json":
+            continue
+        if path.name.startswith("cost_"):
+            out.append(measured_line_of(path.name, load_cost_model(path)))
+        elif path.name.startswith("set_"):
+            out += set_measurements(read_cost_json(path), path)
+    return out
+
+
+def set_measurements(doc: dict, path: os.PathLike) -> list[Measured]:
+    """The lines of a cost set's JSON (``moeplace.cost.cost_set``), each a measurement of the set's GPU."""
+    out = []
+    for label, line in doc["lines"].items():
+        cost = cost_model_from_json(line, path)
+        cost = replace(cost, provenance={**cost.provenance, "gpu": doc["gpu"]})
+        out.append(measured_line_of(f"{Path(path).name}:{label}", cost))
     return out
 
 
