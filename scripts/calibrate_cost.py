@@ -73,11 +73,17 @@ def load_sglang_moe(wheel: str | None):
     The kernel module needs only small pieces of the package: platform predicates of
     ``sglang.srt.utils``, ``envs``, a padding size, the batch-invariant flag, and fp8/int8
     activation-quant helpers (unused here: activations are passed pre-quantized); ``sglang_wheel``
-    says how the rest is kept out.
+    says how the rest is kept out. Where no wheel matches ``wheel`` and SGLang is installed, the installed one
+    (``moeplace.sglang.fused_moe_timing.load_fused_moe``).
     """
+    import glob
+    import importlib.util
+
     import torch
 
     from sglang_wheel import register_packages, stub, unpack
+    if not glob.glob(wheel or "") and importlib.util.find_spec("sglang") is not None:
+        return fused_moe_timing.load_fused_moe()
 
     root, version = unpack(wheel)
     register_packages(root, [
