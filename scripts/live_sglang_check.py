@@ -35,6 +35,9 @@ operators do (SIGTERM, SIGINT) and checks, in the servers themselves:
             re-placement; the stall per re-placement and tokens per second before, during and after; the
             tracer's shards carry the maps in turn; one decision run to its end (`request --dry-run`) against
             the same batch with none in flight; SGLang's /metrics shows the gauges (--enable-metrics)
+  stops     every server with a moeplace feature on exits, for SIGTERM and for SIGINT (each signal stops a
+            server with the verify kernel and one without), with the code SGLang alone gives for that signal
+            (a server launched with no moeplace feature on, and a plain SGLang server)
 
 With ``--gpus 2`` (two GPUs of one host, the Kimi-expert-shaped model): expert parallelism (TP 2, EP 2,
 ``--moe-a2a-backend none``, NGRAM) with DeepSeek EPLB, stepaware and balanced-with-spares placements
@@ -760,40 +763,60 @@ def make_placement(model: Path, work: Path) -> None:
     (work / "placement.json").write_text(json.dumps(data))
 
 
-def run_replace(model: Path, work: Path, port: int, startup: float, window: int = REPLACE_WINDOW) -> list[Check]:
+def run_replace(model: Path, work: Path, port: int, startup: float, window: int = REPLACE_WINDOW,
+                earlier_stops: list[tuple[str, str, int | None]] = ()) -> list[Check]:
     """Online re-placement at EP 1: a server launched with the reversed map and MOEPLACE_ONLINE (a decision only
     when asked, so that the timed batches meet none by chance; tracer on, /metrics on) beside the same server
-    without online re-placement."""
+    without online re-placement; and SGLang alone (no moeplace feature on: the baseline, and a plain server not
+    started by `launch`), stopped with SIGINT and SIGTERM, whose exit codes the servers with moeplace's features
+    (``earlier_stops``: name, signal, exit code) must give for the same signal."""
     rng = random.Random(1)
     make_placement(model, work)
     replace_placements(work)
     trees = ["--speculative-ngram-max-bfs-breadth", "4"]
     launch = ["--placement", "placement.json"]
     baseline = Server("replace-baseline", port, server_argv(model, port, trees, launch=launch), {}, work)
+    plain = Server("plain-sglang", port + 2, server_argv(model, port + 2, trees), {}, work)
     server = Server("replace", port + 1, server_argv(model, port + 1, trees + ["--enable-metrics"], launch=launch),
                     {"MOEPLACE_ONLINE": "1", "MOEPLACE_ONLINE_DIR": str(work / "online"),
                      "MOEPLACE_ONLINE_PERIOD": "1000000", "MOEPLACE_ONLINE_WINDOW": str(window),
                      "MOEPLACE_TRACE": "1", "MOEPLACE_TRACE_DIR": str(work / "traces-replace")}, work)
     checks: list[Check] = []
     try:
-        for s in (baseline, server):
+        for s in (baseline, server, plain):
             s.start()
             time.sleep(2.0)
-        for s in (baseline, server):
+        for s in (baseline, server, plain):
             s.wait_ready(startup)
-        print(f"servers ready: {[(s.name, round(s.ready_s, 1)) for s in (baseline, server)]}", flush=True)
+        print(f"servers ready: {[(s.name, round(s.ready_s, 1)) for s in (baseline, server, plain)]}", flush=True)
         greedy_prompts = prompts(rng, 8, 64, 256)
         baseline.greedy = baseline.generate_all(greedy_prompts, [128] * 8)
         exercise = exercise_replace(server, work, rng, window)
         server.greedy = server.generate_all(greedy_prompts, [128] * 8)
         print(f"re-placement traffic done: {json.dumps({k: exercise[k] for k in ('tokens_per_s', 'requests')})[:800]}",
               flush=True)
-        stop = server.stop(signal.SIGTERM)
+        how = ((server, signal.SIGTERM), (baseline, signal.SIGINT), (plain, signal.SIGTERM))
+        with ThreadPoolExecutor(len(how)) as pool:
+            stopped = list(pool.map(lambda x: x[0].stop(x[1]), how))
+        stop = stopped[0]
         guarded(checks, "replace", lambda: check_replace(server, baseline, exercise, stop, work))
+        codes = [(s.name, signal.Signals(sig).name, rc) for (s, sig), (rc, _) in zip(how, stopped)]
+        guarded(checks, "stops", lambda: check_stops(list(earlier_stops) + codes[:1], codes[1:]))
     finally:
-        for s in (baseline, server):
+        for s in (baseline, server, plain):
             s.kill()
     return checks
+
+
+def check_stops(ours: list[tuple[str, str, int | None]], sglang: list[tuple[str, str, int | None]]) -> Check:
+    """Every server with a moeplace feature on exits, for each signal, with the code SGLang alone gave for it."""
+    own = {sig: rc for _, sig, rc in sglang}
+    differ = [f"{name} {sig}: {rc} (SGLang alone: {own[sig]})" for name, sig, rc in ours if own.get(sig) != rc]
+    figures = {"sglang_alone": {f"{name} {sig}": rc for name, sig, rc in sglang},
+               "with_moeplace": {f"{name} {sig}": rc for name, sig, rc in ours}}
+    detail = "; ".join(f"{sig} -> {rc}" for sig, rc in sorted(own.items()))
+    return Check("stops", not differ and len(own) == 2,
+                 f"exit codes as SGLang alone gives them: {detail}" if not differ else "; ".join(differ), figures)
 
 
 def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
@@ -896,7 +919,9 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
                 timings[s.name] = {"error": f"{type(e).__name__}: {e}"}
         print(f"profiles: {json.dumps(timings)[:600]}", flush=True)
 
-        how = ((s_trees, signal.SIGTERM), (s_trees_k, signal.SIGINT), (s_chain, signal.SIGTERM),
+        # each signal stops a server with moeplace's verify kernel and one without (tracer on in all four), so
+        # that the exit codes say whether the signal or the kernel decides them
+        how = ((s_trees, signal.SIGINT), (s_trees_k, signal.SIGTERM), (s_chain, signal.SIGTERM),
                (s_chain_k, signal.SIGINT))
         with ThreadPoolExecutor(len(how)) as pool:   # as a process manager stops a node's servers
             stopped = list(pool.map(lambda x: x[0].stop(x[1]), how))
@@ -917,7 +942,8 @@ def run(model: Path, work: Path, port: int, startup: float) -> list[Check]:
     finally:
         for s in everyone:
             s.kill()
-    return checks + run_replace(model, work, port + 8, startup)
+    stopped_here = [(s.name, signal.Signals(sig).name, stops[s.name]["exit_code"]) for s, sig in how]
+    return checks + run_replace(model, work, port + 8, startup, earlier_stops=stopped_here)
 
 
 # ----------------------------------------------------------------------------------------- 2 GPUs (EP)
@@ -1129,7 +1155,7 @@ def main() -> int:
                     help="a DeepSeek-V3-architecture model folder (config.json; weights are dummy)")
     ap.add_argument("--out", type=Path, default=Path("result.json"), help="where to write the JSON result")
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temp folder)")
-    ap.add_argument("--port", type=int, default=31000, help="first of the 10 ports the servers take")
+    ap.add_argument("--port", type=int, default=31000, help="first of the 11 ports the servers take")
     ap.add_argument("--startup-timeout", type=float, default=360.0, help="seconds a server may take to start")
     ap.add_argument("--gpus", type=int, choices=(1, 2), default=1,
                     help="1: every feature on one GPU; 2: expert parallelism on two (--model: the Kimi-expert-shaped "
