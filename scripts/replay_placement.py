@@ -94,18 +94,18 @@ def extra_specs(num_experts: int, ranks: int, cost_rule: bool, layouts: bool) ->
     return out
 
 
-COST_SET: list = []   # [the cost set ``--cost-model`` names] (report and prepare), else the shipped models
+GPU: list[str] = []   # [``--gpu``] (report and prepare): whose shipped cost models predict, else the H200's
 
 
 def rank_cost(hidden: int, inter: int, slots: int, top_k: int, moe_tp: int, step_tokens: int):
     """The cost model ``advise`` uses for one GPU holding ``slots`` experts, each 1/moe_tp of ``hidden x inter``
     (bf16), at steps of ``step_tokens`` tokens (``Costing.group``: SGLang's kernel config and grid for them), from
-    the cost set of ``--cost-model`` where given (``moeplace calibrate``)."""
+    the shipped models of ``--gpu`` where given (``moeplace.cost.gpus``)."""
     from moeplace.commands.costing import Costing
+    from moeplace.cost.gpus import resolve_gpu
     from moeplace.model.expert_shape import ExpertShape
     shape = ExpertShape(hidden, inter, "bf16", "replay")
-    costing = Costing.from_set(shape, top_k, COST_SET[0]) if COST_SET else Costing(shape, top_k)
-    return costing.group(slots, moe_tp, step_tokens)
+    return Costing(shape, top_k, gpu=resolve_gpu(GPU[0] if GPU else None)).group(slots, moe_tp, step_tokens)
 
 
 def layout_members(tags: list[str], num_experts: int, ranks: int, groups: dict[str, int]) -> dict[str, list[str]]:
@@ -677,15 +677,11 @@ def main() -> None:
     c.add_argument("--times", required=True, help="measure's JSON; a comma list is merged")
     c.add_argument("--out", default="")
     for parser in (a, c):
-        parser.add_argument("--cost-model", default="", help="a cost set (`moeplace calibrate`) to predict with "
-                            "instead of the shipped models (report) and to fit the placements with (prepare)")
+        parser.add_argument("--gpu", default="", help="the GPU whose shipped cost models predict (report) and fit "
+                            "the placements (prepare), e.g. H100 (default: the H200's)")
     args = p.parse_args()
-    if args.cmd != "measure" and args.cost_model:
-        from moeplace.cost.cost_set import CostSet, load_cost_file
-        cost_set = load_cost_file(args.cost_model)
-        if not isinstance(cost_set, CostSet):
-            p.error(f"--cost-model {args.cost_model}: not a cost set")
-        COST_SET[:] = [cost_set]
+    if args.cmd != "measure" and args.gpu:
+        GPU[:] = [args.gpu]
     {"prepare": prepare, "measure": measure, "report": report}[args.cmd](args)
 
 

@@ -170,14 +170,19 @@ def test_a_shipped_cost_set_is_read_as_its_gpus_measurements(tmp_path):
     assert calibrate(lines).gpu == "NVIDIA H100 80GB HBM3"
 
 
-def test_a_gpu_without_shipped_models_is_named_in_a_warning():
+def test_each_gpu_gets_its_own_models_or_the_nearest_with_a_warning():
+    """H200 and H100 ship their own measurements; an H800 (an H100 by another name) gets the H100's with a warning
+    naming them; a GPU not in the table the H200's, with its memory said to be unknown."""
     own = resolve_gpu("h200")
     assert own.measured == "NVIDIA H200" and own.warning is None
-    h100 = resolve_gpu("NVIDIA H100 80GB HBM3")
-    assert h100.measured == "NVIDIA H200" and "no cost model ships for" in h100.warning
+    h100 = resolve_gpu("H100")
+    assert h100.measured == "NVIDIA H100 80GB HBM3" and h100.warning is None
     assert h100.memory_gb == pytest.approx(81_559 * 2**20 / 1e9)
+    h800 = resolve_gpu("NVIDIA H800")
+    assert h800.measured == "NVIDIA H100 80GB HBM3" and "no cost model ships for NVIDIA H800" in h800.warning
     other = resolve_gpu("MI300X")
-    assert "memory is not known" in other.warning and other.memory_gb == resolve_gpu(None).memory_gb
+    assert other.measured == "NVIDIA H200" and "memory is not known" in other.warning
+    assert other.memory_gb == resolve_gpu(None).memory_gb
 
 
 def test_gpu_flag_sizes_spares_by_its_memory():

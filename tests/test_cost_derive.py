@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moeplace.cost.derive import (FP8_BLOCK, LARGE_M, SMALL_M, STEP_TOKENS, Measured, calibrate, column_blocks,
-                                  derive_cost_model, formula_cost, gpu_calibration, measured_line, packaged_measurements,
+from moeplace.cost.derive import (DEFAULT_GPU, FP8_BLOCK, LARGE_M, SMALL_M, STEP_TOKENS, Measured, calibrate,
+                                  column_blocks, derive_cost_model, formula_cost, gpu_calibration, measured_line, packaged_measurements,
                                   sglang_default_config, sglang_row_blocks, sglang_sorted_rows)
 from moeplace.errors import MoeplaceError
 from moeplace.model.config import expert_shape_from_hf_config
@@ -24,7 +24,7 @@ from moeplace.model.spec import ModelSpec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-FILES = {m.name: m for m in packaged_measurements()}
+FILES = {m.name: m for m in packaged_measurements() if m.cost.provenance["gpu"] == DEFAULT_GPU}   # the H200's files
 TOP_K = {"cost_h200_bf16.json": 8, "cost_h200_fp8.json": 8, "cost_h200_int4.json": 8, "cost_h200_bf16_tp8.json": 8,
          "cost_h200_bf16_gptoss.json": 4, "cost_h200_bf16_gptoss_tp8.json": 4}   # the models the files were for
 

@@ -48,7 +48,7 @@ def calibrated_model(model_ref: str) -> CalibratedModel:
     config = read_hf_config(folder)
     spec = model_spec_from_hf_config(config, path=folder / "config.json")
     shape = expert_shape_from_hf_config(config, f"--model {model_ref}", folder / "config.json")
-    return CalibratedModel(spec.name if spec.name != "model" else model_ref, shape, spec.num_experts, spec.top_k)
+    return CalibratedModel(spec.name if spec.name != "model" else folder.name, shape, spec.num_experts, spec.top_k)
 
 
 def gpu_or_refusal() -> tuple[str, float, int]:

@@ -54,6 +54,7 @@ without its own r takes the measured files' median r / a for its block size. BEN
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -321,14 +322,18 @@ def measured_line(cal: Calibration, m: Measured, top_k: int, step_tokens: int = 
     rows = sglang_row_blocks(step_tokens * top_k, local_slots or m.local_slots, m.config[0])
     c = m.cost.c_us + cal.grid_us(m.shape, m.config, rows - m.row_blocks)
     if len(m.c_at_steps) >= 2 and step_tokens > m.step_tokens:
-        # c measured at a larger step too (the config sweeps): what the grid missed there, linearly in the step
-        # from the file's own step (at 64-row blocks c grows faster than the grid: SGLang's kernel writes zeros
-        # to the buffer rows of other ranks' pairs, ~1 TB/s of row bytes, BENCHMARKS.md#measured-lines); below the file's
-        # step the grid alone
-        t1, c1 = m.c_at_steps[-1]
-        grid1 = m.cost.c_us + cal.grid_us(m.shape, m.config,
-                                          sglang_row_blocks(t1 * m.top_k, m.local_slots, m.config[0]) - m.row_blocks)
-        c = max(c + (c1 - grid1) * (step_tokens - m.step_tokens) / (t1 - m.step_tokens), 0.0)
+        # c measured at larger steps too (the config sweeps): what the grid missed at each, linearly in the step
+        # between the two measured steps around this one (past the last, the last two's line). At 64-row blocks c
+        # grows faster than the grid (SGLang's kernel writes zeros to the buffer rows of other ranks' pairs, ~1 TB/s
+        # of row bytes, BENCHMARKS.md#measured-lines); below the file's step the grid alone.
+        def missed(t: int, c_t: float) -> float:
+            rows_t = sglang_row_blocks(t * m.top_k, m.local_slots, m.config[0])
+            return c_t - m.cost.c_us - cal.grid_us(m.shape, m.config, rows_t - m.row_blocks)
+        steps = [t for t, _ in m.c_at_steps]
+        hi = min(max(bisect.bisect_left(steps, step_tokens), 1), len(steps) - 1)
+        (t0, c0), (t1, c1) = m.c_at_steps[hi - 1], m.c_at_steps[hi]
+        m0 = missed(t0, c0)
+        c = max(c + m0 + (missed(t1, c1) - m0) * (step_tokens - t0) / (t1 - t0), 0.0)
     return m.cost.a_us_per_expert, cal.net_b(m), c
 
 

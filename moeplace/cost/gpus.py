@@ -16,8 +16,8 @@ MIB = 2**20
 # Memory as nvidia-smi reports it (MiB), by a name's model token; GB below are 1e9 bytes.
 GPU_MEMORY_MIB = {"H200": 143_771, "H100": 81_559, "H800": 81_559, "A100": 81_920, "B200": 183_359,
                   "RTX PRO 6000": 97_887}
-# A GPU without shipped measurements is costed with this one's: the nearest in memory bandwidth per FLOP.
-NEAREST_SHIPPED = {"H100": "NVIDIA H100", "H800": "NVIDIA H100"}
+# A GPU without shipped measurements is costed with the one of this token where it ships: the same chip.
+NEAREST_SHIPPED = {"H800": "H100"}
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ def resolve_gpu(asked: str | None) -> Gpu:
     memory = GPU_MEMORY_MIB[token] * MIB / 1e9 if token else None
     if own is not None:
         return Gpu(own, own, memory)
-    nearest = NEAREST_SHIPPED.get(token or "")
-    nearest = nearest if nearest in shipped else DEFAULT_GPU
+    near = NEAREST_SHIPPED.get(token or "")
+    nearest = next((g for g in shipped if near and model_token(g) == near), DEFAULT_GPU)
     if memory is None:
         memory = GPU_MEMORY_MIB[model_token(nearest)] * MIB / 1e9
         held = f"; its memory is not known either, so spare slots are sized for the {nearest}'s"

@@ -2,8 +2,9 @@
 
 A *sweep* is one GPU shape of the layouts a model can run on ``--ranks`` GPUs (an expert slice ``hidden x inter``,
 ``local_slots`` of them a GPU) at one kernel config SGLang runs it with: its points are workloads (tokens on each
-of ``distinct`` local experts) timed in a step of ``step_tokens`` tokens, even spreads first, then uneven ones with
-experts of several row blocks at the config's largest step (``big_step``). The fit is ``moeplace.cost.model``'s
+of ``distinct`` local experts), even spreads timed in steps of each batch size that runs the config (``steps``: the
+fixed cost follows SGLang's launch grid, which bends where the step's pairs outnumber the GPU's slots, so it is
+measured at each), then uneven ones with experts of several row blocks at the config's largest step (``big_step``). The fit is ``moeplace.cost.model``'s
 line: ``a * distinct + r * extra row blocks + b * pairs + c``, one c per step size (the launch grid differs), every
 term non-negative, relative least squares over the points whose experts fill the GPU (below that the kernel is
 latency-bound and sublinear in experts, a regime a layer's slowest GPU is not in at these batches).
@@ -31,7 +32,8 @@ H200_SMS = 132
 @dataclass(frozen=True)
 class Sweep:
     """One GPU shape at one kernel config: ``groups`` EP groups hold ``local_slots`` slots of ``hidden x inter``
-    each (an expert, or 1/moe_tp of one), for steps of ``step_tokens`` (even points) and ``big_step`` (uneven)."""
+    each (an expert, or 1/moe_tp of one), for steps of ``step_tokens`` and each of ``more_steps`` (even points) and
+    ``big_step`` (uneven)."""
 
     label: str
     hidden: int
@@ -41,18 +43,19 @@ class Sweep:
     groups: int
     step_tokens: int
     big_step: int
+    more_steps: tuple[int, ...] = ()
 
     @property
-    def step_pairs(self) -> int:
-        return self.step_tokens * self.top_k
+    def steps(self) -> tuple[int, ...]:
+        return (self.step_tokens, *self.more_steps)
 
 
 def plan_sweeps(hidden: int, slices: Iterable[tuple[int, int, int]], top_k: int,
                 batches: Iterable[int] = CALIBRATED_BATCHES) -> list[Sweep]:
     """The sweeps that cover ``slices`` ((intermediate of the slice, local slots, EP groups), most wanted first)
     at every kernel config SGLang's default picks for ``batches`` (16-row blocks while a step's tokens are at most
-    the GPU's slots, 64-row ones above: ``sglang_default_config``). A config's even points run at its smallest
-    batch from a verify step up, its uneven ones at its largest batch; one sweep per (slice, slots, config)."""
+    the GPU's slots, 64-row ones above: ``sglang_default_config``). A config's even points run at each of its
+    batches from a verify step up, its uneven ones at its largest batch; one sweep per (slice, slots, config)."""
     batches = sorted(set(batches))
     out: dict[tuple[int, int, tuple[int, int, int]], Sweep] = {}
     for inter, slots, groups in slices:
@@ -62,7 +65,8 @@ def plan_sweeps(hidden: int, slices: Iterable[tuple[int, int, int]], top_k: int,
                 continue
             step = min((t for t in runs if t >= VERIFY_TOKENS), default=runs[-1])
             label = f"h{hidden}-i{inter}-e{slots}-bm{config[0]}"
-            out[inter, slots, config] = Sweep(label, hidden, inter, slots, top_k, groups, step, runs[-1])
+            out[inter, slots, config] = Sweep(label, hidden, inter, slots, top_k, groups, step, runs[-1],
+                                              tuple(t for t in runs if t > step))
     return list(out.values())
 
 
@@ -108,10 +112,10 @@ def row_block_counts(slots: int, step_pairs: int, block_m: int, filling: int) ->
 
 
 def workloads(sweep: Sweep, block_m: int, block_n: int, sms: int) -> list[tuple[int, list[int]]]:
-    """(step tokens, tokens on each local slot) of every point of ``sweep``: even spreads at its step, then the
-    uneven ones at its big step (room for several row blocks an expert)."""
-    even = dict.fromkeys(config_sweep_points(sweep.local_slots, sweep.step_pairs, sweep.groups))
-    out = [(sweep.step_tokens, even_counts(d, n)) for d, n in even]
+    """(step tokens, tokens on each local slot) of every point of ``sweep``: even spreads at each of its steps, then
+    the uneven ones at its big step (room for several row blocks an expert)."""
+    out = [(step, even_counts(d, n)) for step in sweep.steps
+           for d, n in dict.fromkeys(config_sweep_points(sweep.local_slots, step * sweep.top_k, sweep.groups))]
     filling = filling_experts(sweep.inter, block_n, sms)
     out += [(sweep.big_step, c) for c in row_block_counts(sweep.local_slots, sweep.big_step * sweep.top_k,
                                                           block_m, filling)]
