@@ -19,7 +19,7 @@ from moeplace.cli import main
 from moeplace.commands.calibrate import CalibratedModel, planned_sweeps
 from moeplace.commands.costing import resolve_costing
 from moeplace.cost.cost_set import KIND, load_cost_file
-from moeplace.cost.derive import derive_cost_model, sglang_default_config
+from moeplace.cost.derive import derive_cost_model, packaged_measurements, sglang_default_config
 from moeplace.cost.gpus import resolve_gpu
 from moeplace.cost.model import load_cost_model
 from moeplace.cost.sweeps import filling_experts, sweep_line, workloads
@@ -168,6 +168,20 @@ def test_a_shipped_cost_set_is_read_as_its_gpus_measurements(tmp_path):
     assert sorted(m.name for m in lines) == sorted(f"set_h100_gptoss.json:{label}" for label in RAW["sweeps"])
     assert {m.cost.provenance["gpu"] for m in lines} == {"NVIDIA H100 80GB HBM3"}
     assert calibrate(lines).gpu == "NVIDIA H100 80GB HBM3"
+
+
+SHIPPED_SETS = [m for m in packaged_measurements() if m.name.startswith("set_")]
+
+
+@pytest.mark.parametrize("line", SHIPPED_SETS, ids=[m.name for m in SHIPPED_SETS])
+def test_shipped_set_lines_give_their_c_at_every_measured_step(line):
+    """A shipped cost set's line (``moeplace calibrate``: c measured at each batch its config runs) gives that c
+    on its own GPU shape at each of those steps."""
+    gpu = line.cost.provenance["gpu"]
+    for tokens, c in line.c_at_steps:
+        model = derive_cost_model(line.shape, line.local_slots, line.top_k, gpu, step_tokens=tokens)
+        assert model.provenance["derived_from"] == line.name
+        assert model.c_us == pytest.approx(c, abs=0.01)
 
 
 def test_each_gpu_gets_its_own_models_or_the_nearest_with_a_warning():

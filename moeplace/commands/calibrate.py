@@ -114,7 +114,7 @@ def calibrate(model_ref: str, ranks: int, redundant: int | None, budget_s: int, 
 
     Run it on the machine that serves (a CUDA GPU, torch and SGLang installed): every command's MoE µs, the
     dispatch rule by cost and advise's layout then come from this GPU's own measurements instead of the shipped
-    H200 ones. One sweep per GPU shape the layouts on --ranks GPUs meet (each expert slice, its local slots, and
+    ones (H200, H100). One sweep per GPU shape the layouts on --ranks GPUs meet (each expert slice, its local slots, and
     each kernel config SGLang runs it with between 1 and 1,024 tokens a step: its tuned file where it ships one,
     else its default), through SGLang's own kernel and buffer layout in CUDA graphs. Each sweep's line is
     fitted on its points and its error printed; the file names the GPU, SGLang's version, the model and the

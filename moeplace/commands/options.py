@@ -177,9 +177,9 @@ def trace_options(f: Callable | None = None, *, dispatch: bool = True) -> Callab
                           "one derived for the model's experts; or a cost set that `moeplace calibrate` wrote on "
                           "the serving GPU, from which every layout's cost is derived."),
         click.option("--gpu", "gpu", metavar="NAME",
-                     help="The GPU the server runs on (e.g. H100, H200): its shipped cost measurements and its "
-                          "memory for spare slots (default: H200; a GPU none ships for gets the nearest one's, with "
-                          "a warning; `moeplace calibrate` measures yours)."),
+                     help="The GPU the server runs on: its shipped cost measurements (H200, the default, and "
+                          "H100) and its memory for spare slots; a GPU none ships for gets the nearest one's, with "
+                          "a warning (`moeplace calibrate` measures yours)."),
         click.option("--window", type=count(), default=DEFAULT_WINDOW, show_default=True,
                      help="For per-token decode runs (.npz): consecutive tokens per emulated verify step."),
         click.option("--top-k", type=count(1, MAX_EXPERTS), default=None,
