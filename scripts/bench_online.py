@@ -10,6 +10,7 @@ Output: a table on stdout; --json FILE writes {"rows": [{"trace", "ranks", "redu
     "moe_us_per_step", "moved_experts", "replacements"}], "goals": ...}.
 
     python scripts/bench_online.py [--gptoss PATH] [--quick] [--json OUT]
+    python scripts/bench_online.py --only kimi:8:0 [--policies moeplace-online]   # one row, one policy
 
 Traces (9-token verify steps, one request's window each), in time order:
 * GPT-OSS-20B real routing, its datasets served one after another (MMLU, MMLU-Pro, GPQA, SORRY-Bench: the examples'
@@ -153,7 +154,7 @@ def run_policy(policy: str, steps: RoutingSteps, ranks: int, redundant: int, cos
             "scored_steps": s["steps"], "decision_seconds": float(np.mean(seconds)) if seconds else 0.0}
 
 
-TRACES: list[Trace] = []   # made once in main(), read by the forked row jobs
+TRACES: list[Trace | None] = []   # made once in main(), read by the forked row jobs
 
 
 def run_row(job: tuple[int, int, int, str]) -> dict:
@@ -167,13 +168,20 @@ def run_row(job: tuple[int, int, int, str]) -> dict:
             **run_policy(policy, trace.steps, ranks, redundant, cost_model, costing.shape.bytes, WINDOW, PERIOD)}
 
 
-def goals(rows: list[dict]) -> list[str]:
-    """One line per goal broken (empty: every goal met)."""
-    broken = []
+def by_row(rows: list[dict]) -> dict[tuple[str, int, int], dict[str, dict]]:
+    """{(trace, ranks, spare slots): {policy: row}}."""
     by = {}
     for r in rows:
         by.setdefault((r["trace"], r["ranks"], r["redundant"]), {})[r["policy"]] = r
-    for (trace, ranks, redundant), p in by.items():
+    return by
+
+
+def goals(rows: list[dict]) -> list[str]:
+    """One line per goal broken (empty: every goal met)."""
+    broken = []
+    for (trace, ranks, redundant), p in by_row(rows).items():
+        if len(p) < len(POLICIES):   # a row run with some policies only (--policies)
+            continue
         ours, eplb = p["moeplace-online"], p["sglang-eplb"]
         where = f"{trace}, {ranks} ranks, {redundant} spare"
         for other in ("start-only", "sglang-eplb"):
@@ -188,6 +196,24 @@ def goals(rows: list[dict]) -> list[str]:
     return broken
 
 
+TRACE_KEYS = ("gptoss", "kimi")   # --only's names of the traces, in TRACES' order
+
+
+def parse_only(text: str) -> tuple[str, int | None, int | None]:
+    """``TRACE[:RANKS[:SPARES]]`` (``kimi:8:0``) -> (trace key, ranks or None, spare slots or None)."""
+    parts = text.split(":")
+    if parts[0] not in TRACE_KEYS or len(parts) > 3 or not all(p.isdigit() for p in parts[1:]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TRACE[:RANKS[:SPARES]], TRACE one of "
+                                         f"{', '.join(TRACE_KEYS)}")
+    numbers = [int(p) for p in parts[1:]] + [None] * (3 - len(parts))
+    return parts[0], numbers[0], numbers[1]
+
+
+def selected(only: list[tuple[str, int | None, int | None]], key: str, ranks: int, redundant: int) -> bool:
+    """Whether the row (trace ``key``, ``ranks``, ``redundant``) is among ``only`` (every row if it is empty)."""
+    return not only or any(k == key and r in (None, ranks) and s in (None, redundant) for k, r, s in only)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--gptoss", type=Path, default=GPTOSS, help="per-token GPT-OSS-20B routing (.npz)")
@@ -195,13 +221,24 @@ def main() -> None:
                         help="a shorter run: 2,000 steps of each dataset, 3 Kimi-shaped phases of 3,000 steps")
     parser.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                         help="rows run at once, each in a process of its own (default: the usable CPUs)")
+    parser.add_argument("--only", type=parse_only, action="append", default=[], metavar="TRACE[:RANKS[:SPARES]]",
+                        help=f"run only these rows (repeatable; TRACE one of {', '.join(TRACE_KEYS)}), e.g. kimi:8:0")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES),
+                        help="run only these policies (the goals are checked on rows that have all three)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     global TRACES
-    TRACES = [gptoss_trace(args.gptoss, 2000 if args.quick else None),
-              kimi_trace(3 if args.quick else 6, 3000 if args.quick else 4000)]
-    jobs = [(t, ranks, redundant, policy) for t, trace in enumerate(TRACES) for ranks in trace.ranks
-            for redundant in spare_counts(trace.steps.model.num_experts, ranks) for policy in POLICIES]
+    wanted = {key for key, _, _ in args.only} or set(TRACE_KEYS)
+    # a trace no row asks for is not built (the GPT-OSS file need not be there for a Kimi-shaped row)
+    TRACES = [gptoss_trace(args.gptoss, 2000 if args.quick else None) if "gptoss" in wanted else None,
+              kimi_trace(3 if args.quick else 6, 3000 if args.quick else 4000) if "kimi" in wanted else None]
+    jobs = [(t, ranks, redundant, policy) for t, trace in enumerate(TRACES) if trace is not None
+            for ranks in trace.ranks for redundant in spare_counts(trace.steps.model.num_experts, ranks)
+            if selected(args.only, TRACE_KEYS[t], ranks, redundant) for policy in args.policies]
+    if not jobs:
+        parser.error("--only selects no row (rows: " + ", ".join(
+            f"{TRACE_KEYS[t]}:{r}:{s}" for t, trace in enumerate(TRACES) if trace is not None
+            for r in trace.ranks for s in spare_counts(trace.steps.model.num_experts, r)) + ")")
     jobs.sort(key=lambda job: job[3] != "moeplace-online")   # the long ones first
     t0 = time.perf_counter()
     rows = []
@@ -214,6 +251,12 @@ def main() -> None:
                   f"decision {row['decision_seconds']:.1f} s  ({time.perf_counter() - t0:.0f} s)", flush=True)
     order = {job: i for i, job in enumerate((TRACES[t].name, r, s, p) for t, r, s, p in sorted(jobs))}
     rows.sort(key=lambda r: order[(r["trace"], r["ranks"], r["redundant"], r["policy"])])
+    for (trace, ranks, redundant), p in by_row(rows).items():
+        if "moeplace-online" in p and "sglang-eplb" in p:
+            ours, eplb = p["moeplace-online"], p["sglang-eplb"]
+            print(f"{trace}, {ranks} ranks, {redundant} spare: moeplace-online "
+                  f"{100 * (ours['e_max_distinct'] / eplb['e_max_distinct'] - 1):+.1f}% against sglang-eplb, "
+                  f"moved {ours['moved_experts']:,} ({eplb['moved_experts']:,})")
     broken = goals(rows)
     print("\ngoals: " + ("every goal met" if not broken else "; ".join(broken)))
     if args.json:
