@@ -193,10 +193,10 @@ def random_swap_instance(rng: np.random.Generator, S: int, R: int, spr: int, E: 
     pytest.skip("no separating assignment drawn")
 
 
-def brute_force_deltas(X, rank, item_expert, R):
+def brute_force_deltas(X, rank, item_expert, R, pairs=TIE_BREAK):
     """[P, P] objective change per swap from scratch, inf where the swap is not allowed."""
     P = X.shape[1]
-    before = _objective(_loads(X, rank, R))
+    before = _objective(_loads(X, rank, R), pairs)
     out = np.full((P, P), np.inf)
     for i, j in itertools.product(range(P), repeat=2):
         if rank[i] == rank[j] or item_expert[i] == item_expert[j]:
@@ -208,20 +208,21 @@ def brute_force_deltas(X, rank, item_expert, R):
             continue   # a rank would hold two replicas of one expert
         if not np.array_equal(swapped, order_replicas(swapped, item_expert)):
             continue   # an expert's replica items would stop having increasing ranks
-        out[i, j] = _objective(_loads(X, swapped, R)) - before
+        out[i, j] = _objective(_loads(X, swapped, R), pairs) - before
     return out
 
 
+@pytest.mark.parametrize("pairs", [TIE_BREAK, 2**-4])
 @pytest.mark.parametrize("seed", range(12))
-def test_swap_deltas_match_brute_force(seed):
+def test_swap_deltas_match_brute_force(seed, pairs):
     rng = np.random.default_rng(seed)
     R = int(rng.choice([2, 3, 4]))
     spr = int(rng.integers(1, 4))
     E = int(rng.integers(max(1, spr), R * spr + 1))    # some experts replicated when E < R * spr
     X, rank, item_expert = random_swap_instance(rng, int(rng.integers(1, 9)), R, spr, E)
     D = _loads(X, rank, R)
-    delta = swap_deltas(X, D, rank, item_expert, R)
-    expect = brute_force_deltas(X, rank, item_expert, R)
+    delta = swap_deltas(X, D, rank, item_expert, R, pairs)
+    expect = brute_force_deltas(X, rank, item_expert, R, pairs)
     assert np.array_equal(np.isinf(delta), np.isinf(expect)), (delta, expect)
     finite = np.isfinite(expect)
     np.testing.assert_allclose(delta[finite], expect[finite], rtol=1e-5, atol=1e-4)
@@ -245,16 +246,18 @@ def test_rank_deltas_are_that_ranks_rows_of_the_brute_force(seed):
     np.testing.assert_allclose(delta[finite], expect[finite], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("pairs", [TIE_BREAK, 2**-4])
 @pytest.mark.parametrize("seed", range(4))
-def test_rank_deltas_equal_swap_deltas_bit_for_bit(seed):
+def test_rank_deltas_equal_swap_deltas_bit_for_bit(seed, pairs):
     """A repair step reads rank_deltas where a swap round reads swap_deltas: the two sum the same float32 terms
-    in different orders, so they pick the same swaps only if every term is exact (TIE_BREAK a power of two)."""
+    in different orders, so they pick the same swaps only if every term is exact (the weight of the pairs a power
+    of two: the tie-break, and the online decision's)."""
     rng = np.random.default_rng(200 + seed)
     X, rank, item_expert = random_swap_instance(rng, 400, 8, 6, 40)
     D = _loads(X, rank, 8)
     heavy = int(np.argmax(D.sum(axis=0)))
-    items, delta = rank_deltas(X, D, rank, item_expert, 8, heavy)
-    assert np.array_equal(delta, swap_deltas(X, D, rank, item_expert, 8)[items])
+    items, delta = rank_deltas(X, D, rank, item_expert, 8, heavy, pairs)
+    assert np.array_equal(delta, swap_deltas(X, D, rank, item_expert, 8, pairs)[items])
 
 
 def test_objective_definition():
@@ -407,8 +410,8 @@ def test_stepaware_fitted_objective_is_the_measured_one_with_replicas(monkeypatc
     seen = []
     original = stepaware_module.partition
 
-    def spy(active, search, item_tokens, item_expert, R, floor, rounds, wide=None):
-        rank = original(active, search, item_tokens, item_expert, R, floor, rounds, wide)
+    def spy(active, search, item_tokens, item_expert, R, floor, rounds, wide=None, pairs=TIE_BREAK):
+        rank = original(active, search, item_tokens, item_expert, R, floor, rounds, wide, pairs)
         seen.append(float(_loads(active, rank, R).max(axis=1).mean()))
         return rank
 

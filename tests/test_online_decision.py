@@ -255,3 +255,23 @@ def test_logical_ids_through_each_layer_s_map():
     maps = np.array([[2, 0, 1], [1, 2, 0]])
     physical = np.array([[[0, 1], [2, -1]]], np.int16)       # [T=1, L=2, K=2]
     assert logical_ids(physical, maps).tolist() == [[[2, 0], [0, -1]]]
+
+
+def test_the_decision_fits_with_its_pair_weight(monkeypatch):
+    """The candidates' fits weigh the pairs as the config says (the default, 1/16, is not the tie-break's), and a
+    negative weight is refused by name."""
+    import moeplace.analysis.replace as replace_module
+    from moeplace.algorithms.stepaware import TIE_BREAK
+    from moeplace.errors import MoeplaceError
+
+    seen = []
+    original = replace_module.fit
+    monkeypatch.setattr(replace_module, "fit", lambda problem: seen.append(problem.pair_weight) or original(problem))
+    model = tiny_model(16)
+    steps = synthetic_steps(200, model=model, seed=1)[1]
+    current = Placement(model, 4, solve("deepseek", PlacementProblem(model, steps, 4)))
+    decide(steps, current, "dynamic", CostModel(), ReplaceConfig(pair_weight=2**-3))
+    assert seen and set(seen) == {2**-3}
+    assert ReplaceConfig().pair_weight != TIE_BREAK
+    with pytest.raises(MoeplaceError, match="pair_weight"):
+        ReplaceConfig(pair_weight=-1.0).check()

@@ -94,13 +94,14 @@ def test_property_swap_search_never_ends_worse_than_it_started(seed, S, R, spr):
     assert after < before - TIE_BREAK / 2 or rounds == 1   # every round but the last gained
 
 
+@pytest.mark.parametrize("pairs", [TIE_BREAK, 2**-4])
 @pytest.mark.parametrize("R", [1, 2, 3, 5, 8, 16])
-def test_move_changes_is_the_objective_change_of_moving_one_slot(R):
-    """h[s, a, b] against a direct recount: step s's max and sum of squares after rank a loses an
-    active slot and rank b gains one (ties for the maximum included)."""
+def test_move_changes_is_the_objective_change_of_moving_one_slot(R, pairs):
+    """h[s, a, b] against a direct recount: step s's max and sum of squares (weighted by ``pairs``) after rank a
+    loses an active slot and rank b gains one (ties for the maximum included)."""
     rng = np.random.default_rng(R)
     D = rng.integers(0, 4, (60, R)).astype(np.float32)
-    h = move_changes(D)
+    h = move_changes(D, pairs=pairs)
     for s, a, b in itertools.product(range(D.shape[0]), range(R), range(R)):
         if a == b:
             assert h[s, a, b] == 0
@@ -108,7 +109,7 @@ def test_move_changes_is_the_objective_change_of_moving_one_slot(R):
         moved = D[s].astype(np.float64)
         moved[a] -= 1
         moved[b] += 1
-        expect = moved.max() - D[s].max() + TIE_BREAK * ((moved ** 2).sum() - (D[s].astype(np.float64) ** 2).sum())
+        expect = moved.max() - D[s].max() + pairs * ((moved ** 2).sum() - (D[s].astype(np.float64) ** 2).sum())
         assert h[s, a, b] == pytest.approx(expect, abs=1e-6), (s, a, b)
 
 

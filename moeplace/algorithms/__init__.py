@@ -37,6 +37,7 @@ class PlacementProblem:
     seed: int = 0
     effort: float = DEFAULT_EFFORT
     balance_floor: float = 0.98  # stepaware keeps token balancedness >= this share of DeepSeek EPLB's
+    pair_weight: float | None = None  # stepaware's weight of sum_r D^2 beside the step maxima (None: its tie-break)
     progress: Callable[[int], None] = lambda n: None  # called with the number of layers just finished
 
     @property

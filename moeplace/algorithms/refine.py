@@ -30,7 +30,8 @@ from moeplace.algorithms.deepseek import rebalance_experts
 from moeplace.algorithms.fit import placed_as
 from moeplace.algorithms.moves import align_layer
 from moeplace.algorithms.replica_exchange import MIN_GAIN, exchange_masks
-from moeplace.algorithms.stepaware import SWAP_GAIN, item_activity, round_cost, search_rows, swap_search, token_floor
+from moeplace.algorithms.stepaware import (SWAP_GAIN, item_activity, pair_weight, round_cost, search_rows,
+                                           swap_search, token_floor)
 from moeplace.dispatch.balanced import MASK_RANKS, pack_bits, replica_layout, step_expert_counts
 from moeplace.dispatch.loads import balancedness
 from moeplace.parallel import layer_workers, map_layers
@@ -84,7 +85,7 @@ def swap_layer(problem: PlacementProblem, layer: int, current: np.ndarray, refer
     budget = REFINE_EFFORT * problem.effort / problem.model.num_moe_layers
     rounds = max(1, int(budget // round_cost(rows.size, P, R)))
     rank, _ = swap_search(active[rows], item_tokens, item_expert, rank, R, floor, rounds,
-                          min_swap=max(SWAP_GAIN, min_step_gain * rows.size))
+                          min_swap=max(SWAP_GAIN, min_step_gain * rows.size), pairs=pair_weight(problem))
     out = np.empty(P, np.int64)
     by_rank = np.lexsort((item_expert, rank))               # each rank's slots, experts in id order
     out[:] = item_expert[by_rank]

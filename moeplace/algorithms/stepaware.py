@@ -36,7 +36,8 @@ from moeplace.trace.steps import RoutingSteps
 
 TIE_BREAK = 2**-10          # weight of sum_r D^2 against the max: only decides between equal maxima; a power of
                             # two keeps the float32 terms exact, so rank_deltas sums what swap_deltas does bit for
-                            # bit (with 1e-3 the two orders of summing differed: tests/test_algorithms.py)
+                            # bit (with 1e-3 the two orders of summing differed: tests/test_algorithms.py). A
+                            # problem may weigh it more (``PlacementProblem.pair_weight``: the online decision)
 MIN_GAIN = TIE_BREAK / 2    # a real change of the objective is a whole number plus TIE_BREAK times one
 SWAP_GAIN = 1e-4            # a swap's float32 delta must be below -SWAP_GAIN to be tried
 MAX_REPAIRS = 64            # swaps allowed to lift token balancedness to the floor
@@ -143,9 +144,11 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
     floor = token_floor(problem.balance_floor, reference, item_expert, item_tokens, R)
     search = active if wide else active[rows]
     nodes = problem.nodes
+    pairs = pair_weight(problem)
     if nodes == 1:
         refine = problem.dispatch == "static" and replicas.max() > 1
-        rank = partition(active, search, item_tokens, item_expert, R, floor, effort / 2 if refine else effort, wide)
+        rank = partition(active, search, item_tokens, item_expert, R, floor, effort / 2 if refine else effort, wide,
+                         pairs)
         if refine:
             # Under the static rule the replica that serves a step is the one nearest its source
             # rank, so a slot's steps depend on where the replicas sit: re-derive them from the
@@ -156,7 +159,8 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
             order = np.lexsort((item_expert, rank))
             static_item = order[static_dispatch_table(item_expert[order], E, R, 1)]
             search, item_tokens = item_activity(problem.steps, layer, replicas, "static", static_item, rows)
-            rank, _ = swap_search(search, item_tokens, item_expert, rank, R, floor, rounds, STATIC_REPAIRS)
+            rank, _ = swap_search(search, item_tokens, item_expert, rank, R, floor, rounds, STATIC_REPAIRS,
+                                  pairs=pairs)
     else:
         # Hierarchical: slots to nodes first (a node may hold up to ranks-per-node replicas of an
         # expert, one per rank), then each node's slots to its ranks. Replicas sharing a key go to
@@ -165,16 +169,21 @@ def place_layer(problem: PlacementProblem, layer: int, reference: np.ndarray, ro
         per_node = R // nodes
         replica_index = np.arange(P) - np.searchsorted(item_expert, item_expert)
         node_key = item_expert * P + replica_index // nodes
-        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2, wide)
+        node = partition(active, search, item_tokens, node_key, nodes, floor, effort / 2, wide, pairs)
         rank = np.zeros(P, np.int64)
         for n in range(nodes):
             mine = np.flatnonzero(node == n)
             rank[mine] = n * per_node + partition(active[:, mine], search[:, mine], item_tokens[mine],
                                                   item_expert[mine], per_node, floor,
-                                                  effort / (2 * nodes), wide)
+                                                  effort / (2 * nodes), wide, pairs)
     # Slots on each rank in expert order; the rank's slot range is [r*spr, (r+1)*spr).
     order = np.lexsort((item_expert, rank))
     return item_expert[order]
+
+
+def pair_weight(problem: PlacementProblem) -> float:
+    """The weight of sum_r D^2 in ``problem``'s objective: its ``pair_weight``, else TIE_BREAK."""
+    return TIE_BREAK if problem.pair_weight is None else problem.pair_weight
 
 
 def search_moot(problem: PlacementProblem) -> str | None:
@@ -196,10 +205,11 @@ def search_moot(problem: PlacementProblem) -> str | None:
 
 
 def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray,
-              R: int, floor: float, effort: float, wide: bool | None = None) -> np.ndarray:
+              R: int, floor: float, effort: float, wide: bool | None = None,
+              pairs: float = TIE_BREAK) -> np.ndarray:
     """[P] rank of each item: greedy packing, then swap search on ``search`` (a subset of steps).
     wide: pack and score on ``search`` too, and run only the swap rounds the budget pays for (default:
-    ``is_wide`` of these steps, slots and ranks).
+    ``is_wide`` of these steps, slots and ranks); pairs: the weight of sum_r D^2 (``pair_weight``).
 
     Starts from the token order, then, if the work budget ``effort`` allows, from the presence order:
     the search ends in different local optima; the better one on all steps is kept. Work is counted
@@ -217,15 +227,16 @@ def partition(active: np.ndarray, search: np.ndarray, item_tokens: np.ndarray, i
         if best is not None and effort < start_cost + 2 * per_round:
             break
         effort -= start_cost
-        start = order_replicas(greedy_place(fit, item_tokens, item_expert, R, P // R, floor, order),
+        start = order_replicas(greedy_place(fit, item_tokens, item_expert, R, P // R, floor, order, pairs),
                                item_expert)
         rounds = int(effort // per_round)
         # one round at least, unless the layer is wide or a round alone is dear (many ranks)
         dear = wide or per_round > DEAR_ROUND_CELLS
         rank, used = swap_search(search, item_tokens, item_expert, start, R, floor,
-                                 rounds if dear else max(1, rounds), min(rounds, MAX_REPAIRS) if dear else MAX_REPAIRS)
+                                 rounds if dear else max(1, rounds), min(rounds, MAX_REPAIRS) if dear else MAX_REPAIRS,
+                                 pairs=pairs)
         effort -= used * per_round
-        value = _objective(_loads(fit, rank, R))
+        value = _objective(_loads(fit, rank, R), pairs)
         if value < best_value:
             best, best_value = rank, value
     return best
@@ -371,7 +382,7 @@ def item_activity(steps: RoutingSteps, layer: int, replicas: np.ndarray, dispatc
 
 
 def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, R: int, spr: int,
-                 balance_floor: float = 0.0, order: np.ndarray | None = None) -> np.ndarray:
+                 balance_floor: float = 0.0, order: np.ndarray | None = None, pairs: float = TIE_BREAK) -> np.ndarray:
     """[P] rank of each item: heaviest first, each to the rank where it raises the step maxima least.
 
     Like DeepSeek's balanced packing, items come in decreasing token order (unless ``order`` says
@@ -396,7 +407,7 @@ def greedy_place(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nd
         steps = item_steps[i]
         Di = D[:, steps]
         score = ((Di == top[steps]).sum(axis=1)
-                 + TIE_BREAK * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size))
+                 + pairs * (2 * Di.sum(axis=1, dtype=np.int64) + steps.size))
         open_ = (fill < spr) & ~holds[:, item_expert[i]]
         if not open_.any():
             # Every rank with a free slot already holds this expert: move some other item k from a
@@ -445,8 +456,9 @@ def _make_room(rank: np.ndarray, item_expert: np.ndarray, holds: np.ndarray, fil
 
 def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.ndarray, rank: np.ndarray,
                 R: int, balance_floor: float, max_rounds: int,
-                max_repairs: int = MAX_REPAIRS, min_swap: float = SWAP_GAIN) -> tuple[np.ndarray, int]:
-    """Best-improvement pair swaps on the exact objective sum_s max_r D + TIE_BREAK * sum D^2, each lowering it by
+                max_repairs: int = MAX_REPAIRS, min_swap: float = SWAP_GAIN,
+                pairs: float = TIE_BREAK) -> tuple[np.ndarray, int]:
+    """Best-improvement pair swaps on the exact objective sum_s max_r D + pairs * sum D^2, each lowering it by
     more than ``min_swap`` (a search that pays for what it moves asks more of a swap: ``refine``).
 
     While token balancedness is under ``balance_floor`` (greedy packing can leave it there), each
@@ -461,7 +473,7 @@ def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nda
         load = np.bincount(rank, weights=item_tokens, minlength=R)
         if balancedness(load[None])[0] < balance_floor:
             heavy = int(np.argmax(load))
-            items, delta = rank_deltas(X, D, rank, item_expert, R, heavy)
+            items, delta = rank_deltas(X, D, rank, item_expert, R, heavy, pairs)
             out = item_tokens[items, None]
             new_heavy = load[heavy] - out + item_tokens[None, :]
             new_other = load[rank][None, :] + out - item_tokens[None, :]
@@ -476,7 +488,7 @@ def swap_search(active: np.ndarray, item_tokens: np.ndarray, item_expert: np.nda
         if rounds_done >= max_rounds:
             return rank, rounds_done
         rounds_done += 1
-        if not _improve(X, D, rank, item_expert, item_tokens, load, R, balance_floor, min_swap):
+        if not _improve(X, D, rank, item_expert, item_tokens, load, R, balance_floor, min_swap, pairs):
             return rank, rounds_done
     return rank, rounds_done
 
@@ -486,13 +498,14 @@ def _loads(X: np.ndarray, rank: np.ndarray, R: int) -> np.ndarray:
     return X @ np.eye(R, dtype=np.float32)[rank]
 
 
-def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray, R: int) -> np.ndarray:
-    """[P, P] exact change of sum_s max_r D + TIE_BREAK * sum D^2 if items i and j swap ranks.
+def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray, R: int,
+                pairs: float = TIE_BREAK) -> np.ndarray:
+    """[P, P] exact change of sum_s max_r D + pairs * sum D^2 if items i and j swap ranks.
 
     X: [S, P] activity, D: [S, R] loads. inf where a swap is not allowed (``_blocked``).
     """
     S, P = X.shape
-    h = move_changes(D)
+    h = move_changes(D, pairs=pairs)
     XH = X.T @ h.reshape(S, R * R)                     # [P, R*R]: sum_s x_si h(s, a, b)
     # Items grouped by rank, so that each rank pair's block of deltas is a slice (then put back in order).
     by_rank = np.argsort(rank, kind="stable")
@@ -515,12 +528,12 @@ def swap_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.
 
 
 def rank_deltas(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray, R: int,
-                heavy: int) -> tuple[np.ndarray, np.ndarray]:
+                heavy: int, pairs: float = TIE_BREAK) -> tuple[np.ndarray, np.ndarray]:
     """(items [n], delta [n, P]): ``swap_deltas``' rows of the n items on rank ``heavy`` only, what a repair
     step reads, from 2R columns of ``move_changes`` instead of R^2 (at 64 ranks a sixth of the time)."""
     items = np.flatnonzero(rank == heavy)
     others = np.arange(R)
-    h = move_changes(D, np.r_[np.full(R, heavy), others], np.r_[others, np.full(R, heavy)])   # [S, 2R]
+    h = move_changes(D, np.r_[np.full(R, heavy), others], np.r_[others, np.full(R, heavy)], pairs)   # [S, 2R]
     off, on = h[:, :R], h[:, R:]                       # h(s, heavy, b), h(s, b, heavy)
     Xi = X[:, items]
     delta = (Xi.T @ off)[:, rank] + (X * on[:, rank]).sum(axis=0)[None, :] - Xi.T @ (X * (off + on)[:, rank])
@@ -546,7 +559,8 @@ def _blocked(rank: np.ndarray, item_expert: np.ndarray, R: int, rows: np.ndarray
     return blocked | ~(i_fits & j_fits)
 
 
-def move_changes(D: np.ndarray, a: np.ndarray | None = None, b: np.ndarray | None = None) -> np.ndarray:
+def move_changes(D: np.ndarray, a: np.ndarray | None = None, b: np.ndarray | None = None,
+                 pairs: float = TIE_BREAK) -> np.ndarray:
     """h [S, *shape]: change of step s's objective when rank a loses one active slot and rank b gains one
     (0 where a == b), for the rank pairs ``a``, ``b`` broadcast to ``shape`` (default: every pair, [S, R, R]).
     D: [S, R] loads.
@@ -557,7 +571,7 @@ def move_changes(D: np.ndarray, a: np.ndarray | None = None, b: np.ndarray | Non
     """
     S, R = D.shape
     if (a is None or b is None) and R >= 3:
-        return _every_move_change(D)
+        return _every_move_change(D, pairs)
     if a is None or b is None:
         a, b = np.arange(R)[:, None], np.arange(R)[None, :]
     a, b = np.broadcast_arrays(np.asarray(a, np.int64), np.asarray(b, np.int64))
@@ -570,12 +584,12 @@ def move_changes(D: np.ndarray, a: np.ndarray | None = None, b: np.ndarray | Non
         outside = (top[:, k, None] != a) & (top[:, k, None] != b)
         others = np.where(outside, value[:, k, None], others)               # [S, pairs]
     new_max = np.maximum(others, np.maximum(D[:, a] - 1, D[:, b] + 1))
-    h = new_max - D.max(axis=1)[:, None] + TIE_BREAK * 2 * (D[:, b] - D[:, a] + 1)
+    h = new_max - D.max(axis=1)[:, None] + pairs * 2 * (D[:, b] - D[:, a] + 1)
     h[:, a == b] = 0
     return h.reshape((S,) + shape).astype(np.float32, copy=False)
 
 
-def _every_move_change(D: np.ndarray) -> np.ndarray:
+def _every_move_change(D: np.ndarray, pairs: float = TIE_BREAK) -> np.ndarray:
     """``move_changes(D)`` for every rank pair (R >= 3), the same numbers at half the time: the largest load outside
     a and b is the step's largest, except on the row and the column of its rank (the second largest) and at the
     two pairs of its two largest ranks (the third), written in place of a search per pair; a and b broadcast."""
@@ -590,7 +604,7 @@ def _every_move_change(D: np.ndarray) -> np.ndarray:
     others[steps, top[:, 1], top[:, 0]] = value[:, 2]
     lose, gain = D[:, :, None], D[:, None, :]
     new_max = np.maximum(others, np.maximum(lose - 1, gain + 1))
-    h = new_max - D.max(axis=1)[:, None, None] + TIE_BREAK * 2 * (gain - lose + 1)
+    h = new_max - D.max(axis=1)[:, None, None] + pairs * 2 * (gain - lose + 1)
     ranks = np.arange(R)
     h[:, ranks, ranks] = 0
     return h.astype(np.float32, copy=False)
@@ -598,7 +612,7 @@ def _every_move_change(D: np.ndarray) -> np.ndarray:
 
 def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.ndarray,
              item_tokens: np.ndarray, load: np.ndarray, R: int, balance_floor: float,
-             min_swap: float = SWAP_GAIN) -> bool:
+             min_swap: float = SWAP_GAIN, pairs: float = TIE_BREAK) -> bool:
     """One round: apply the best improving swaps on disjoint rank pairs (their effects barely
     interact), keeping the token-balance floor; a batch that turns out worse is cut back to its
     best swap. Returns False when no swap improves the exact objective.
@@ -607,7 +621,7 @@ def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.nda
     rank) their rounding alone looks like a gain: so the objective is recomputed after the swaps, and
     a round that did not lower it by MIN_GAIN is undone and ends the search."""
     P = X.shape[1]
-    flat = swap_deltas(X, D, rank, item_expert, R).ravel()
+    flat = swap_deltas(X, D, rank, item_expert, R, pairs).ravel()
     top = np.argpartition(flat, min(255, flat.size - 1))[:256]
     top = top[np.argsort(flat[top], kind="stable")]
     chosen, used = [], set()
@@ -628,14 +642,14 @@ def _improve(X: np.ndarray, D: np.ndarray, rank: np.ndarray, item_expert: np.nda
         load = new_load
     if not chosen:
         return False
-    before = _objective(D)
+    before = _objective(D, pairs)
     for i, j in chosen:
         _swap(D, X, rank, i, j)
-    if len(chosen) > 1 and _objective(D) > before + flat[chosen[0][0] * P + chosen[0][1]] / 2:
+    if len(chosen) > 1 and _objective(D, pairs) > before + flat[chosen[0][0] * P + chosen[0][1]] / 2:
         for i, j in reversed(chosen[1:]):
             _swap(D, X, rank, i, j)
         chosen = chosen[:1]
-    if _objective(D) > before - MIN_GAIN:
+    if _objective(D, pairs) > before - MIN_GAIN:
         for i, j in reversed(chosen):
             _swap(D, X, rank, i, j)
         return False
@@ -650,5 +664,5 @@ def _swap(D: np.ndarray, X: np.ndarray, rank: np.ndarray, i: int, j: int) -> Non
     rank[i], rank[j] = b, a
 
 
-def _objective(D: np.ndarray) -> float:
-    return float(D.max(axis=1).sum(dtype=np.float64) + TIE_BREAK * (D.astype(np.float64) ** 2).sum())
+def _objective(D: np.ndarray, pairs: float = TIE_BREAK) -> float:
+    return float(D.max(axis=1).sum(dtype=np.float64) + pairs * (D.astype(np.float64) ** 2).sum())
