@@ -67,10 +67,8 @@ class ReplaceConfig:
     pair_weight: the fits' weight of sum_r D^2 (the pairs of co-active experts that share a rank) beside the step
         maxima (``PlacementProblem.pair_weight``), more than ``optimize``'s tie-break: the map chosen serves traffic
         that goes on drifting, and the pairs, an average over every step, hold better on steps a window did not
-        see than the maxima's few busiest steps. On Kimi-shaped routing whose hot experts move (8 ranks, no spare
-        slots; a fit on each 2,000-step window scored on the next 2,000 steps) 1/16 gave 8.185 E[max distinct]
-        against the tie-break's 8.237, 8.325 against 8.429 where the traffic had moved; 1/8 and 1/32 within 0.3%
-        of 1/16, 1 worse. A power of two keeps the search's float32 sums exact.
+        see than the maxima's few busiest steps (docs/online.md, "What was tried and dropped"; 1/8 and 1/32 within
+        0.3% of 1/16, 1 worse). A power of two keeps the search's float32 sums exact.
     """
 
     min_gain: float = MIN_GAIN
