@@ -101,8 +101,9 @@ def test_plan_covers_every_layout_at_every_batch(model, ranks):
         inter, slots = model.shape.tp_slice(layout.moe_tp).intermediate, layout.local_slots(model.experts)
         for batch in BATCH_GRID:
             config = sglang_default_config(batch, slots, "bf16")
-            assert any((s.inter, s.local_slots) == (inter, slots)
-                       and sglang_default_config(s.step_tokens, slots, "bf16") == config for s in sweeps), (layout, batch)
+            assert any((s.inter, s.local_slots) == (inter, slots) and sglang_default_config(s.step_tokens, slots,
+                                                                                            "bf16") == config
+                       for s in sweeps), (layout, batch)
     for s in sweeps:
         config = sglang_default_config(s.step_tokens, s.local_slots, "bf16")
         assert sglang_default_config(s.big_step, s.local_slots, "bf16") == config

@@ -114,9 +114,9 @@ def calibrate(model_ref: str, ranks: int, redundant: int | None, budget_s: int, 
 
     Run it on the machine that serves (a CUDA GPU, torch and SGLang installed): every command's MoE µs, the
     dispatch rule by cost and advise's layout then come from this GPU's own measurements instead of the shipped
-    ones (H200, H100). One sweep per GPU shape the layouts on --ranks GPUs meet (each expert slice, its local slots, and
-    each kernel config SGLang runs it with between 1 and 1,024 tokens a step: its tuned file where it ships one,
-    else its default), through SGLang's own kernel and buffer layout in CUDA graphs. Each sweep's line is
+    ones (H200, H100). One sweep per GPU shape the layouts on --ranks GPUs meet (each expert slice, its local
+    slots, and each kernel config SGLang runs it with between 1 and 1,024 tokens a step: its tuned file where it
+    ships one, else its default), through SGLang's own kernel and buffer layout in CUDA graphs. Each sweep's line is
     fitted on its points and its error printed; the file names the GPU, SGLang's version, the model and the
     date. The experts are timed as bf16 (as SGLang's Triton path runs bf16 and mxfp4 checkpoints on Hopper).
 
@@ -125,7 +125,7 @@ def calibrate(model_ref: str, ranks: int, redundant: int | None, budget_s: int, 
       moeplace calibrate --model gpt-oss-20b --ranks 8 -o cost-h100.json
       moeplace advise traces/gptoss20b-sample.mptrace --ranks 8 --cost-model cost-h100.json
     """
-    from moeplace.cost.cost_set import cost_set_from_json, cost_set_json
+    from moeplace.cost.cost_set import KIND, VERSION, cost_set_from_json, cost_set_json
     from moeplace.cost.derive import LARGE_M
     from moeplace.cost.sweeps import sweep_line
     from moeplace.files.atomic import atomic_write_text
@@ -136,8 +136,8 @@ def calibrate(model_ref: str, ranks: int, redundant: int | None, budget_s: int, 
     if model.shape.weights != "bf16":
         raise MoeplaceError(f"--model {model_ref}: its experts are served as {model.shape.weights}; moeplace "
                             f"calibrate times SGLang's bf16 path only (bf16 and mxfp4 checkpoints)")
-    click.echo(f"{model.name}: {model.experts} experts {model.shape.hidden}x{model.shape.intermediate}, top-{model.top_k}; "
-               f"finding the GPU and SGLang's kernel", err=True)
+    click.echo(f"{model.name}: {model.experts} experts {model.shape.hidden}x{model.shape.intermediate}, "
+               f"top-{model.top_k}; finding the GPU and SGLang's kernel", err=True)
     gpu, memory_gb, sms = gpu_or_refusal()
     sgl = sglang_or_refusal()
     from moeplace.sglang.fused_moe_timing import measure_sweep
@@ -168,7 +168,7 @@ def calibrate(model_ref: str, ranks: int, redundant: int | None, budget_s: int, 
         click.echo(f"[{i + 1}/{len(sweeps)}] {sweep.label}: {len(points)} points in {time.perf_counter() - t0:.1f} s, "
                    f"BLOCK_SIZE_M {line['block_m']}: {line['a_us_per_expert']:.2f} µs/expert, "
                    f"fit error mean {prov['fit_mean_rel_err']:.1%}, max {prov['fit_max_rel_err']:.1%}", err=True)
-    doc = {"kind": "moeplace cost set", "version": 1, "gpu": gpu, "gpu_memory_gb": memory_gb, "sglang": sgl[2],
+    doc = {"kind": KIND, "version": VERSION, "gpu": gpu, "gpu_memory_gb": memory_gb, "sglang": sgl[2],
            "date": meta["date"], "model": model.to_json(), "ranks": ranks, "lines": lines}
     small = [label for label, line in lines.items() if tuple(line["provenance"]["kernel_config"]) != LARGE_M]
     if len(small) < 2:

@@ -167,7 +167,8 @@ def resolve_costing(model: ModelSpec, cost_model_path: str | None, model_ref: st
         raise MoeplaceError(f"--gpu {gpu_name}: the cost set {cost_model_path} was measured on {cost_set.gpu}; "
                             f"give one of them")
     theirs = cost_set.model
-    if (theirs["hidden"], theirs["intermediate"], theirs["weights"]) != (shape.hidden, shape.intermediate, shape.weights):
+    if (theirs["hidden"], theirs["intermediate"], theirs["weights"]) != \
+            (shape.hidden, shape.intermediate, shape.weights):
         click.echo(f"warning: the cost set {cost_model_path} was measured for {theirs['name']}'s experts "
                    f"({theirs['hidden']}x{theirs['intermediate']} {theirs['weights']}), this model's are "
                    f"{shape.hidden}x{shape.intermediate} {shape.weights}: their cost is derived from its terms "

@@ -4,9 +4,9 @@ A *sweep* is one GPU shape of the layouts a model can run on ``--ranks`` GPUs (a
 ``local_slots`` of them a GPU) at one kernel config SGLang runs it with: its points are workloads (tokens on each
 of ``distinct`` local experts), even spreads timed in steps of each batch size that runs the config (``steps``: the
 fixed cost follows SGLang's launch grid, which bends where the step's pairs outnumber the GPU's slots, so it is
-measured at each), then uneven ones with experts of several row blocks at the config's largest step (``big_step``). The fit is ``moeplace.cost.model``'s
-line: ``a * distinct + r * extra row blocks + b * pairs + c``, one c per step size (the launch grid differs), every
-term non-negative, relative least squares over the points whose experts fill the GPU (below that the kernel is
+measured at each), then uneven ones with experts of several row blocks at the config's largest step (``big_step``).
+The fit is ``moeplace.cost.model``'s line: ``a * distinct + r * extra row blocks + b * pairs + c``, one c per step
+size (the launch grid differs), every term non-negative, relative least squares over the points whose experts fill the GPU (below that the kernel is
 latency-bound and sublinear in experts, a regime a layer's slowest GPU is not in at these batches).
 
 Legend: T step tokens, K top-k, E local slots (a GPU's experts), BM the kernel config's BLOCK_SIZE_M.
@@ -89,7 +89,8 @@ def config_sweep_points(slots: int, step_pairs: int, groups: int) -> list[tuple[
 def filling_experts(inter: int, block_n: int, sms: int = H200_SMS) -> int:
     """Experts whose gate/up programs (one row block each: 2 x inter / BLOCK_SIZE_N) fill the GPU's ``sms`` SMs
     twice. Below that the kernel is latency-bound and sublinear in experts (BENCHMARKS.md#measured-lines: 1, 2, 4
-    experts cost 66, 79, 106 µs in the 16-row config), a regime the slowest GPU of a layer at these batches is not in."""
+    experts cost 66, 79, 106 µs in the 16-row config), a regime the slowest GPU of a layer at these batches is not
+    in."""
     return -(-2 * sms // -(-2 * inter // block_n))
 
 
@@ -125,7 +126,8 @@ def workloads(sweep: Sweep, block_m: int, block_n: int, sms: int) -> list[tuple[
 def point(counts: list[int], us: float, step_tokens: int, top_k: int, config: dict[str, int]) -> dict[str, Any]:
     """One timed workload as the fit and the raw file keep it."""
     bm = config["BLOCK_SIZE_M"]
-    return {"distinct": len(counts), "tokens": sum(counts), "row_blocks": len(counts) + int(extra_row_blocks(counts, bm)),
+    return {"distinct": len(counts), "tokens": sum(counts),
+            "row_blocks": len(counts) + int(extra_row_blocks(counts, bm)),
             "us": us, "config_m": step_tokens, "step_pairs": step_tokens * top_k, "config": config}
 
 
@@ -167,7 +169,8 @@ def fit_with_row_blocks(points: list[dict], step_tokens: int) -> dict:
     w = 1.0 / y
     coef = nnls(X * w[:, None], y * w)[0]
     rel = np.abs(X @ coef - y) / y
-    return {"a": float(coef[0]), "r": float(coef[1]), "b": float(coef[2]), "c": float(coef[3 + steps.index(step_tokens)]),
+    return {"a": float(coef[0]), "r": float(coef[1]), "b": float(coef[2]),
+            "c": float(coef[3 + steps.index(step_tokens)]),
             "c_at_steps": {str(t): round(float(coef[3 + i]), 2) for i, t in enumerate(steps)},
             "points": len(points), "mean_rel_err": float(rel.mean()), "max_rel_err": float(rel.max())}
 
