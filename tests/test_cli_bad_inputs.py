@@ -64,6 +64,10 @@ def write_inputs(root: Path) -> None:
     (root / "cost_nan.json").write_text('{"a_us_per_expert": NaN, "b_us_per_token": 1, "c_us": 1}')
     (root / "cost_blocks.json").write_text(json.dumps({"a_us_per_expert": 1, "b_us_per_token": 1, "c_us": 1,
                                                        "r_us_per_block": 2}))
+    shipped_set = json.loads((SAMPLE.parents[1] / "moeplace" / "cost" / "measured" / "set_h100_gptoss20b.json").read_text())
+    (root / "set_h100.json").write_text(json.dumps(shipped_set))
+    (root / "set_v99.json").write_text(json.dumps({**shipped_set, "version": 99}))
+    (root / "set_empty.json").write_text(json.dumps({**shipped_set, "lines": {}}))
     ids = np.full((90, 2, 4), -5, np.int16)
     np.savez(root / "negative.npz", topk_ids=ids, num_experts=np.int64(16))
     np.savez(root / "padding.npz", topk_ids=np.full((90, 2, 4), -1, np.int16))
@@ -104,6 +108,16 @@ def write_inputs(root: Path) -> None:
 
 # (argv with {in} and {out} for the two folders, a fragment the error line must hold)
 CASES = [
+    # calibrate: a model it cannot read or time, bad budgets; the GPU check (none here) comes after them
+    (["calibrate", "--model", "kimi-k2", "-o", "{out}/s.json"], "served as fp8"),
+    (["calibrate", "--model", "{in}/folder", "-o", "{out}/s.json"], "has no config.json"),
+    (["calibrate", "--model", "gpt-oss-20b", "--budget", "0", "-o", "{out}/s.json"], "--budget"),
+    (["calibrate", "--model", "gpt-oss-20b", "-o", "{out}/s.json"], "no CUDA GPU"),
+    # --gpu and cost sets
+    (["report", "{in}/t.mptrace", "--gpu", " "], "--gpu: empty"),
+    (["report", "{in}/t.mptrace", "--cost-model", "{in}/set_h100.json", "--gpu", "H200"], "was measured on"),
+    (["report", "{in}/t.mptrace", "--cost-model", "{in}/set_v99.json"], "version"),
+    (["advise", "{in}/t.mptrace", "--cost-model", "{in}/set_empty.json"], "lines"),
     # the entry point
     (["--bogus"], "No such option"),
     (["nosuchcommand"], "No such command"),

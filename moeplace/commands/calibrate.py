@@ -52,12 +52,15 @@ def calibrated_model(model_ref: str) -> CalibratedModel:
 
 
 def gpu_or_refusal() -> tuple[str, float, int]:
-    """(name, memory GB, SMs) of this machine's first GPU; one line where torch or a CUDA GPU is missing."""
-    try:
-        import torch
-    except ImportError:
-        raise MoeplaceError("moeplace calibrate needs torch with CUDA on the GPU that serves; torch is not "
-                            "installed here") from None
+    """(name, memory GB, SMs) of this machine's first GPU; one line where torch, SGLang (looked up, not yet
+    imported: that takes seconds) or a CUDA GPU is missing."""
+    import importlib.util
+
+    for package, what in (("torch", "torch with CUDA"), ("sglang", "SGLang (its fused MoE kernel is what is timed)")):
+        if importlib.util.find_spec(package) is None:
+            raise MoeplaceError(f"moeplace calibrate needs {what} on the GPU that serves; {package} is not installed "
+                                f"here")
+    import torch
     if not torch.cuda.is_available():
         raise MoeplaceError("moeplace calibrate times SGLang's MoE kernel on a GPU: torch finds no CUDA GPU here; "
                             "run it on the serving machine")
@@ -136,9 +139,9 @@ def calibrate(model_ref: str, ranks: int, redundant: int | None, budget_s: int, 
     if model.shape.weights != "bf16":
         raise MoeplaceError(f"--model {model_ref}: its experts are served as {model.shape.weights}; moeplace "
                             f"calibrate times SGLang's bf16 path only (bf16 and mxfp4 checkpoints)")
-    click.echo(f"{model.name}: {model.experts} experts {model.shape.hidden}x{model.shape.intermediate}, "
-               f"top-{model.top_k}; finding the GPU and SGLang's kernel", err=True)
     gpu, memory_gb, sms = gpu_or_refusal()
+    click.echo(f"{model.name}: {model.experts} experts {model.shape.hidden}x{model.shape.intermediate}, "
+               f"top-{model.top_k}; loading SGLang's kernel on {gpu}", err=True)
     sgl = sglang_or_refusal()
     from moeplace.sglang.fused_moe_timing import measure_sweep
 
