@@ -500,6 +500,7 @@ def describe_server(model_config: Any, tracer: Any) -> Served:
     from sglang.srt.runtime_context import get_parallel, get_server_args
 
     from moeplace.cost.derive import derive_cost_model
+    from moeplace.cost.gpus import resolve_gpu
     from moeplace.model.config import expert_shape_from_hf_config
     from moeplace.sglang import balanced_dispatch
 
@@ -514,7 +515,15 @@ def describe_server(model_config: Any, tracer: Any) -> Served:
     return Served(model=model, moe_layers=tuple(model.moe_layers), ranks=int(meta.ep_size),
                   nodes=int(getattr(args, "nnodes", 1) or 1), rank=int(get_parallel().tp_rank),
                   ep_rank=int(get_parallel().moe_ep_rank), dispatch=rule,
-                  cost_model=derive_cost_model(shape, local, model.top_k), replica_bytes=float(shape.bytes))
+                  cost_model=derive_cost_model(shape, local, model.top_k, resolve_gpu(gpu_name()).measured),
+                  replica_bytes=float(shape.bytes))
+
+
+def gpu_name() -> str | None:
+    """This server's GPU, whose shipped cost models the decision weighs reads with (None: no CUDA, the default's)."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 # ---------------------------------------------------------------------- install
