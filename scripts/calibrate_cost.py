@@ -44,8 +44,7 @@ from pathlib import Path
 # moeplace from this checkout, also on a GPU machine where it is not installed
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from moeplace.cost.derive import LARGE_M, sglang_default_config  # noqa: E402
-from moeplace.cost.sweeps import (Sweep, even_counts, filling_experts, fit_linear,  # noqa: E402,F401
-                                  fit_with_row_blocks, linear_range)
+from moeplace.cost.sweeps import H200_SMS, Sweep, even_counts, fit_linear, linear_range, sweep_line  # noqa: E402
 from moeplace.sglang import fused_moe_timing  # noqa: E402
 from moeplace.sglang.fused_moe_timing import (COPIES, RankMoe, StaticStep, align_layout, copies_for,  # noqa: E402,F401
                                               measure_sweep, rank_pairs)
@@ -263,6 +262,8 @@ def measure(args) -> None:
 
 
 def fit(args) -> None:
+    """Each sweep's line: a config sweep's as ``moeplace calibrate`` fits it (``moeplace.cost.sweeps.sweep_line``), a
+    verify-step sweep's a plain line over the points that ran SGLang's config for a verify step."""
     raw = json.loads(Path(args.calib).read_text())
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -270,61 +271,55 @@ def fit(args) -> None:
              "kimi-ep-int4": "cost_h200_int4.json", "kimi-tp-bf16": "cost_h200_bf16_tp8.json",
              "gptoss-ep-bf16": "cost_h200_bf16_gptoss.json", "gptoss-tp-bf16": "cost_h200_bf16_gptoss_tp8.json",
              "kimi-ep-bf16-torch": None}
+    kernel = (f"sglang {raw['sglang']} fused_moe_kernel via invoke_fused_moe_kernel (Triton {raw['triton']}), "
+              f"SGLang's config lookup; gate/up GEMM + SiLU-and-mul + down GEMM")
     for label, sweep in raw["sweeps"].items():
         if "error" in sweep:
             print(f"{label}: no data ({sweep['error'][:120]})")
             continue
-        pts = sweep["points"]
+        pts, s = sweep["points"], sweep["shape"]
         full = fit_linear(pts)
         bound = linear_range(pts)
-        # The file is for verify steps (T = VERIFY_TOKENS): fit the points that ran the kernel config
-        # SGLang picks at that T. Other configs (M > local experts) are a different line (see fit notes).
-        tokens = sweep.get("step_tokens", VERIFY_TOKENS)     # a config sweep ran every point at one step size
-        verify_cfg = min(pts, key=lambda p: abs(p.get("config_m", p["tokens"]) - tokens))["config"]
-        same = [p for p in pts if p["config"] == verify_cfg]
-        blocks = label in CONFIG_SWEEPS and all("row_blocks" in p for p in pts)
-        if label in CONFIG_SWEEPS:   # a layer's slowest GPU runs many experts: fit where they fill the GPU
-            same = [p for p in same if p["distinct"] >= filling_experts(sweep["shape"]["inter"], verify_cfg["BLOCK_SIZE_N"])] or same
-        low = fit_with_row_blocks(same, tokens) if blocks else fit_linear(same)
+        extra = {"linear_up_to_tokens": bound,
+                 "all_points_fit": {k: round(full[k], 4) for k in ("a", "b", "c", "mean_rel_err", "max_rel_err")},
+                 "copy_gbps": round(raw["copy_gbps"]),
+                 "source": "scripts/calibrate_cost.py measure (CUDA-graph replay medians)",
+                 **({"tuned_file": sweep["tuned_file"]} if "tuned_file" in sweep else {})}
+        if label in CONFIG_SWEEPS:
+            doc = sweep_line(s, pts, sweep["step_tokens"], raw["gpu"], H200_SMS,
+                             {"date": raw["date"], "kernel": kernel})
+            doc["provenance"].update(extra)
+            name = f"cost_h200_bf16_{label.replace('-', '_')}.json"
+        else:
+            # The file is for verify steps (T = VERIFY_TOKENS): fit the points that ran the kernel config SGLang
+            # picks at that T. Other configs (M > local experts) are a different line (see fit notes).
+            verify_cfg = min(pts, key=lambda p: abs(p.get("config_m", p["tokens"]) - VERIFY_TOKENS))["config"]
+            low = fit_linear([p for p in pts if p["config"] == verify_cfg])
+            doc = {
+                "a_us_per_expert": round(low["a"], 3), "b_us_per_token": round(low["b"], 4), "c_us": round(low["c"], 2),
+                "provenance": {
+                    "gpu": raw["gpu"], "date": raw["date"], "dtype": sweep["dtype"], "kernel": kernel,
+                    "shape": {"hidden": s["hidden"], "expert_intermediate": s["inter"], "local_slots": s["n_local"]},
+                    # sweeps that know their top-k ran SGLang's buffer (moeplace.cost.derive.Measured)
+                    **({"align_layout": "sglang", "top_k": s["top_k"]} if "top_k" in s else {}),
+                    "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
+                            f"kernel config for a {VERIFY_TOKENS}-token step ({verify_cfg})"),
+                    "step_tokens": VERIFY_TOKENS,
+                    "kernel_config": [verify_cfg[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K")],
+                    "fit_mean_rel_err": round(low["mean_rel_err"], 4), "fit_max_rel_err": round(low["max_rel_err"], 4),
+                    **extra,
+                },
+            }
+            name = files.get(label)
+        prov = doc["provenance"]
         print(f"{label}: all points a={full['a']:.2f} b={full['b']:.3f} c={full['c']:.1f} "
               f"(mean err {full['mean_rel_err']:.1%}, max {full['max_rel_err']:.1%}); "
-              f"verify config: a={low['a']:.2f} r={low.get('r', 0):.2f} b={low['b']:.3f} c={low['c']:.1f} (mean err {low['mean_rel_err']:.1%}); "
+              f"fitted: a={doc['a_us_per_expert']:.2f} r={doc.get('r_us_per_block', 0):.2f} "
+              f"b={doc['b_us_per_token']:.3f} c={doc['c_us']:.1f} (mean err {prov['fit_mean_rel_err']:.1%}); "
               f"linear within 10% up to {bound} tokens")
-        name = files.get(label) or (f"cost_h200_bf16_{label.replace('-', '_')}.json"
-                                    if label in CONFIG_SWEEPS else None)
-        if not name:
-            continue
-        s = sweep["shape"]
-        doc = {
-            "a_us_per_expert": round(low["a"], 3), "b_us_per_token": round(low["b"], 4), "c_us": round(low["c"], 2),
-            **({"r_us_per_block": round(low["r"], 3), "block_m": verify_cfg["BLOCK_SIZE_M"]} if blocks else {}),
-            "provenance": {
-                "gpu": raw["gpu"], "date": raw["date"], "dtype": sweep["dtype"],
-                "kernel": (f"sglang {raw['sglang']} fused_moe_kernel via invoke_fused_moe_kernel (Triton "
-                           f"{raw['triton']}), SGLang's config lookup; gate/up GEMM + SiLU-and-mul + down GEMM"),
-                "shape": {"hidden": s["hidden"], "expert_intermediate": s["inter"], "local_slots": s["n_local"]},
-                # sweeps that know their top-k ran SGLang's buffer (moeplace.cost.derive.Measured)
-                **({"align_layout": "sglang", "top_k": s["top_k"]} if "top_k" in s else {}),
-                "fit": (f"relative least squares over the {low['points']} sweep points that ran SGLang's "
-                        f"kernel config for a {tokens}-token step ({verify_cfg})"
-                        + (f" with at least {filling_experts(s['inter'], verify_cfg['BLOCK_SIZE_N'])} experts (they fill the GPU)"
-                           if label in CONFIG_SWEEPS else "")
-                        + (f"; r from the points with experts of several row blocks, run at a "
-                           f"{max(p['config_m'] for p in same)}-token step (its own c)" if blocks else "")),
-                "step_tokens": tokens,
-                # the fixed cost measured at each step size the points ran at (moeplace.cost.derive.measured_line)
-                **({"c_us_at_step_tokens": low["c_at_steps"]} if blocks else {}),
-                "kernel_config": [verify_cfg[k] for k in ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K")],
-                **({"tuned_file": sweep["tuned_file"]} if "tuned_file" in sweep else {}),
-                "fit_mean_rel_err": round(low["mean_rel_err"], 4), "fit_max_rel_err": round(low["max_rel_err"], 4),
-                "linear_up_to_tokens": bound,
-                "all_points_fit": {k: round(full[k], 4) for k in ("a", "b", "c", "mean_rel_err", "max_rel_err")},
-                "copy_gbps": round(raw["copy_gbps"]),
-                "source": "scripts/calibrate_cost.py measure (CUDA-graph replay medians)",
-            },
-        }
-        (out_dir / name).write_text(json.dumps(doc, indent=1) + "\n")
-        print(f"  wrote {out_dir / name}")
+        if name:
+            (out_dir / name).write_text(json.dumps(doc, indent=1) + "\n")
+            print(f"  wrote {out_dir / name}")
 
 
 def main() -> None:

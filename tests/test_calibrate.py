@@ -74,7 +74,7 @@ def test_a_cost_set_predicts_its_own_measurements(tmp_path, label):
     """Costed from a cost set alone (not the shipped files), every recorded point whose experts fill the GPU is
     within 15%, their mean within 6%, with the kernel config each point ran."""
     cost_set = load_cost_file(raw_cost_set(tmp_path))
-    cal = cost_set.calibration()
+    cal = cost_set.calibration
     sweep = RAW["sweeps"][label]
     s = sweep["shape"]
     ran = sweep["points"][0]["config"]

@@ -81,6 +81,7 @@ def sglang_or_refusal():
 def planned_sweeps(model: CalibratedModel, ranks: int, redundant: int | None, memory_gb: float):
     """The sweeps of every layout ``advise`` costs on ``ranks`` GPUs (EP first, TP-MoE last), with ``redundant``
     spare slots (default: a quarter of the experts, fewer where they do not fit the GPU's memory)."""
+    from moeplace.analysis.advise import BATCH_GRID
     from moeplace.analysis.layouts import candidate_layouts
     from moeplace.commands.costing import Costing, spares_that_fit
     from moeplace.cost.gpus import Gpu
@@ -93,7 +94,7 @@ def planned_sweeps(model: CalibratedModel, ranks: int, redundant: int | None, me
         redundant = spares_that_fit(spec, ranks, model.experts // 4 // ranks * ranks, costing)
     layouts = candidate_layouts(ranks, model.experts, model.shape.intermediate, redundant)
     slices = [(model.shape.tp_slice(l.moe_tp).intermediate, l.local_slots(model.experts), l.ep) for l in layouts]
-    return plan_sweeps(model.shape.hidden, slices, model.top_k), redundant
+    return plan_sweeps(model.shape.hidden, slices, model.top_k, BATCH_GRID), redundant
 
 
 @click.command()

@@ -45,9 +45,10 @@ class Costing:
     def from_set(cls, shape: ExpertShape, top_k: int, cost_set: CostSet) -> Costing:
         """Every rank derived from a cost set's lines, on its GPU and that GPU's memory."""
         return cls(shape, top_k, None, Gpu(cost_set.gpu, cost_set.gpu, cost_set.gpu_memory_gb),
-                   cost_set.calibration())
+                   cost_set.calibration)
 
     def derive(self, shape: ExpertShape, local_slots: int, step_tokens: int, config_tokens: int | None) -> CostModel:
+        """A GPU holding ``local_slots`` slots of ``shape``, on this costing's GPU or cost set."""
         return derive_cost_model(shape, local_slots, self.top_k, self.gpu.measured, step_tokens, config_tokens,
                                  self.calibration)
 

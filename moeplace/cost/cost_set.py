@@ -9,13 +9,13 @@ file names the GPU, its memory, SGLang's version, the model and the date, and ke
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 from pydantic import Field
 
-from moeplace.cost.derive import Calibration, Measured, calibrate, measured_line_of
+from moeplace.cost.derive import Calibration, calibrate, measured_line_of, set_lines
 from moeplace.cost.model import CostModel, cost_model_from_json, read_cost_json
 from moeplace.cost.schema import CostModelSchema
 from moeplace.errors import FormatError, MoeplaceError
@@ -59,19 +59,10 @@ class CostSet:
     lines: dict[str, CostModel]
     path: str = ""
 
-    def measurements(self) -> list[Measured]:
-        return [measured_line_of(label, line) for label, line in self.lines.items()]
-
+    @cached_property
     def calibration(self) -> Calibration:
         """The GPU's terms fitted on the set's lines (``moeplace.cost.derive.calibrate``; once per set)."""
-        return self._calibration
-
-    @cached_property
-    def _calibration(self) -> Calibration:
-        return calibrate(self.measurements())
-
-    def describe(self) -> str:
-        return f"{self.gpu} (moeplace calibrate {self.date}, SGLang {self.sglang}, {self.path})"
+        return calibrate([measured_line_of(label, line) for label, line in self.lines.items()])
 
 
 def is_cost_set(doc: object) -> bool:
@@ -90,14 +81,10 @@ def cost_set_from_json(doc: dict[str, Any], path: str | os.PathLike) -> CostSet:
     checked = validate(CostSetSchema, doc, path, "cost set")
     if checked.kind != KIND:
         raise FormatError(path, f"kind {checked.kind!r} is not {KIND!r}")
-    lines = {}
-    for label, raw in doc["lines"].items():
-        line = cost_model_from_json(raw, path)
-        lines[label] = replace(line, provenance={**line.provenance, "gpu": checked.gpu})
     cost_set = CostSet(checked.gpu, checked.gpu_memory_gb, checked.sglang, checked.date, checked.model.model_dump(),
-                       checked.ranks, lines, os.fspath(path))
+                       checked.ranks, set_lines(doc, path), os.fspath(path))
     try:
-        cost_set.calibration()
+        cost_set.calibration
     except (KeyError, TypeError, ValueError, MoeplaceError) as e:
         raise FormatError(path, f"its lines cannot be read as measurements ({e})") from None
     return cost_set

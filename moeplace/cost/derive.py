@@ -225,14 +225,18 @@ def packaged_measurements(folder: os.PathLike | None = None) -> list[Measured]:
     return out
 
 
-def set_measurements(doc: dict, path: os.PathLike) -> list[Measured]:
-    """The lines of a cost set's JSON (``moeplace.cost.cost_set``), each a measurement of the set's GPU."""
-    out = []
-    for label, line in doc["lines"].items():
-        cost = cost_model_from_json(line, path)
-        cost = replace(cost, provenance={**cost.provenance, "gpu": doc["gpu"]})
-        out.append(measured_line_of(f"{Path(path).name}:{label}", cost))
+def set_lines(doc: dict, path: os.PathLike) -> dict[str, CostModel]:
+    """label -> line of a cost set's JSON (``moeplace.cost.cost_set``), each line's provenance naming the set's GPU."""
+    out = {}
+    for label, raw in doc["lines"].items():
+        line = cost_model_from_json(raw, path)
+        out[label] = replace(line, provenance={**line.provenance, "gpu": doc["gpu"]})
     return out
+
+
+def set_measurements(doc: dict, path: os.PathLike) -> list[Measured]:
+    """The lines of a cost set's JSON, each a measurement of the set's GPU named ``file:label``."""
+    return [measured_line_of(f"{Path(path).name}:{label}", line) for label, line in set_lines(doc, path).items()]
 
 
 def calibrate(files: list[Measured]) -> Calibration:

@@ -22,9 +22,6 @@ import numpy as np
 from moeplace.cost.derive import LARGE_M, SMALL_M, sglang_default_config
 from moeplace.cost.model import extra_row_blocks
 
-# The batch sizes a layout is costed at (``moeplace.analysis.advise.BATCH_GRID``'s range): the calibration
-# measures a config where one of these runs it. Kept here so that the cost package does not import the analysis.
-CALIBRATED_BATCHES = (1, 2, 4, 8, 9, 16, 32, 64, 128, 256, 512, 1024)
 VERIFY_TOKENS = 9      # a speculative verify step (1 + 8 drafts): the smallest step measured where it runs a config
 H200_SMS = 132
 
@@ -51,10 +48,10 @@ class Sweep:
 
 
 def plan_sweeps(hidden: int, slices: Iterable[tuple[int, int, int]], top_k: int,
-                batches: Iterable[int] = CALIBRATED_BATCHES) -> list[Sweep]:
+                batches: Iterable[int]) -> list[Sweep]:
     """The sweeps that cover ``slices`` ((intermediate of the slice, local slots, EP groups), most wanted first)
-    at every kernel config SGLang's default picks for ``batches`` (16-row blocks while a step's tokens are at most
-    the GPU's slots, 64-row ones above: ``sglang_default_config``). A config's even points run at each of its
+    at every kernel config SGLang's default picks for ``batches``, the batch sizes a layout is costed at (16-row
+    blocks while a step's tokens are at most the GPU's slots, 64-row ones above: ``sglang_default_config``). A config's even points run at each of its
     batches from a verify step up, its uneven ones at its largest batch; one sweep per (slice, slots, config)."""
     batches = sorted(set(batches))
     out: dict[tuple[int, int, tuple[int, int, int]], Sweep] = {}

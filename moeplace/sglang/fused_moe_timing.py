@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from moeplace.cost.derive import sglang_sorted_rows
+from moeplace.model.expert_shape import WEIGHT_BYTES
 
 COPIES = 4
 L2_FLUSH_BYTES = 2 * 60 << 20   # twice an H200's L2: reads of at least this leave no weight cached for the next replay
@@ -186,8 +187,8 @@ class RankMoe:
 
     @property
     def expert_bytes(self) -> float:
-        per_weight = {"bf16": 2.0, "fp8": 1.0, "int4": 0.5}[self.dtype]
-        return 3 * self.H * self.I * per_weight
+        """Bytes one expert's weights (gate/up and down, scales included) take in this format."""
+        return 3 * self.H * self.I * WEIGHT_BYTES[self.dtype]
 
     def tuned_configs(self) -> dict | None:
         """SGLang's tuned configs for this GPU's (E, N, device, format), None where it ships none."""
